@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict
 
 import torch
 
+from ..classifiers import (
+    InputError,
+    classification_loss,
+    is_regression,
+    load_checkpoint,
+    load_examples,
+    make_batches,
+)
+from ._runtime import local_device, parse_device, start_distributed
 from ._types import int_at_least, positive_float
 
-__all__ = ["load_examples", "register", "run"]
+__all__ = ["register", "run"]
 
 DESCRIPTION = """\
 Measure the adaptive and the geodesic worst-case sharpness of a local Hugging Face
@@ -45,22 +53,6 @@ examples:
   torchrun --nproc_per_node 4 -m geoopt_quotient sharpness --model ./my-bert \\
       --data dev.jsonl      # batches sharded over 4 processes, same result
 """
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
-)
-
-
-class InputError(ValueError):
-    """A problem with the checkpoint directory or the data file."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -117,179 +109,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, parser=parser)
 
 
-# ---------------------------------------------------------------- inputs
-def check_checkpoint(directory: str) -> None:
-    """Raise :class:`InputError` unless ``directory`` has a config, safetensors and a tokenizer."""
-    if not os.path.isdir(directory):
-        raise InputError(f"--model {directory}: not a directory")
-    files = set(os.listdir(directory))
-    if "config.json" not in files:
-        raise InputError(f"--model {directory}: no config.json (not a Hugging Face checkpoint)")
-    if not files & set(WEIGHT_FILES):
-        pickles = sorted(files & set(PICKLE_FILES))
-        extra = (
-            f" (found {', '.join(pickles)}: pickled weights are never loaded; re-save with "
-            "save_pretrained(dir, safe_serialization=True))"
-            if pickles
-            else "; save the model with save_pretrained(dir, safe_serialization=True)"
-        )
-        raise InputError(f"--model {directory}: no model.safetensors weights{extra}")
-    if not files & set(TOKENIZER_FILES):
-        raise InputError(
-            f"--model {directory}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)}); "
-            "save one with tokenizer.save_pretrained(dir)"
-        )
-
-
-def load_checkpoint(directory: str, device: torch.device) -> Tuple[torch.nn.Module, Any]:
-    """The classifier (safetensors only, offline) and its tokenizer."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    check_checkpoint(directory)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except Exception as error:
-        raise InputError(f"--model {directory}: cannot load the tokenizer: {error}") from error
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            directory, use_safetensors=True, local_files_only=True
-        )
-    except Exception as error:
-        raise InputError(f"--model {directory}: cannot load the model: {error}") from error
-    return model.to(device).eval(), tokenizer
-
-
-def _label(value: Any, config: Any, regression: bool, where: str) -> float | int:
-    if regression:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InputError(f"{where}: regression label must be a number, got {value!r}")
-        return float(value)
-    num_labels = int(config.num_labels)
-    if isinstance(value, str):
-        label2id = {str(k): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
-        if value in label2id:
-            return label2id[value]
-        if value.strip().lstrip("-").isdigit():
-            value = int(value)
-        else:
-            names = ", ".join(sorted(label2id)) or "none"
-            raise InputError(f"{where}: unknown label {value!r} (label names: {names})")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where}: label must be an integer or a label name, got {value!r}")
-    if not 0 <= value < num_labels:
-        raise InputError(f"{where}: label {value} is outside [0, {num_labels})")
-    return value
-
-
-def load_examples(
-    path: str, config: Any, max_examples: Optional[int] = None
-) -> List[Dict[str, Any]]:
-    """Read ``{"text", optional "text_pair", "label"}`` lines; errors name the line."""
-    regression = int(config.num_labels) == 1 or config.problem_type == "regression"
-    examples: List[Dict[str, Any]] = []
-    try:
-        handle = open(path, encoding="utf-8")
-    except OSError as error:
-        raise InputError(f"--data {path}: {error.strerror or error}") from error
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if max_examples is not None and len(examples) >= max_examples:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InputError(f"{where}: not valid JSON ({error.msg})") from error
-            if not isinstance(record, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            missing = [k for k in ("text", "label") if k not in record]
-            if missing:
-                raise InputError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
-            if not isinstance(record["text"], str):
-                raise InputError(f"{where}: 'text' must be a string")
-            pair = record.get("text_pair")
-            if pair is not None and not isinstance(pair, str):
-                raise InputError(f"{where}: 'text_pair' must be a string")
-            label = _label(record["label"], config, regression, where)
-            examples.append({"text": record["text"], "text_pair": pair, "label": label})
-    if not examples:
-        raise InputError(f"--data {path}: no examples")
-    pairs = {e["text_pair"] is None for e in examples}
-    if len(pairs) > 1:
-        raise InputError(f"--data {path}: 'text_pair' must be given on every line or on none")
-    return examples
-
-
-def make_batches(
-    examples: Sequence[Dict[str, Any]],
-    tokenizer: Any,
-    batch_size: int,
-    max_length: int,
-    device: torch.device,
-    regression: bool,
-) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
-    """Tokenised ``(inputs, labels)`` batches."""
-    batches = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        texts = [e["text"] for e in chunk]
-        pairs = [e["text_pair"] for e in chunk] if chunk[0]["text_pair"] is not None else None
-        encoded = tokenizer(
-            texts,
-            pairs,
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        dtype = torch.get_default_dtype() if regression else torch.long
-        labels = torch.tensor([e["label"] for e in chunk], dtype=dtype, device=device)
-        batches.append(({k: v.to(device) for k, v in encoded.items()}, labels))
-    return batches
-
-
-def classification_loss(regression: bool):
-    """``loss_fn(model, (inputs, labels))``: cross-entropy, or mean squared error."""
-
-    def loss_fn(model: Any, batch: Tuple[Dict[str, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        inputs, labels = batch
-        logits = model(**inputs).logits
-        if regression:
-            return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.to(logits.dtype))
-        return torch.nn.functional.cross_entropy(logits, labels)
-
-    return loss_fn
-
-
-def _device(text: str, parser: argparse.ArgumentParser) -> torch.device:
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError) as error:
-        parser.error(f"--device {text}: {error}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {text}: CUDA is not available here")
-    return device
-
-
-def _start_distributed(device: torch.device) -> Tuple[int, int]:
-    """Join the process group when launched by ``torchrun`` with several processes.
-
-    Batches are then sharded over the ranks (gloo on CPU, nccl on CUDA); rank 0 prints
-    and writes the results, which equal a single process's.
-    """
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 # ---------------------------------------------------------------- the command
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of ``sharpness``."""
@@ -299,19 +118,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..models import SymmetryVerificationError, find_symmetries
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
 
-    device = _device(args.device, parser)
-    rank, world = _start_distributed(device)
-    if world > 1 and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    device = parse_device(args.device, parser)
+    rank, world = start_distributed(device)
+    device = local_device(device, rank, world)
     to_stdout = args.json == "-"
     silent = args.quiet or to_stdout or rank > 0
     start = time.perf_counter()
     try:
-        model, tokenizer = load_checkpoint(args.model, device)
-        examples = load_examples(args.data, model.config, args.max_examples)
+        model, tokenizer = load_checkpoint(args.model, device, where=f"--model {args.model}")
+        if tokenizer is None:
+            raise InputError(f"--model {args.model}: not a sequence classifier")
+        examples = load_examples(
+            args.data, model.config, args.max_examples, where=f"--data {args.data}"
+        )
     except InputError as error:
         parser.error(str(error))
-    regression = int(model.config.num_labels) == 1 or model.config.problem_type == "regression"
+    regression = is_regression(model.config)
     batches = make_batches(
         examples, tokenizer, args.batch_size, args.max_length, device, regression
     )

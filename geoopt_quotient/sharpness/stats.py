@@ -31,19 +31,26 @@ def kendall_tau_bootstrap(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> Tuple[float, float, float]:
-    """Tau and a percentile bootstrap confidence interval (:func:`scipy.stats.bootstrap`)."""
+    """Tau and a percentile bootstrap confidence interval over models.
+
+    Models are resampled with replacement (pairs kept together). A resample in which
+    either column is constant has no tau (:func:`scipy.stats.kendalltau` gives NaN) and
+    is left out; with few models that happens often enough to matter, and the interval
+    is taken over the remaining resamples (NaN when none remain).
+    """
     tau, _ = kendall_tau(sharpness, generalization)
-    result = stats.bootstrap(
-        (np.asarray(sharpness), np.asarray(generalization)),
-        lambda s, g: stats.kendalltau(s, g).statistic,
-        paired=True,
-        vectorized=False,
-        n_resamples=resamples,
-        confidence_level=confidence,
-        method="percentile",
-        random_state=np.random.default_rng(seed),
-    )
-    return tau, float(result.confidence_interval.low), float(result.confidence_interval.high)
+    x, y = np.asarray(sharpness, dtype=float), np.asarray(generalization, dtype=float)
+    rows = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
+    taus = np.array([stats.kendalltau(x[r], y[r]).statistic for r in rows if _varies(x[r], y[r])])
+    if taus.size == 0:
+        return tau, float("nan"), float("nan")
+    alpha = 100 * (1 - confidence) / 2
+    low, high = np.percentile(taus, [alpha, 100 - alpha])
+    return tau, float(low), float(high)
+
+
+def _varies(*columns: np.ndarray) -> bool:
+    return all(np.ptp(c) > 0 for c in columns)
 
 
 def sharpness_scatter(

@@ -1,7 +1,7 @@
 """``geoopt-quotient reproduce TARGET``: reproduce an experiment of the paper.
 
 Targets are discovered like the top-level commands: every public module here that
-defines ``register(subparsers)`` adds one (``diagonal``; ``transformers`` later).
+defines ``register(subparsers)`` adds one (``diagonal``, ``transformers``).
 """
 
 from __future__ import annotations

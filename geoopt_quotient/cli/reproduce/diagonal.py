@@ -22,6 +22,7 @@ from ...diagonal.experiment import (
 from ...diagonal.train import DEFAULT_MAX_STEPS
 from ...records import RecordFile
 from ...sharpness.stats import sharpness_scatter
+from .._runtime import add_output_arguments
 from .._types import int_at_least, positive_float
 
 __all__ = ["register", "run"]
@@ -103,28 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_STEPS,
         help=f"gradient-descent step budget per model (default {DEFAULT_MAX_STEPS})",
     )
-    parser.add_argument(
-        "--out",
-        default="diagonal-out",
-        metavar="DIR",
-        help="directory for diagonal.json and diagonal.png (default ./diagonal-out)",
-    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default cpu)")
-    parser.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="also write the JSON document to FILE ('-': to stdout, and print nothing else)",
-    )
-    parser.add_argument(
-        "--quiet", action="store_true", help="print nothing (no table, no progress bars)"
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="reuse the per-model records of an interrupted run with the same settings in "
-        "OUT/diagonal-records.jsonl (models are retrained, deterministically; only "
-        "sharpness already measured is skipped)",
+    add_output_arguments(
+        parser,
+        "diagonal-out",
+        "diagonal",
+        " (models are retrained, deterministically; only sharpness already measured is skipped)",
     )
     parser.set_defaults(handler=run, parser=parser)
 

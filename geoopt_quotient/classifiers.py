@@ -1,0 +1,338 @@
+"""Local Hugging Face classifier checkpoints and their data: safe loading, batches, loss, error.
+
+A checkpoint is a directory with ``config.json``, safetensors weights (pickled
+``pytorch_model.bin`` files are never loaded) and, for text models, a tokenizer. Nothing
+is downloaded. Two data formats:
+
+* ``.jsonl`` text, one ``{"text", optional "text_pair", "label"}`` object per line, for
+  ``...ForSequenceClassification`` models (tokenised by each model's own tokenizer);
+* ``.npz`` arrays (read with ``allow_pickle=False``): ``labels`` plus the model's input
+  tensors by keyword, e.g. ``pixel_values`` for ``...ForImageClassification`` models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Batch",
+    "InputError",
+    "check_checkpoint",
+    "classification_loss",
+    "error_rate",
+    "is_regression",
+    "load_arrays",
+    "load_batches",
+    "load_checkpoint",
+    "load_examples",
+    "make_batches",
+]
+
+Batch = Tuple[Dict[str, torch.Tensor], torch.Tensor]
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+TEXT_SUFFIXES = (".jsonl", ".json")
+ARRAY_SUFFIXES = (".npz",)
+
+
+class InputError(ValueError):
+    """A problem with a checkpoint directory or a data file; the message says which and why."""
+
+
+# ---------------------------------------------------------------- checkpoints
+def _is_image_classifier(config: Any) -> bool:
+    return any(a.endswith("ForImageClassification") for a in config.architectures or ())
+
+
+def check_checkpoint(directory: str, *, where: Optional[str] = None) -> None:
+    """Raise :class:`InputError` unless ``directory`` has a config and safetensors weights.
+
+    ``where`` prefixes the messages (default ``"checkpoint DIR"``).
+    """
+    where = where or f"checkpoint {directory}"
+    if not os.path.isdir(directory):
+        raise InputError(f"{where}: not a directory")
+    files = set(os.listdir(directory))
+    if "config.json" not in files:
+        raise InputError(f"{where}: no config.json (not a Hugging Face checkpoint)")
+    if not files & set(WEIGHT_FILES):
+        pickles = sorted(files & set(PICKLE_FILES))
+        extra = (
+            f" (found {', '.join(pickles)}: pickled weights are never loaded; re-save with "
+            "save_pretrained(dir, safe_serialization=True))"
+            if pickles
+            else "; save the model with save_pretrained(dir, safe_serialization=True)"
+        )
+        raise InputError(f"{where}: no model.safetensors weights{extra}")
+
+
+def _check_tokenizer(directory: str, where: str) -> None:
+    if not set(os.listdir(directory)) & set(TOKENIZER_FILES):
+        raise InputError(
+            f"{where}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)}); "
+            "save one with tokenizer.save_pretrained(dir)"
+        )
+
+
+def load_checkpoint(
+    directory: str, device: torch.device | str = "cpu", *, where: Optional[str] = None
+) -> Tuple[torch.nn.Module, Any]:
+    """The classifier in eval mode (safetensors only, offline) and its tokenizer.
+
+    Image classifiers (``config.architectures`` naming ``...ForImageClassification``)
+    are loaded with ``AutoModelForImageClassification`` and need no tokenizer (``None``
+    is returned); every other checkpoint is a sequence classifier with a tokenizer.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageClassification,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    where = where or f"checkpoint {directory}"
+    check_checkpoint(directory, where=where)
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as error:
+        raise InputError(f"{where}: cannot read config.json: {error}") from error
+    image = _is_image_classifier(config)
+    tokenizer = None
+    if not image:
+        _check_tokenizer(directory, where)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as error:
+            raise InputError(f"{where}: cannot load the tokenizer: {error}") from error
+    auto = AutoModelForImageClassification if image else AutoModelForSequenceClassification
+    try:
+        model = auto.from_pretrained(directory, use_safetensors=True, local_files_only=True)
+    except Exception as error:
+        raise InputError(f"{where}: cannot load the model: {error}") from error
+    return model.to(device).eval(), tokenizer
+
+
+def is_regression(config: Any) -> bool:
+    """A one-output or ``problem_type="regression"`` model: mean squared error, no error rate."""
+    return int(config.num_labels) == 1 or config.problem_type == "regression"
+
+
+# ---------------------------------------------------------------- text data (JSONL)
+def _label(value: Any, config: Any, regression: bool, where: str) -> float | int:
+    if regression:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"{where}: regression label must be a number, got {value!r}")
+        return float(value)
+    num_labels = int(config.num_labels)
+    if isinstance(value, str):
+        label2id = {str(k): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+        if value in label2id:
+            return label2id[value]
+        if value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            names = ", ".join(sorted(label2id)) or "none"
+            raise InputError(f"{where}: unknown label {value!r} (label names: {names})")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{where}: label must be an integer or a label name, got {value!r}")
+    if not 0 <= value < num_labels:
+        raise InputError(f"{where}: label {value} is outside [0, {num_labels})")
+    return value
+
+
+def _open(path: str, where: str):
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as error:
+        raise InputError(f"{where}: {error.strerror or error}") from error
+
+
+def _example(record: Any, config: Any, regression: bool, where: str) -> Dict[str, Any]:
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    missing = [k for k in ("text", "label") if k not in record]
+    if missing:
+        raise InputError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
+    if not isinstance(record["text"], str):
+        raise InputError(f"{where}: 'text' must be a string")
+    pair = record.get("text_pair")
+    if pair is not None and not isinstance(pair, str):
+        raise InputError(f"{where}: 'text_pair' must be a string")
+    label = _label(record["label"], config, regression, where)
+    return {"text": record["text"], "text_pair": pair, "label": label}
+
+
+def load_examples(
+    path: str, config: Any, max_examples: Optional[int] = None, *, where: Optional[str] = None
+) -> List[Dict[str, Any]]:
+    """Read ``{"text", optional "text_pair", "label"}`` lines; errors name the line."""
+    where = where or f"data {path}"
+    regression = is_regression(config)
+    examples: List[Dict[str, Any]] = []
+    with _open(path, where) as handle:
+        for number, line in enumerate(handle, start=1):
+            if max_examples is not None and len(examples) >= max_examples:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path}, line {number}: not valid JSON ({error.msg})") from error
+            examples.append(_example(record, config, regression, f"{path}, line {number}"))
+    if not examples:
+        raise InputError(f"{where}: no examples")
+    if len({e["text_pair"] is None for e in examples}) > 1:
+        raise InputError(f"{where}: 'text_pair' must be given on every line or on none")
+    return examples
+
+
+def make_batches(
+    examples: Sequence[Dict[str, Any]],
+    tokenizer: Any,
+    batch_size: int,
+    max_length: int,
+    device: torch.device | str,
+    regression: bool,
+) -> List[Batch]:
+    """Tokenised ``(inputs, labels)`` batches of consecutive examples."""
+    batches = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        texts = [e["text"] for e in chunk]
+        pairs = [e["text_pair"] for e in chunk] if chunk[0]["text_pair"] is not None else None
+        encoded = tokenizer(
+            texts, pairs, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        dtype = torch.get_default_dtype() if regression else torch.long
+        labels = torch.tensor([e["label"] for e in chunk], dtype=dtype, device=device)
+        batches.append(({k: v.to(device) for k, v in encoded.items()}, labels))
+    return batches
+
+
+# ---------------------------------------------------------------- array data (NPZ)
+def load_arrays(
+    path: str, max_examples: Optional[int] = None, *, where: Optional[str] = None
+) -> Dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file: ``labels`` and model inputs, one row per example."""
+    where = where or f"data {path}"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except FileNotFoundError as error:
+        raise InputError(f"{where}: no such file") from error
+    except (OSError, ValueError) as error:
+        raise InputError(f"{where}: not a readable .npz archive of arrays ({error})") from error
+    if "labels" not in arrays:
+        raise InputError(f"{where}: no 'labels' array (found {', '.join(arrays) or 'none'})")
+    if len(arrays) < 2:
+        raise InputError(f"{where}: no input arrays besides 'labels' (e.g. 'pixel_values')")
+    counts = {name: a.shape[0] if a.ndim else None for name, a in arrays.items()}
+    if len(set(counts.values())) != 1 or None in counts.values():
+        raise InputError(f"{where}: arrays differ in their number of rows: {counts}")
+    for name, a in arrays.items():
+        if a.dtype.kind not in "biuf":
+            raise InputError(f"{where}: array {name!r} has non-numeric dtype {a.dtype}")
+    if counts["labels"] == 0:
+        raise InputError(f"{where}: no examples")
+    return {name: a[:max_examples] for name, a in arrays.items()}
+
+
+def _array_batches(
+    arrays: Dict[str, np.ndarray], batch_size: int, device: torch.device | str, regression: bool
+) -> List[Batch]:
+    label_dtype = torch.get_default_dtype() if regression else torch.long
+    tensors = {}
+    for name, a in arrays.items():
+        tensor = torch.from_numpy(np.ascontiguousarray(a))
+        if name == "labels":
+            tensor = tensor.to(label_dtype)
+        elif tensor.is_floating_point():
+            tensor = tensor.to(torch.get_default_dtype())
+        tensors[name] = tensor.to(device)
+    labels = tensors.pop("labels")
+    return [
+        (
+            {k: v[start : start + batch_size] for k, v in tensors.items()},
+            labels[start : start + batch_size],
+        )
+        for start in range(0, labels.shape[0], batch_size)
+    ]
+
+
+def load_batches(
+    path: str,
+    model: torch.nn.Module,
+    tokenizer: Any = None,
+    *,
+    batch_size: int,
+    max_examples: Optional[int] = None,
+    max_length: int = 128,
+    device: torch.device | str = "cpu",
+    where: Optional[str] = None,
+) -> List[Batch]:
+    """``(inputs, labels)`` batches of the first ``max_examples`` examples of a data file.
+
+    ``.jsonl``/``.json`` files are text, tokenised with ``tokenizer``; ``.npz`` files hold
+    arrays passed to the model by keyword. The same file gives every model the same
+    examples in the same batches.
+    """
+    where = where or f"data {path}"
+    regression = is_regression(model.config)
+    suffix = Path(path).suffix.lower()
+    if suffix in ARRAY_SUFFIXES:
+        arrays = load_arrays(path, max_examples, where=where)
+        return _array_batches(arrays, batch_size, device, regression)
+    if suffix in TEXT_SUFFIXES:
+        if tokenizer is None:
+            raise InputError(f"{where}: text data needs a model with a tokenizer")
+        examples = load_examples(path, model.config, max_examples, where=where)
+        return make_batches(examples, tokenizer, batch_size, max_length, device, regression)
+    raise InputError(
+        f"{where}: unknown data format {suffix or '(no suffix)'!r}; expected "
+        f"{', '.join(TEXT_SUFFIXES + ARRAY_SUFFIXES)}"
+    )
+
+
+# ---------------------------------------------------------------- loss and error
+def classification_loss(regression: bool):
+    """``loss_fn(model, (inputs, labels))``: cross-entropy, or mean squared error."""
+
+    def loss_fn(model: Any, batch: Batch) -> torch.Tensor:
+        inputs, labels = batch
+        logits = model(**inputs).logits
+        if regression:
+            return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.to(logits.dtype))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    return loss_fn
+
+
+@torch.no_grad()
+def error_rate(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
+    """Fraction of misclassified examples (argmax of the logits), model in eval mode."""
+    wrong = total = 0
+    for inputs, labels in batches:
+        predictions = model(**inputs).logits.argmax(-1)
+        wrong += int((predictions != labels).sum())
+        total += labels.numel()
+    if total == 0:
+        raise ValueError("error_rate needs at least one example")
+    return wrong / total

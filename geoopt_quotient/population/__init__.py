@@ -1,0 +1,34 @@
+"""Population studies: does a sharpness measure track generalization across many models?
+
+:mod:`~geoopt_quotient.population.study` measures any directory of Hugging Face
+classifier checkpoints; :mod:`~geoopt_quotient.population.digits` trains a population of
+small vision transformers on CPU to run it on.
+"""
+
+from .study import (
+    ABLATIONS,
+    MEASURES,
+    PAPER_TAU,
+    StudySettings,
+    find_checkpoints,
+    format_tau_table,
+    measure_model,
+    read_gaps,
+    run_population,
+    scatter_figure,
+    tau_table,
+)
+
+__all__ = [
+    "ABLATIONS",
+    "MEASURES",
+    "PAPER_TAU",
+    "StudySettings",
+    "find_checkpoints",
+    "format_tau_table",
+    "measure_model",
+    "read_gaps",
+    "run_population",
+    "scatter_figure",
+    "tau_table",
+]

@@ -1,0 +1,548 @@
+r"""Sharpness versus generalization over a population of classifier checkpoints.
+
+For every checkpoint: adaptive sharpness and geodesic sharpness in the inv and mix
+metrics (and, on request, the ablations of Appendix G of "Hide & Seek": the quotient
+norm or the curvature switched off), on the same training examples in the same batches
+for every model, as in the paper. Then, per measure, Kendall's
+
+.. math::
+
+    \tau = \frac{2}{M(M-1)} \sum_{i<j} \operatorname{sign}(s_i - s_j)\,
+        \operatorname{sign}(g_i - g_j)
+
+between sharpness :math:`s` and generalization gap :math:`g` (test error minus train
+error) over the :math:`M` models, with a percentile bootstrap confidence interval over
+models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..classifiers import (
+    Batch,
+    InputError,
+    classification_loss,
+    error_rate,
+    is_regression,
+    load_batches,
+    load_checkpoint,
+)
+from ..manifolds._validation import check_choice
+from ..models import find_symmetries
+from ..records import RecordFile, fingerprint
+from ..sharpness import adaptive_sharpness, geodesic_sharpness
+from ..sharpness.stats import kendall_tau, kendall_tau_bootstrap, sharpness_scatter
+
+__all__ = [
+    "ABLATIONS",
+    "MEASURES",
+    "PAPER_TAU",
+    "StudySettings",
+    "find_checkpoints",
+    "format_tau_table",
+    "measure_model",
+    "read_gaps",
+    "run_population",
+    "scatter_figure",
+    "tau_table",
+]
+
+MEASURES = ("adaptive", "geodesic_inv", "geodesic_mix")
+ABLATIONS = (
+    "geodesic_inv_no_norm",
+    "geodesic_inv_no_curvature",
+    "geodesic_mix_no_norm",
+    "geodesic_mix_no_curvature",
+)
+#: Kendall tau between sharpness and generalization gap in the paper's Table 1.
+PAPER_TAU = {
+    "ImageNet, 72 CLIP ViT-B/32": {"adaptive": -0.41, "geodesic_inv": -0.71, "geodesic_mix": -0.70},
+    "MNLI, 35 BERT-base": {"adaptive": 0.06, "geodesic_inv": 0.28, "geodesic_mix": 0.38},
+}
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """Everything that determines the sharpness values of a population.
+
+    Attributes
+    ----------
+    rho_adaptive, rho_inv, rho_mix : float
+        Ball radii of adaptive sharpness and of the geodesic balls per metric. The
+        no-norm ablations use the adaptive ball (``rho_adaptive``); the no-curvature
+        ablations the quotient ball of their metric.
+    iters : int
+        Auto-PGD iterations per batch (worst case) or samples (average case).
+    kind : {"worst", "average"}
+    path : {"second_order", "exact", "straight"}
+        The geodesic: second-order retraction or exact exponential map.
+    seed : int
+        Seed of the maximiser, the same for every model.
+    batch_size, max_examples, max_length : int
+        The sharpness examples: the first ``max_examples`` of the data file in batches
+        of ``batch_size`` (text truncated to ``max_length`` tokens).
+    ablations : bool
+        Also measure :data:`ABLATIONS`.
+    verify : bool
+        Check every model's discovered symmetries on its first batch.
+    eps : float
+        Relaxation of the quotients' Gram matrices (0: exact quotient).
+    """
+
+    rho_adaptive: float = 0.05
+    rho_inv: float = 0.05
+    rho_mix: float = 0.05
+    iters: int = 20
+    kind: str = "worst"
+    path: str = "second_order"
+    seed: int = 0
+    batch_size: int = 128
+    max_examples: Optional[int] = 1024
+    max_length: int = 128
+    ablations: bool = False
+    verify: bool = True
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_choice(self.kind, ("worst", "average"), "kind")
+        check_choice(self.path, ("second_order", "exact", "straight"), "path")
+        for name in ("rho_adaptive", "rho_inv", "rho_mix"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
+
+    @property
+    def measures(self) -> Tuple[str, ...]:
+        return MEASURES + (ABLATIONS if self.ablations else ())
+
+
+# ---------------------------------------------------------------- inputs
+def find_checkpoints(root: str) -> List[str]:
+    """The checkpoint directories directly under ``root`` (those with a config.json), sorted."""
+    path = Path(root)
+    if not path.is_dir():
+        raise InputError(f"--checkpoints {root}: not a directory")
+    if (path / "config.json").exists():
+        raise InputError(
+            f"--checkpoints {root}: this is one checkpoint; give the directory that holds "
+            "the population's checkpoint directories"
+        )
+    found = sorted(str(p) for p in path.iterdir() if (p / "config.json").is_file())
+    if len(found) < 3:
+        raise InputError(
+            f"--checkpoints {root}: found {len(found)} checkpoint directories (with a "
+            "config.json); a population study needs at least 3"
+        )
+    return found
+
+
+def read_gaps(path: str, names: Sequence[str]) -> Dict[str, float]:
+    """Generalization gaps from a CSV with a header.
+
+    Columns: ``checkpoint`` (the directory name) and either ``gap`` or both
+    ``train_error`` and ``test_error`` (gap = test error - train error). Every name in
+    ``names`` must have one finite value.
+    """
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+    except OSError as error:
+        raise InputError(f"--gaps {path}: {error.strerror or error}") from error
+    columns = set(rows[0]) if rows else set()
+    if "checkpoint" not in columns or not (
+        "gap" in columns or {"train_error", "test_error"} <= columns
+    ):
+        raise InputError(
+            f"--gaps {path}: expected a header with 'checkpoint' and 'gap' (or 'train_error' "
+            f"and 'test_error'), found {sorted(columns) or 'no rows'}"
+        )
+    gaps: Dict[str, float] = {}
+    for number, row in enumerate(rows, start=2):
+        name = (row["checkpoint"] or "").strip().rstrip("/").split("/")[-1]
+        try:
+            if "gap" in row and row["gap"] not in (None, ""):
+                value = float(row["gap"])
+            else:
+                value = float(row["test_error"]) - float(row["train_error"])
+        except (TypeError, ValueError):
+            raise InputError(f"{path}, line {number}: not a number in {dict(row)}") from None
+        if not math.isfinite(value):
+            raise InputError(f"{path}, line {number}: gap is not finite")
+        if name in gaps:
+            raise InputError(f"{path}, line {number}: checkpoint {name!r} listed twice")
+        gaps[name] = value
+    missing = [n for n in names if n not in gaps]
+    if missing:
+        raise InputError(f"--gaps {path}: no gap for {', '.join(missing)}")
+    return {n: gaps[n] for n in names}
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (first 16 hex digits)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_signature(directory: str) -> Dict[str, Any]:
+    """What identifies a checkpoint's weights without reading them: config digest, sizes, times."""
+    root = Path(directory)
+    weights = sorted(root.glob("model*.safetensors"))
+    return {
+        "config": file_digest(str(root / "config.json")),
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+    }
+
+
+# ---------------------------------------------------------------- one model
+def _metric_and_ablation(measure: str) -> Tuple[str, bool, bool]:
+    """``geodesic_mix_no_norm`` -> ("mix", norm=False, curvature=True)."""
+    metric = measure.split("_")[1]
+    return metric, not measure.endswith("_no_norm"), not measure.endswith("_no_curvature")
+
+
+def measure_model(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batches: Sequence[Any],
+    settings: StudySettings,
+    *,
+    probe_inputs: Any = None,
+    on_measure: Optional[Callable[[str], None]] = None,
+) -> Dict[str, Dict[str, Any]]:
+    """Every measure of ``settings`` for one model: value, per-batch values, losses, seconds.
+
+    The symmetries are discovered once per metric (and checked on ``probe_inputs`` when
+    ``settings.verify``). Batches are not sharded over processes here: in a population,
+    models are.
+    """
+    plans: Dict[str, Any] = {}
+
+    def plan_for(metric: str) -> Any:
+        if metric not in plans:
+            verify = settings.verify and not plans
+            plan = find_symmetries(
+                model, metric=metric, eps=settings.eps, verify=verify, probe_inputs=probe_inputs
+            )
+            plans[metric] = plan.bind(model)
+        return plans[metric]
+
+    common = dict(iters=settings.iters, kind=settings.kind, seed=settings.seed, progress=False)
+    results: Dict[str, Dict[str, Any]] = {}
+    for measure in settings.measures:
+        if on_measure is not None:
+            on_measure(measure)
+        if measure == "adaptive":
+            result = adaptive_sharpness(
+                model,
+                loss_fn,
+                batches,
+                rho=settings.rho_adaptive,
+                eps=settings.eps,
+                distributed=False,
+                **common,
+            )
+        else:
+            metric, norm, curvature = _metric_and_ablation(measure)
+            rho = getattr(settings, f"rho_{metric}") if norm else settings.rho_adaptive
+            result = geodesic_sharpness(
+                model,
+                loss_fn,
+                batches,
+                rho=rho,
+                symmetries=plan_for(metric),
+                metric=metric,
+                path=settings.path,
+                norm=norm,
+                curvature=curvature,
+                distributed=False,
+                **common,
+            )
+        results[measure] = {
+            "value": result.value,
+            "per_batch": result.per_batch,
+            "clean_loss": float(np.mean(result.clean_losses)),
+            "perturbed_loss": float(np.mean(result.perturbed_losses)),
+            "seconds": result.seconds,
+        }
+    if plans:
+        bound = next(iter(plans.values()))
+        results_plan = {g.name: g.count for g in bound.symmetric_groups}
+        results["_plan"] = {"symmetric_groups": results_plan, "notes": list(bound.notes)}
+    return results
+
+
+def _measure_checkpoint(
+    directory: str,
+    settings: StudySettings,
+    data: str,
+    train_data: Optional[str],
+    test_data: Optional[str],
+    device: torch.device,
+    on_measure: Callable[[str], None],
+) -> Dict[str, Any]:
+    """Load one checkpoint, measure its sharpness (and its gap when train/test are given)."""
+    start = time.perf_counter()
+    model, tokenizer = load_checkpoint(directory, device)
+    batch_args = dict(max_length=settings.max_length, device=device)
+    batches: List[Batch] = load_batches(
+        data,
+        model,
+        tokenizer,
+        batch_size=settings.batch_size,
+        max_examples=settings.max_examples,
+        **batch_args,
+    )
+    regression = is_regression(model.config)
+    record: Dict[str, Any] = {
+        "checkpoint": Path(directory).name,
+        "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "signature": checkpoint_signature(directory),
+    }
+    if train_data is not None and test_data is not None:
+        if regression:
+            raise InputError(f"checkpoint {directory}: error rates need a classifier")
+        errors = {}
+        for split, path in (("train", train_data), ("test", test_data)):
+            split_batches = load_batches(
+                path, model, tokenizer, batch_size=settings.batch_size, **batch_args
+            )
+            errors[split] = error_rate(model, split_batches)
+        record.update(
+            train_error=errors["train"],
+            test_error=errors["test"],
+            gap=errors["test"] - errors["train"],
+        )
+    measures = measure_model(
+        model,
+        classification_loss(regression),
+        batches,
+        settings,
+        probe_inputs=batches[0][0],
+        on_measure=on_measure,
+    )
+    record["plan"] = measures.pop("_plan", {})
+    record["measures"] = measures
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+# ---------------------------------------------------------------- statistics
+def tau_table(
+    values: Mapping[str, Sequence[float]],
+    gaps: Sequence[float],
+    *,
+    resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Dict[str, Dict[str, float]]:
+    """Per measure: Kendall tau, its p-value and a bootstrap confidence interval over models."""
+    table = {}
+    for measure, column in values.items():
+        tau, p_value = kendall_tau(column, gaps)
+        _, low, high = kendall_tau_bootstrap(
+            column, gaps, resamples=resamples, confidence=confidence, seed=seed
+        )
+        table[measure] = {
+            "tau": tau,
+            "p_value": p_value,
+            "ci_low": low,
+            "ci_high": high,
+            "models": len(gaps),
+        }
+    return table
+
+
+def format_tau_table(table: Mapping[str, Mapping[str, float]], confidence: float = 0.95) -> str:
+    """Plain-text tau table with the bootstrap interval, beside the paper's Table 1."""
+    papers = list(PAPER_TAU)
+    width = max(len("measure"), *map(len, table)) + 2
+    ci = f"{round(100 * confidence)}% CI"
+    head = f"{'measure':<{width}}{'tau':>8}{ci:>18}{'p':>9}" + "".join(
+        f"{'paper: ' + p.split(',')[0]:>17}" for p in papers
+    )
+    lines = [head, "-" * len(head)]
+    for measure, row in table.items():
+        interval = f"[{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
+        line = f"{measure:<{width}}{row['tau']:>+8.3f}{interval:>18}{row['p_value']:>9.2g}"
+        for paper in papers:
+            reference = PAPER_TAU[paper].get(measure)
+            line += f"{'—' if reference is None else f'{reference:+.2f}':>17}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def scatter_figure(
+    models: Sequence[Mapping[str, Any]], measures: Sequence[str], path: str, title: str = ""
+) -> str:
+    """Sharpness (x, log scale) against generalization gap (y), one panel per measure."""
+    gaps = [m["gap"] for m in models]
+    panels = {name: [m["measures"][name]["value"] for m in models] for name in measures}
+    return sharpness_scatter(
+        panels,
+        gaps,
+        path,
+        ylabel="generalization gap (test - train error)",
+        title=title or None,
+        log_x=True,
+    )
+
+
+# ---------------------------------------------------------------- the population
+def _process_grid() -> Tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _rounds(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _gather(record: Optional[Dict[str, Any]], world: int) -> List[Optional[Dict[str, Any]]]:
+    if world == 1:
+        return [record]
+    import torch.distributed as dist
+
+    shards: List[Any] = [None] * world
+    dist.all_gather_object(shards, record)
+    return shards
+
+
+def _study_fingerprint(
+    settings: StudySettings, data: str, train_data: Optional[str], test_data: Optional[str]
+) -> str:
+    files = {"data": data, "train": train_data, "test": test_data}
+    digests = {k: file_digest(v) for k, v in files.items() if v is not None}
+    return fingerprint({"settings": asdict(settings), "files": digests})
+
+
+def run_population(
+    checkpoints: Sequence[str],
+    data: str,
+    settings: StudySettings,
+    *,
+    gaps: Optional[Mapping[str, float]] = None,
+    train_data: Optional[str] = None,
+    test_data: Optional[str] = None,
+    records: Optional[RecordFile] = None,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+    resamples: int = 2000,
+) -> Dict[str, Any]:
+    """Measure every checkpoint and correlate each measure with the generalization gap.
+
+    Parameters
+    ----------
+    checkpoints : sequence of str
+        Checkpoint directories (see :func:`find_checkpoints`); names must be unique.
+    data : str
+        The sharpness examples (``.jsonl`` text or ``.npz`` arrays), the same for all.
+    settings : StudySettings
+    gaps : mapping, optional
+        Checkpoint name -> generalization gap. Without it, ``train_data`` and
+        ``test_data`` are required and each gap is measured: test error - train error.
+    records : RecordFile, optional
+        Finished models are appended as they finish; records there with the same
+        settings, data and checkpoint weights are reused (resume).
+    device : torch device
+    progress : bool
+        A progress bar over models (the current measure in its postfix).
+    resamples : int
+        Bootstrap resamples of the tau confidence intervals.
+
+    Returns
+    -------
+    dict
+        ``settings``, ``models`` (per checkpoint: gap, per-measure values and losses,
+        seconds), ``tau`` (per measure: tau, p-value, CI), ``paper_tau``, ``timings``,
+        ``processes``. With ``torch.distributed`` initialised the models are sharded
+        over the ranks (model ``i`` of each round of ``world_size`` on rank ``i``) and
+        every rank returns the same document.
+    """
+    start = time.perf_counter()
+    names = [Path(c).name for c in checkpoints]
+    if len(set(names)) != len(names):
+        raise InputError("checkpoint directory names must be unique")
+    if gaps is None and (train_data is None or test_data is None):
+        raise InputError("give the gaps (a CSV), or train and test data to measure them")
+    device = torch.device(device)
+    study = _study_fingerprint(settings, data, train_data, test_data)
+    done: Dict[str, Dict[str, Any]] = {}
+    if records is not None:
+        for record in records.select(fingerprint=study):
+            directory = (
+                checkpoints[names.index(record["checkpoint"])]
+                if (record.get("checkpoint") in names)
+                else None
+            )
+            if directory and record.get("signature") == checkpoint_signature(directory):
+                done[record["checkpoint"]] = record
+    world, rank = _process_grid()
+    todo = [c for c, n in zip(checkpoints, names) if n not in done]
+    bar = tqdm(
+        total=len(checkpoints),
+        initial=len(done),
+        desc="models",
+        unit="model",
+        disable=not progress or rank > 0,
+        dynamic_ncols=True,
+    )
+    with bar:
+        for round_ in _rounds(todo, world):
+            mine = round_[rank] if rank < len(round_) else None
+            record = None
+            if mine is not None:
+                record = _measure_checkpoint(
+                    mine,
+                    settings,
+                    data,
+                    train_data,
+                    test_data,
+                    device,
+                    lambda m, name=Path(mine).name: bar.set_postfix_str(f"{name}: {m}"),
+                )
+                record["fingerprint"] = study
+            for finished in _gather(record, world):
+                if finished is None:
+                    continue
+                done[finished["checkpoint"]] = finished
+                if records is not None and rank == 0:
+                    records.append(finished)
+                bar.update(1)
+    models = []
+    for name in names:
+        model = dict(done[name])
+        if gaps is not None:
+            model["gap"] = float(gaps[name])
+        models.append(model)
+    gap_values = [m["gap"] for m in models]
+    values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
+    return {
+        "settings": asdict(settings),
+        "data": {"sharpness": data, "train": train_data, "test": test_data},
+        "gap_source": "measured" if gaps is None else "given",
+        "models": models,
+        "tau": tau_table(values, gap_values, resamples=resamples, seed=settings.seed),
+        "paper_tau": PAPER_TAU,
+        "timings": {"total": time.perf_counter() - start},
+        "processes": world,
+    }
