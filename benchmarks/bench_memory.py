@@ -4,7 +4,10 @@ Each measurement runs in a fresh subprocess that builds the same BERT-size class
 (random weights from its config) and one batch, then does one thing: a training step
 (forward, backward, SGD step), or adaptive / geodesic (inv, mix) sharpness with a few
 Auto-PGD iterations. Its peak resident set size (``ru_maxrss``) is compared, in total and
-above the process's footprint once model and batch exist.
+above the process's footprint once model and batch exist; the excess over the training
+step is also given in copies of the parameters (model-sized buffers). Peak RSS includes
+the allocator's free but unreturned memory, so it varies by a few percent between runs:
+``--repeats`` reports the median of several processes per mode.
 
     python benchmarks/bench_memory.py --json memory.json
     python benchmarks/bench_memory.py --quick
@@ -33,6 +36,7 @@ def child(mode: str, quick: bool, batch_size: int, seq_len: int, iters: int) -> 
 
     model, config = build_model(quick, "cpu", torch.float32)
     batch = make_batch(config, batch_size, seq_len, "cpu")
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     baseline = peak_mib()
     if mode == "train":
         model.train()
@@ -46,7 +50,20 @@ def child(mode: str, quick: bool, batch_size: int, seq_len: int, iters: int) -> 
         gq.geodesic_sharpness(
             model, loss_fn, [batch], rho=0.01, iters=iters, metric=metric, progress=False
         )
-    return {"baseline_mib": baseline, "peak_mib": peak_mib()}
+    return {"baseline_mib": baseline, "peak_mib": peak_mib(), "parameters_mib": parameters}
+
+
+def measure(mode: str, args: argparse.Namespace) -> dict:
+    """One mode in a fresh process: the median run by peak, with every run's peak."""
+    command = [sys.executable, __file__, "--child", mode, "--iters", str(args.iters)]
+    command += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    command += ["--quick"] if args.quick else []
+    runs = []
+    for _ in range(args.repeats):
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    runs.sort(key=lambda r: r["peak_mib"])
+    return dict(runs[len(runs) // 2], peaks_mib=[r["peak_mib"] for r in runs])
 
 
 def main(argv=None) -> dict:
@@ -55,6 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="processes per mode (median)")
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -63,19 +81,25 @@ def main(argv=None) -> dict:
     if args.child:
         print(json.dumps(child(args.child, args.quick, args.batch_size, args.seq_len, args.iters)))
         return {}
-    runs = {}
-    for mode in MODES:
-        command = [sys.executable, __file__, "--child", mode, "--iters", str(args.iters)]
-        command += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-        command += ["--quick"] if args.quick else []
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    runs = {mode: measure(mode, args) for mode in MODES}
+    report = summarize(runs, args)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def summarize(runs: dict, args: argparse.Namespace) -> dict:
     train = runs["train"]
     train_increment = train["peak_mib"] - train["baseline_mib"]
-    report = {
+    parameters = train["parameters_mib"]
+    return {
         "model": "tiny BERT" if args.quick else "BERT-base (random weights)",
         "batch": [args.batch_size, args.seq_len],
         "iters": args.iters,
+        "repeats": args.repeats,
+        "parameters_mib": parameters,
         "runs": runs,
         "peak_ratio_to_training_step": {
             m: r["peak_mib"] / train["peak_mib"] for m, r in runs.items()
@@ -87,18 +111,28 @@ def main(argv=None) -> dict:
             else None
             for m, r in runs.items()
         },
+        "excess_over_training_step_in_parameter_copies": {
+            m: (r["peak_mib"] - train["peak_mib"]) / parameters for m, r in runs.items()
+        },
     }
-    print(f"{report['model']}, batch {args.batch_size}x{args.seq_len}: peak resident memory")
-    for mode, r in runs.items():
+
+
+def print_report(report: dict) -> None:
+    batch_size, seq_len = report["batch"]
+    print(
+        f"{report['model']}, batch {batch_size}x{seq_len}, {report['iters']} Auto-PGD "
+        f"iterations, parameters {report['parameters_mib']:.1f} MiB: peak resident memory"
+        + (f" (median of {report['repeats']} processes)" if report["repeats"] > 1 else "")
+    )
+    for mode, r in report["runs"].items():
+        increment = report["increment_ratio_to_training_step"][mode]
+        copies = report["excess_over_training_step_in_parameter_copies"][mode]
         print(
             f"  {mode:13s} {r['peak_mib']:8.0f} MiB  ratio to training step "
             f"{report['peak_ratio_to_training_step'][mode]:.2f} (above model and batch: "
-            f"{report['increment_ratio_to_training_step'][mode] or float('nan'):.2f})"
+            f"{float('nan') if increment is None else increment:.2f}; "
+            f"{copies:+.2f} parameter copies)"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Builds a BERT-base-size classifier from its config (random weights, nothing
 downloaded), and times whole sharpness runs of ``--iters`` iterations for each measure,
 interleaved and repeated so that all three see the same machine load; the ratios of the
 medians are reported. Every run is ``iters`` forward+backward passes plus one forward,
-for each measure alike, so the ratio of run times is the ratio of iteration costs.
+for each measure alike, so the ratio of run times is the ratio of iteration costs (plus
+one forward+backward per restart of Auto-PGD from an earlier best iterate, whose gradient
+is recomputed; there is none while the loss rises at every step).
 
     python benchmarks/bench_sharpness_iteration.py --json bench.json
     python benchmarks/bench_sharpness_iteration.py --quick       # tiny model, seconds

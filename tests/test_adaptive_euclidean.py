@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geoopt_quotient import AdaptiveEuclidean
+from geoopt_quotient.manifolds import adaptive
 
 F64 = torch.float64
 SEEDS = st.integers(0, 2**32 - 1)
@@ -231,6 +232,31 @@ def test_low_precision_is_finite_and_keeps_the_dtype(dtype):
     expected = manifold.inner(x.double(), u.double())
     unit = torch.finfo(dtype).eps
     assert_close(manifold.inner(x, u).double(), expected, 8 * unit, what="inner")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_tangent_space_keeps_nothing_of_the_points_size_and_is_exact(dtype, eps, monkeypatch):
+    """The cached tangent space recomputes c^2 and 1/c^2 block by block (several blocks
+    here, the last one ragged), bitwise as the whole-tensor formulas."""
+    monkeypatch.setattr(adaptive, "BLOCK", 100)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 53, generator=gen, dtype=F64)
+    x[:, ::3] = 0.0
+    x = x.to(dtype)
+    u, v = (torch.randn(x.shape, generator=gen, dtype=F64).to(dtype) for _ in range(2))
+    manifold = AdaptiveEuclidean(eps=eps)
+    space = manifold.tangent_space(x)
+    work = torch.float32 if dtype == torch.bfloat16 else dtype
+    c2 = (x.to(work).abs() + eps).pow(2)
+    weight = torch.where(c2 > 0, c2.reciprocal(), torch.zeros_like(c2))
+    assert torch.equal(space.inner(u, v), (weight * u.to(work) * v.to(work)).to(dtype).sum())
+    assert torch.equal(space.egrad2rgrad(u), (u.to(work) * c2).to(dtype))
+    assert torch.equal(space.egrad2rgrad(u), manifold.egrad2rgrad(x, u))
+    assert not [t for t in vars(space.state).values() if isinstance(t, torch.Tensor) and t is not x]
+    wide = torch.randn(3, *x.shape, generator=gen, dtype=F64).to(dtype)  # broadcasts: whole
+    expected = (weight * wide.to(work) * wide.to(work)).to(dtype)
+    assert torch.equal(manifold.inner(x, wide), expected)
 
 
 def test_bad_arguments_are_rejected():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import warnings
 
 import geoopt
 import numpy as np
@@ -25,7 +27,7 @@ from geoopt_quotient import (
     hessian_trace,
     maximize_in_ball,
 )
-from geoopt_quotient.sharpness.apgd import apgd_checkpoints, random_tangent
+from geoopt_quotient.sharpness.apgd import _evaluate, _prepare, apgd_checkpoints, random_tangent
 from geoopt_quotient.sharpness.measure import resolve_plan
 
 
@@ -129,6 +131,93 @@ def test_maximiser_perturbation_is_horizontal_and_in_the_ball():
     left, right = m._horizontality_terms(x, xi)
     assert torch.allclose(left, right, atol=1e-10)
     assert float(m.inner(x, xi).sum().sqrt()) <= 0.5 + 1e-12
+
+
+def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentum=0.75):
+    """Auto-PGD written out plainly: out-of-place updates, the best gradient kept."""
+    ball, paths = _prepare(groups, rho, "second_order")
+    if init == "zero":
+        xi = [torch.zeros_like(x) for x in ball.points]
+    else:
+        xi = ball.project(ball.random(torch.Generator().manual_seed(seed), ball.rho))
+    step, checkpoints = 2.0 * rho, apgd_checkpoints(iters)
+    value_t, grads = _evaluate(ball, paths, objective, xi, grad=True)
+    value = best_value = float(value_t)
+    best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
+    last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
+    for k in range(iters):
+        rgrads = [space.egrad2rgrad(g) for space, g in zip(ball.spaces, grads)]
+        norm = ball.norm(rgrads).clamp_min(1e-300)
+        direction = [r / norm.to(r.dtype) for r in rgrads]
+        z = ball.clip([a + step * d for a, d in zip(xi, direction)])
+        alpha = 1.0 if k == 0 else momentum
+        xi_next = ball.clip(
+            [a + alpha * (c - a) + (1 - alpha) * (a - b) for a, c, b in zip(xi, z, xi_prev)]
+        )
+        need_grad = k + 1 < iters
+        value_t, new_grads = _evaluate(ball, paths, objective, xi_next, grad=need_grad)
+        new_value = float(value_t)
+        history.append(new_value)
+        increases += int(new_value > value)
+        xi_prev, xi, value, grads = xi, xi_next, new_value, new_grads
+        if new_value > best_value:
+            best_value, best_xi, best_grads = new_value, xi, grads
+        if k + 1 in checkpoints and need_grad:
+            too_few = increases < 0.75 * (k + 1 - last_mark)
+            halved = too_few or ((not halved) and best_value <= best_at_last_mark)
+            if halved:
+                step /= 2.0
+                xi, grads, value = best_xi, best_grads, best_value
+            last_mark, increases, best_at_last_mark = k + 1, 0, best_value
+    return best_value, best_xi, history
+
+
+@pytest.mark.parametrize("init", ["zero", "random"])
+def test_auto_pgd_is_bitwise_the_textbook_loop(init):
+    """In-place updates and a recomputed (not kept) gradient at restarts change no bit."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    gl = GLQuotient(6, 5, "inv")
+    x = gl.random(2, 11, 3, dtype=torch.float64)
+    a = torch.randn(20, 20, dtype=torch.float64)
+    c = torch.randn(6, 5, dtype=torch.float64)
+
+    def objective(points):
+        v = points[0].reshape(-1)
+        return torch.sin(v @ a @ v) + (v**3).sum() + (gl.product(points[1]) * c).sum().sin()
+
+    restarts = 0
+    for rho in (0.1, 1.0, 5.0):
+        groups = [(w, AdaptiveEuclidean()), (x, gl)]
+        kwargs = dict(rho=rho, iters=30, init=init, seed=3)
+        value, xi, history = textbook_apgd(groups, objective, **kwargs)
+        result = maximize_in_ball(groups, objective, **kwargs)
+        assert (result.value, result.history) == (value, history)
+        assert all(torch.equal(u, v) for u, v in zip(result.xi, xi))
+        restarts += result.evaluations - 31
+    assert restarts > 0  # the recomputed gradient was used
+
+
+def test_auto_pgd_keeps_three_perturbations_during_an_evaluation():
+    """While the objective runs: the base point, the perturbed point and at most three
+    perturbations (current, previous, best) as large as the point; no gradient kept."""
+    torch.manual_seed(0)
+    w = torch.randn(500, 400, dtype=torch.float64)
+    a = torch.randn(400, dtype=torch.float64)
+    large = []
+
+    def objective(points):
+        with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+            warnings.simplefilter("ignore", FutureWarning)
+            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+        large.append(
+            len({t.untyped_storage().data_ptr() for t in tensors if t.numel() >= w.numel()})
+        )
+        return torch.sin(points[0] @ a).sum() + points[0].pow(3).sum()
+
+    result = maximize_in_ball([(w, AdaptiveEuclidean())], objective, rho=1.0, iters=12)
+    assert result.evaluations > 13  # includes evaluations after restarts
+    assert max(large) <= 5
 
 
 # ---------------------------------------------------------------- invariance
@@ -311,6 +400,22 @@ def test_plan_errors_name_the_problem():
         SymmetryPlan([missing]).bind(model)
     with pytest.raises(PlanError, match="twice"):
         SymmetryGroup.from_layout("dup", GLQuotient(2, 2), {"q.bias": (3,)}, lambda b: b[[0, 0]])
+
+
+def test_plan_indices_are_compact(tiny_transformer):
+    """Whole-parameter groups keep only the shape of their (identity) index; the others
+    store int32 indices. Both still gather, scatter and report coverage exactly."""
+    plan = find_symmetries(tiny_transformer).bind(tiny_transformer)
+    params = {n: p.detach() for n, p in tiny_transformer.named_parameters()}
+    for group in plan.groups:
+        numel = group.index.numel()
+        if group.param_names == (group.name,):  # a whole parameter
+            assert group.index.is_meta and group.shape == params[group.name].shape
+            assert torch.equal(group.covered()[group.name], torch.arange(numel))
+        else:
+            assert group.index.dtype == torch.int32
+    out = plan.scatter(plan.gather(params), params)
+    assert all(torch.equal(out[n], params[n]) for n in params)
 
 
 def test_plan_summary_lists_groups_and_adaptive_rest(tiny_transformer):

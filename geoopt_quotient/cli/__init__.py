@@ -28,6 +28,8 @@ import sys
 from types import ModuleType
 from typing import List, Sequence
 
+from ._runtime import end_distributed
+
 __all__ = ["build_parser", "discover", "main"]
 
 PROG = "geoopt-quotient"
@@ -67,4 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argument errors exit with 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.handler(args, args.parser) or 0)
+    try:
+        return int(args.handler(args, args.parser) or 0)
+    finally:
+        end_distributed()

@@ -10,6 +10,7 @@ import torch
 
 __all__ = [
     "add_output_arguments",
+    "end_distributed",
     "local_device",
     "parse_device",
     "quiet_transformers",
@@ -42,6 +43,18 @@ def start_distributed(device: torch.device) -> Tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def end_distributed() -> None:
+    """Leave the process group, if one was joined.
+
+    A gloo process that exits with its group still alive can abort in the group's
+    destructor ("terminate called without an active exception") and fail the launch.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_device(device: torch.device, rank: int, world: int) -> torch.device:

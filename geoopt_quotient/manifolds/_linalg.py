@@ -6,14 +6,17 @@ device; no SciPy, no Python loop over the batch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
+    "Eigenbasis",
     "compute_dtype",
+    "eigenbasis_spd_product",
     "gram",
-    "solve_sylvester_psd_products",
+    "solve_sylvester_eigenbases",
     "solve_sylvester_shifted",
-    "solve_sylvester_spd_product",
     "sym",
 ]
 
@@ -25,13 +28,41 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
-def gram(factor: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    r"""Relaxed Gram matrix :math:`F^\top F + \varepsilon I` in :func:`compute_dtype`."""
-    f = factor.to(compute_dtype(factor.dtype))
-    s = f.mT @ f
+_CONVERT_CHUNK_BYTES = 1 << 22
+
+
+def gram(
+    factor: torch.Tensor, eps: float = 0.0, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    r"""Relaxed Gram matrix :math:`F^\top F + \varepsilon I` of ``factor`` (``(..., r, h)``).
+
+    Computed in ``dtype``, by default :func:`compute_dtype` of the factor's dtype.
+    """
+    dtype = compute_dtype(factor.dtype) if dtype is None else dtype
+    if factor.dtype == dtype or factor.dim() < 3:
+        f = factor.to(dtype)
+        s = f.mT @ f
+    else:
+        s = _converted_gram(factor, dtype)
     if eps:
         s = s + eps * torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     return s
+
+
+def _converted_gram(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r""":math:`F^\top F` in ``dtype`` for a batch of factors of another dtype.
+
+    The factors are converted a few matrices at a time (about 4 MiB of converted copy
+    per batched product), so the converted copy never exists in full: that would add a
+    pass over the factor and a freshly allocated (page-faulted) buffer of its size.
+    """
+    flat = factor.reshape(-1, *factor.shape[-2:])
+    per_matrix = factor.shape[-2] * factor.shape[-1] * dtype.itemsize
+    grams = []
+    for chunk in flat.split(max(1, _CONVERT_CHUNK_BYTES // max(1, per_matrix))):
+        converted = chunk.to(dtype)
+        grams.append(converted.mT @ converted)
+    return torch.cat(grams).reshape(*factor.shape[:-2], *grams[0].shape[-2:])
 
 
 def sym(a: torch.Tensor) -> torch.Tensor:
@@ -39,26 +70,58 @@ def sym(a: torch.Tensor) -> torch.Tensor:
     return 0.5 * (a + a.mT)
 
 
-def solve_sylvester_spd_product(
-    s_g: torch.Tensor, s_h: torch.Tensor, rhs: torch.Tensor
-) -> torch.Tensor:
-    r"""Solve :math:`X A + A X = B` with :math:`A = S_G S_H`, both SPD.
+class Eigenbasis(NamedTuple):
+    r"""A batch of diagonalisable matrices :math:`A = P \operatorname{diag}(\lambda) P^{-1}`."""
 
-    :math:`A` is similar to the SPD matrix :math:`C^\top S_H C` where
-    :math:`S_G = C C^\top`; with :math:`C^\top S_H C = Q \Lambda Q^\top` and
-    :math:`P = C Q` we have :math:`A = P \Lambda P^{-1}`, :math:`P^{-1} = Q^\top C^{-1}`.
-    Then :math:`Y = P^{-1} X P` solves :math:`Y_{ij} (\lambda_i + \lambda_j) = (P^{-1} B P)_{ij}`.
-    One batched Cholesky and one batched ``eigh`` for the whole batch.
+    values: torch.Tensor
+    r"""The eigenvalues :math:`\lambda`, shape ``(..., h)``."""
+    vectors: torch.Tensor
+    """The eigenvectors :math:`P` (columns), shape ``(..., h, h)``."""
+    inverse: torch.Tensor
+    """:math:`P^{-1}`, shape ``(..., h, h)``."""
+
+    def transpose(self) -> Eigenbasis:
+        r"""The eigenbasis of :math:`A^\top = P^{-\top} \operatorname{diag}(\lambda) P^\top`."""
+        return Eigenbasis(self.values, self.inverse.mT, self.vectors.mT)
+
+
+def eigenbasis_spd_product(s: torch.Tensor, p: torch.Tensor) -> Eigenbasis:
+    r"""Eigenbasis of :math:`A = S P` for :math:`S` SPD and :math:`P` symmetric PSD.
+
+    With :math:`S = L L^\top` (Cholesky), :math:`A = L (L^\top P L) L^{-1}` is similar to
+    the symmetric :math:`L^\top P L = Q \Lambda Q^\top` (``eigh``), so
+    :math:`A = (L Q) \Lambda (L Q)^{-1}` with :math:`(L Q)^{-1} = Q^\top L^{-1}
+    = (L^{-\top} Q)^\top`: real, non-negative eigenvalues. One batched Cholesky, one
+    batched ``eigh`` and one triangular solve; everything after that is matrix products.
     """
-    chol = torch.linalg.cholesky(s_g)
-    eigvals, q = torch.linalg.eigh(chol.mT @ s_h @ chol)
-    p = chol @ q
-    # P^{-1} M = Q^T C^{-1} M, computed with a triangular solve rather than an inverse.
-    c_inv_rhs_p = torch.linalg.solve_triangular(chol, rhs @ p, upper=False)
-    y = (q.mT @ c_inv_rhs_p) / (eigvals[..., :, None] + eigvals[..., None, :])
-    # X = P Y P^{-1} = P Y Q^T C^{-1}:  (C^{-T} Q Y^T P^T)^T
-    right = torch.linalg.solve_triangular(chol.mT, q @ y.mT @ p.mT, upper=True)
-    return right.mT
+    chol = torch.linalg.cholesky(s)
+    values, q = torch.linalg.eigh(chol.mT @ p @ chol)
+    inverse = torch.linalg.solve_triangular(chol.mT, q, upper=True).mT
+    return Eigenbasis(values, chol @ q, inverse)
+
+
+def solve_sylvester_eigenbases(
+    a: Eigenbasis, b: Eigenbasis, rhs: torch.Tensor, *, degenerate: bool = False
+) -> torch.Tensor:
+    r"""Solve :math:`A Y + Y B = R` for diagonalised :math:`A` and :math:`B`.
+
+    With :math:`A = P_a \Lambda P_a^{-1}` and :math:`B = P_b M P_b^{-1}`,
+
+    .. math::
+
+        Y = P_a W P_b^{-1}, \qquad
+        W_{ij} = \frac{(P_a^{-1} R P_b)_{ij}}{\lambda_i + \mu_j}.
+
+    Four batched :math:`h \times h` products. ``degenerate=True`` sets :math:`W_{ij} = 0`
+    where :math:`\lambda_i + \mu_j` vanishes (see :func:`_safe_divide_eigensum`);
+    otherwise every :math:`\lambda_i + \mu_j` must be nonzero.
+    """
+    w = a.inverse @ rhs @ b.vectors
+    if degenerate:
+        w = _safe_divide_eigensum(w, a.values, b.values)
+    else:
+        w = w / (a.values[..., :, None] + b.values[..., None, :])
+    return a.vectors @ w @ b.inverse
 
 
 def _safe_divide_eigensum(
@@ -93,31 +156,3 @@ def solve_sylvester_shifted(
     b = (tau - eps) / tau
     y = _safe_divide_eigensum(u_g.mT @ rhs @ u_h, a, b)
     return u_g @ y @ u_h.mT
-
-
-def solve_sylvester_psd_products(
-    s_a: torch.Tensor,
-    p_a: torch.Tensor,
-    p_b: torch.Tensor,
-    s_b: torch.Tensor,
-    rhs: torch.Tensor,
-) -> torch.Tensor:
-    r"""Solve :math:`A Y + Y B = R` with :math:`A = S_a P_a`, :math:`B = P_b S_b`.
-
-    :math:`S_a, S_b` are SPD and :math:`P_a, P_b` symmetric positive semi-definite. With
-    :math:`S_a = L_a L_a^\top`, :math:`L_a^\top P_a L_a = Q_a \Lambda Q_a^\top` we have
-    :math:`A = (L_a Q_a) \Lambda (L_a Q_a)^{-1}`; with :math:`S_b = L_b L_b^\top`,
-    :math:`L_b^\top P_b L_b = Q_b M Q_b^\top` we have
-    :math:`B = (L_b^{-\top} Q_b) M (L_b^{-\top} Q_b)^{-1}`. Then
-    :math:`W = Q_a^\top L_a^{-1} R L_b^{-\top} Q_b` is divided entry-wise by
-    :math:`\lambda_i + \mu_j` and :math:`Y = L_a Q_a W Q_b^\top L_b^\top`.
-    This is the inv-metric projection equation for relaxed Gram matrices (``eps > 0``).
-    """
-    chol_a = torch.linalg.cholesky(s_a)
-    chol_b = torch.linalg.cholesky(s_b)
-    lam, q_a = torch.linalg.eigh(chol_a.mT @ p_a @ chol_a)
-    mu, q_b = torch.linalg.eigh(chol_b.mT @ p_b @ chol_b)
-    t = torch.linalg.solve_triangular(chol_a, rhs, upper=False)
-    t = torch.linalg.solve_triangular(chol_b.mT, t, upper=True, left=False)
-    w = _safe_divide_eigensum(q_a.mT @ t @ q_b, lam, mu)
-    return chol_a @ q_a @ w @ q_b.mT @ chol_b.mT

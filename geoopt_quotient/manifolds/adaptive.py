@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Tuple, Union
+from typing import Callable, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -62,7 +61,8 @@ class AdaptiveEuclidean(Manifold):
         return x.abs() + self.eps
 
     def tangent_space(self, x: torch.Tensor):
-        r"""The tangent space at ``x``, with the weights :math:`c^{\pm 2}` computed once."""
+        r"""The tangent space at ``x``; its weights :math:`c^{\pm 2}` are recomputed block by
+        block when used, never stored (see :class:`_ScaleState`)."""
         from .tangent import CachedTangentSpace
 
         return CachedTangentSpace(self, x, _ScaleState(self, x))
@@ -96,8 +96,7 @@ class AdaptiveEuclidean(Manifold):
         self, st: _ScaleState, u: torch.Tensor, v: torch.Tensor | None, keepdim: bool
     ) -> torch.Tensor:
         v = u if v is None else v
-        w = st.weight
-        value = self._reduce(w * u.to(w.dtype) * v.to(w.dtype), keepdim)
+        value = self._reduce(st.weighted_product(u, v), keepdim)
         return value.to(torch.promote_types(u.dtype, v.dtype))
 
     def component_inner(
@@ -125,7 +124,7 @@ class AdaptiveEuclidean(Manifold):
         return self._egrad2rgrad(_ScaleState(self, x), u)
 
     def _egrad2rgrad(self, st: _ScaleState, u: torch.Tensor) -> torch.Tensor:
-        return (u.to(compute_dtype(u.dtype)) * st.scale_squared).to(u.dtype)
+        return st.rescaled(u)
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Straight line :math:`w + \\xi`."""
@@ -173,23 +172,83 @@ class AdaptiveEuclidean(Manifold):
 
 
 class _ScaleState:
-    """The per-entry weights at one point, each computed on first use."""
+    r"""The per-entry metric weights at one point, recomputed block by block when used.
+
+    Nothing of the point's size is stored: a cached :math:`c^2` or :math:`1 / c^2` would
+    be one more copy of a model-sized point. Recomputed on blocks of :data:`BLOCK`
+    entries, which stay in the processor's cache for the few operations involved, they
+    cost about as much as reading a cached copy. Results are exactly those of the
+    whole-tensor formulas, which serve as fallback when the operands do not split into
+    matching blocks (broadcasting, non-contiguous tensors, mixed dtypes).
+    """
 
     def __init__(self, manifold: AdaptiveEuclidean, x: torch.Tensor):
         self.x = x
         self.manifold = manifold
+        self.dtype = compute_dtype(x.dtype)
 
-    @functools.cached_property
-    def scale_squared(self) -> torch.Tensor:
-        """:math:`c^2` (zero where frozen)."""
-        return self.manifold.scale(self.x.to(compute_dtype(self.x.dtype))).pow(2)
+    def scale_squared(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`c^2` (zero where frozen) of the point's entries ``x``, a new tensor."""
+        return self.manifold.scale(x.to(self.dtype)).pow_(2)
 
-    @functools.cached_property
-    def weight(self) -> torch.Tensor:
-        """:math:`1 / c^2`, with frozen entries mapped to 0 instead of inf."""
-        c2 = self.scale_squared
-        return torch.where(c2 > 0, c2.reciprocal(), torch.zeros_like(c2))
+    def weight(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`1 / c^2` of the entries ``x``, with frozen entries mapped to 0 instead of inf."""
+        c2 = self.scale_squared(x)
+        frozen = (c2 > 0).logical_not_()  # also NaN, as torch.where(c2 > 0, ...) would
+        return c2.reciprocal_().masked_fill_(frozen, 0.0)
 
-    @functools.cached_property
+    def weighted_product(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r""":math:`u \odot v / c^2`, computed as ``(w * u) * v`` in the working dtype."""
+        out = _blockwise(self._weighted_product, self.dtype, self.x, u, v)
+        if out is None:  # u, v may broadcast against the point: not in place
+            return self.weight(self.x) * u.to(self.dtype) * v.to(self.dtype)
+        return out
+
+    def rescaled(self, u: torch.Tensor) -> torch.Tensor:
+        r""":math:`c^2 \odot u` in ``u``'s dtype, computed in the working dtype."""
+        out = None
+        if compute_dtype(u.dtype) == self.dtype:
+            out = _blockwise(self._rescaled, u.dtype, self.x, u)
+        if out is None:
+            return (u.to(compute_dtype(u.dtype)) * self.scale_squared(self.x)).to(u.dtype)
+        return out
+
+    @property
     def frozen(self) -> torch.Tensor:
         return self.x == 0
+
+    def _weighted_product(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.weight(x).mul_(u.to(self.dtype)).mul_(v.to(self.dtype))
+
+    def _rescaled(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.scale_squared(x).mul_(u.to(self.dtype))
+
+
+#: Entries per block of :class:`_ScaleState`'s element-wise kernels.
+BLOCK = 1 << 20
+
+
+def _blockwise(
+    fn: Callable[..., torch.Tensor], dtype: torch.dtype, x: torch.Tensor, *others: torch.Tensor
+) -> torch.Tensor | None:
+    """``fn(x, *others)`` evaluated on matching blocks of the flattened tensors and written
+    into a new tensor of ``x``'s shape and ``dtype``; ``None`` where the operands do not
+    split into matching blocks (other shapes or devices, not contiguous) or when autograd
+    records an operation on them.
+
+    Exact for element-wise ``fn``: each entry sees the same operations as with whole
+    tensors.
+    """
+    operands = (x, *others)
+    if any(t.shape != x.shape or t.device != x.device for t in others):
+        return None
+    if not all(t.is_contiguous() for t in operands):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return None
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    flat = [t.reshape(-1) for t in (out, *operands)]
+    for start in range(0, x.numel(), BLOCK):
+        block, *inputs = (f[start : start + BLOCK] for f in flat)
+        block.copy_(fn(*inputs))
+    return out

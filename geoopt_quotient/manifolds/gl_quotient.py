@@ -11,11 +11,12 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from ._linalg import (
+    Eigenbasis,
     compute_dtype,
+    eigenbasis_spd_product,
     gram,
-    solve_sylvester_psd_products,
+    solve_sylvester_eigenbases,
     solve_sylvester_shifted,
-    solve_sylvester_spd_product,
     sym,
 )
 from ._validation import (
@@ -49,11 +50,23 @@ class PointState:
         self.g, self.h = g.to(self.dtype), h.to(self.dtype)
 
     @functools.cached_property
+    def high(self) -> torch.dtype:
+        """The dtype of the Gram matrices and their factorisations: float64 for float32
+        (and lower) inputs, because the Gram matrix squares the condition number."""
+        return torch.float64 if self.dtype == torch.float32 else self.dtype
+
+    @functools.cached_property
+    def grams_unrelaxed(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        r""":math:`G^\top G, H^\top H` in :attr:`high` precision."""
+        return gram(self.g, dtype=self.high), gram(self.h, dtype=self.high)
+
+    @functools.cached_property
     def grams_exact(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        r""":math:`S_G, S_H` in float64 when the working dtype is float32 or lower: the
-        Gram matrix squares the condition number, which float32 cannot factorise."""
-        high = torch.float64 if self.dtype == torch.float32 else self.dtype
-        return gram(self.g.to(high), self.eps), gram(self.h.to(high), self.eps)
+        r""":math:`S_G, S_H` in :attr:`high` precision (float64 for float32 inputs)."""
+        if not self.eps:
+            return self.grams_unrelaxed
+        eye = torch.eye(self.g.shape[-1], dtype=self.high, device=self.g.device)
+        return tuple(s + self.eps * eye for s in self.grams_unrelaxed)
 
     @functools.cached_property
     def grams(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +84,21 @@ class PointState:
         much faster than a triangular solve with an :math:`n \times h` right-hand side."""
         exact = (torch.linalg.cholesky(s) for s in self.grams_exact)
         return tuple(torch.cholesky_inverse(c).to(self.dtype) for c in exact)
+
+    @functools.cached_property
+    def inv_sylvester_bases(self) -> Tuple[Eigenbasis, Eigenbasis]:
+        r"""Eigenbases of the coefficients of the inv-metric projection equation
+        :math:`(S_G H^\top H)\, Y + Y\, (G^\top G S_H) = R`, in :attr:`high` precision.
+
+        The left one is that of :math:`S_G \cdot H^\top H`, the right one the transpose
+        of that of :math:`S_H \cdot G^\top G`; for ``eps = 0`` both coefficients are
+        :math:`S_G S_H` and one eigendecomposition serves both sides.
+        """
+        (s_g, s_h), (gtg, hth) = self.grams_exact, self.grams_unrelaxed
+        left = eigenbasis_spd_product(s_g, hth)
+        if not self.eps:
+            return left, left
+        return left, eigenbasis_spd_product(s_h, gtg).transpose()
 
 
 class GLQuotient(Manifold):
@@ -297,35 +325,58 @@ class GLQuotient(Manifold):
         return self._proju(PointState(self, x), u)
 
     def _proju(self, st: PointState, u: torch.Tensor) -> torch.Tensor:
-        g, h = st.g, st.h
         u_g, u_h = self.factors(u.to(st.dtype))
+        solve = self._omega_inv if self.metric == "inv" else self._omega_mix
+        omega = solve(st, u_g, u_h)
+        return self._shift_along_orbit(st, u_g, u_h, omega).to(u.dtype)
+
+    def _omega_mix(self, st: PointState, u_g: torch.Tensor, u_h: torch.Tensor) -> torch.Tensor:
+        r""":math:`\Omega` of the mix projection: :math:`G^\top G\, \Omega S_H + S_G \Omega
+        H^\top H = S_G D S_H` with :math:`D = \eta_H^\top H S_H^{-1} - S_G^{-1} G^\top
+        \eta_G`; for ``eps = 0``, :math:`\Omega = D / 2`."""
+        s_g_inv, s_h_inv = st.inverses
+        diff = (u_h.mT @ st.h) @ s_h_inv - s_g_inv @ (st.g.mT @ u_g)
+        if not self.eps:
+            return 0.5 * diff
+        omega = solve_sylvester_shifted(*st.grams_exact, diff.to(st.high), self.eps)
+        return omega.to(st.dtype)
+
+    def _omega_inv(self, st: PointState, u_g: torch.Tensor, u_h: torch.Tensor) -> torch.Tensor:
+        r""":math:`\Omega` of the inv projection: :math:`Y = \Omega^\top` solves
+        :math:`(S_G H^\top H)\, Y + Y\, (G^\top G S_H) = S_G H^\top \eta_H - \eta_G^\top G
+        S_H` (for ``eps = 0`` both coefficients are :math:`A = S_G S_H`: :math:`Y A + A Y`),
+        solved in the cached eigenbases of the two coefficients."""
         s_g, s_h = st.grams
-        exact = st.grams_exact
-        high = exact[0].dtype
-        if self.metric == "mix":
-            # G^T G Omega S_H + S_G Omega H^T H = S_G D S_H with
-            # D = eta_H^T H S_H^{-1} - S_G^{-1} G^T eta_G; for eps = 0, Omega = D / 2.
-            s_g_inv, s_h_inv = st.inverses
-            left = (u_h.mT @ h) @ s_h_inv
-            right = s_g_inv @ (g.mT @ u_g)
-            if self.eps > 0:
-                omega = solve_sylvester_shifted(*exact, (left - right).to(high), self.eps).to(
-                    st.dtype
-                )
-            else:
-                omega = 0.5 * (left - right)
-        else:
-            # Omega^T (G^T G S_H) + (S_G H^T H) Omega^T = S_G H^T eta_H - eta_G^T G S_H;
-            # for eps = 0 both coefficients are S_G S_H.
-            rhs = s_g @ (h.mT @ u_h) - (u_g.mT @ g) @ s_h
-            if self.eps > 0:
-                gtg, hth = (g.mT @ g).to(high), (h.mT @ h).to(high)
-                omega = solve_sylvester_psd_products(exact[0], hth, gtg, exact[1], rhs.to(high))
-                omega = omega.mT.to(st.dtype)
-            else:
-                omega = solve_sylvester_spd_product(*exact, rhs.to(high)).mT.to(st.dtype)
-        out = torch.cat((u_g + g @ omega, u_h - h @ omega.mT), dim=-2)
-        return out.to(u.dtype)
+        rhs = s_g @ (st.h.mT @ u_h) - (u_g.mT @ st.g) @ s_h
+        left, right = st.inv_sylvester_bases
+        y = solve_sylvester_eigenbases(left, right, rhs.to(st.high), degenerate=self.eps > 0)
+        return y.mT.to(st.dtype)
+
+    def _shift_along_orbit(
+        self, st: PointState, u_g: torch.Tensor, u_h: torch.Tensor, omega: torch.Tensor
+    ) -> torch.Tensor:
+        r""":math:`(\eta_G + G\Omega, \eta_H - H\Omega^\top)` as one tensor.
+
+        Without autograd each block is one ``baddbmm`` writing straight into the output:
+        no intermediate products, no concatenation (the projection is bound by these
+        :math:`(n + m) h^2` products and by the passes over its large operands).
+        """
+        g, h = st.g, st.h
+        operands = (g, h, u_g, u_h, omega)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+            return self.from_factors(u_g + g @ omega, u_h - h @ omega.mT)
+        k = omega.shape[-1]
+        batch = torch.broadcast_shapes(g.shape[:-2], u_g.shape[:-2], omega.shape[:-2])
+        out = torch.empty(*batch, g.shape[-2] + h.shape[-2], k, dtype=st.dtype, device=g.device)
+        out_g, out_h = self.factors(out.view(-1, *out.shape[-2:]))
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
+
+        omega = flat(omega)
+        torch.baddbmm(flat(u_g), flat(g), omega, out=out_g)
+        torch.baddbmm(flat(u_h), flat(h), omega.mT, alpha=-1, out=out_h)
+        return out
 
     def projx(self, x: torch.Tensor) -> torch.Tensor:
         """Every full-rank pair is a point: returned unchanged."""

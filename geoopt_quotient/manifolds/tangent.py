@@ -2,8 +2,9 @@
 
 Auto-PGD evaluates metric norms, projections and gradient conversions many times at
 one base point. :func:`tangent_space` returns an object that does so; for this
-package's manifolds it computes what depends on the point only (Gram matrices and
-their inverses, metric weights) once.
+package's manifolds it computes what depends on the point only and is small (Gram
+matrices and their inverses) once. Nothing as large as the point is kept: the adaptive
+metric's weights are recomputed block by block when used.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TangentSpace:
 
 
 class CachedTangentSpace(TangentSpace):
-    """Tangent space of this package's manifolds: the point's state is computed once.
+    """Tangent space of this package's manifolds, with the point's state built once.
 
     ``state`` is what the manifold's private ``_inner``, ``_proju``, ``_egrad2rgrad`` and
     ``_random_tangent`` take in place of the point.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -68,6 +68,9 @@ class BallMaxResult:
         Objective at every iterate, the initial one first.
     step_sizes : list of float
         Step size used at every iteration.
+    evaluations : int
+        Objective evaluations (forward passes): one per iterate, plus one per restart
+        from an earlier best iterate, whose gradient is recomputed rather than kept.
     """
 
     value: float
@@ -75,6 +78,7 @@ class BallMaxResult:
     initial_value: float
     history: List[float] = field(default_factory=list)
     step_sizes: List[float] = field(default_factory=list)
+    evaluations: int = 0
 
 
 def path_function(manifold: Manifold, path: str) -> Path:
@@ -131,19 +135,35 @@ class _Ball:
         Auto-PGD's iterates are linear combinations of horizontal vectors at the fixed
         base point, so they stay horizontal and need only this part of the projection.
         """
-        scale = (self.rho / self.norm(horizontal).clamp_min(1e-300)).clamp(max=1.0)
+        scale = self._clip_scale(horizontal)
         return [h * scale.to(h.dtype) for h in horizontal]
 
-    def ascent_direction(
-        self, egrads: Sequence[torch.Tensor]
-    ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """Unit-norm steepest-ascent direction of the metric at the base point.
+    def clip_(self, owned: List[torch.Tensor]) -> List[torch.Tensor]:
+        """:meth:`clip` in place, for buffers nothing else refers to; returns ``owned``."""
+        scale = self._clip_scale(owned)
+        for h in owned:
+            h.mul_(scale.to(h.dtype))
+        return owned
 
-        ``egrad2rgrad`` returns a tangent (for the quotients: horizontal) vector.
+    def _clip_scale(self, horizontal: Sequence[torch.Tensor]) -> torch.Tensor:
+        return (self.rho / self.norm(horizontal).clamp_min(1e-300)).clamp(max=1.0)
+
+    def ascent_direction_(self, egrads: List[torch.Tensor]) -> torch.Tensor:
+        """Turn ``egrads`` into the unit-norm steepest-ascent direction; return the
+        Riemannian gradient's norm.
+
+        The list's entries are replaced group by group (Euclidean gradient, then
+        Riemannian gradient, then direction), so beyond one vector in the ball only one
+        group's worth of memory is ever added. The directions are new tensors, which the
+        caller may update in place. ``egrad2rgrad`` returns a tangent (for the
+        quotients: horizontal) vector.
         """
-        rgrads = [space.egrad2rgrad(g) for space, g in zip(self.spaces, egrads)]
-        norm = self.norm(rgrads)
-        return [r / norm.clamp_min(1e-300).to(r.dtype) for r in rgrads], norm
+        for i, (space, g) in enumerate(zip(self.spaces, egrads)):
+            egrads[i] = space.egrad2rgrad(g)
+        norm = self.norm(egrads)
+        for i, r in enumerate(egrads):
+            egrads[i] = r / norm.clamp_min(1e-300).to(r.dtype)
+        return norm
 
     def random(self, generator: torch.Generator, scale: float) -> List[torch.Tensor]:
         return [space.random(generator) * scale for space in self.spaces]
@@ -272,12 +292,21 @@ def maximize_in_ball(
     Returns
     -------
     BallMaxResult
+
+    Notes
+    -----
+    Besides the base points, the state kept across an evaluation of the objective is
+    :math:`\xi_{k+1}`, :math:`\xi_k` and the best :math:`\xi` (often one of them): no
+    gradient. The update is computed in place in the buffers of the gradient it uses.
+    When Auto-PGD restarts from an earlier best iterate (after halving the step), that
+    iterate's gradient is recomputed, one more forward and backward pass, instead of
+    being kept all along; :attr:`BallMaxResult.evaluations` counts the passes.
     """
     ball, paths = _prepare(groups, rho, path)
     iters = check_positive_int(iters, "iters")
     check_choice(init, ("zero", "random"), "init")
     if init == "zero":
-        xi = [torch.zeros_like(x) for x in ball.points]
+        xi = _joint_buffer(ball.points, zero=True)
     else:
         xi = ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
 
@@ -285,21 +314,19 @@ def maximize_in_ball(
     value_t, grads = _evaluate(ball, paths, objective, xi, grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
-    best_xi, best_grads = xi, grads
-    history, steps = [value], []
+    best_xi = xi_prev = xi
+    history, steps, evaluations = [value], [], 1
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
     best_at_last_mark, step_halved_at_last_mark = value, True
-    xi_prev = xi
     for k in range(iters):
-        direction, grad_norm = ball.ascent_direction(grads)
-        z = ball.clip([a + step * d for a, d in zip(xi, direction)])
         alpha = 1.0 if k == 0 else momentum
-        xi_next = ball.clip(
-            [a + alpha * (c - a) + (1 - alpha) * (a - b) for a, c, b in zip(xi, z, xi_prev)]
-        )
+        xi_next, grad_norm = _apgd_update(ball, xi, xi_prev, grads, step, alpha)
+        # alive while the objective runs: xi, the previous xi and the best xi
+        xi_prev, xi, grads = xi, xi_next, None
         need_grad = k + 1 < iters
-        new_value_t, new_grads = _evaluate(ball, paths, objective, xi_next, grad=need_grad)
+        new_value_t, grads = _evaluate(ball, paths, objective, xi, grad=need_grad)
+        evaluations += 1
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
         if check_finite:
@@ -307,9 +334,9 @@ def maximize_in_ball(
         steps.append(step)
         history.append(new_value)
         increases += int(new_value > value)
-        xi_prev, xi, value, grads = xi, xi_next, new_value, new_grads
+        value = new_value
         if new_value > best_value:
-            best_value, best_xi, best_grads = new_value, xi, grads
+            best_value, best_xi = new_value, xi
         if k + 1 in checkpoints and need_grad:
             since = k + 1 - last_mark
             too_few_increases = increases < 0.75 * since
@@ -317,7 +344,10 @@ def maximize_in_ball(
             step_halved_at_last_mark = too_few_increases or stalled
             if step_halved_at_last_mark:
                 step /= 2.0
-                xi, grads, value = best_xi, best_grads, best_value
+                if best_xi is not xi:  # restart from the best iterate, with its gradient
+                    xi, value, grads = best_xi, best_value, None  # current ones released first
+                    grads = _evaluate(ball, paths, objective, xi, grad=True)[1]
+                    evaluations += 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return BallMaxResult(
         value=best_value,
@@ -325,7 +355,59 @@ def maximize_in_ball(
         initial_value=initial,
         history=history,
         step_sizes=steps,
+        evaluations=evaluations,
     )
+
+
+def _apgd_update(
+    ball: _Ball,
+    xi: Sequence[torch.Tensor],
+    xi_prev: Sequence[torch.Tensor],
+    grads: List[torch.Tensor],
+    step: float,
+    alpha: float,
+) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    r"""Auto-PGD's next iterate and the norm of the Riemannian gradient at ``xi``.
+
+    :math:`z = P(\xi + \eta d)`, then
+    :math:`P(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))`, with the same
+    floating-point operations as these formulas (so bitwise the same result). ``z`` is
+    computed in place in the buffers of ``grads``, which this consumes and releases group
+    by group; the iterate is written to a new :func:`_joint_buffer`. ``xi`` and ``xi_prev``
+    are only read.
+    """
+    grad_norm = ball.ascent_direction_(grads)
+    z = ball.clip_([d.mul_(step).add_(a) for d, a in zip(grads, xi)])
+    grads.clear()
+    out = _joint_buffer(xi)
+    for i, (o, a, b) in enumerate(zip(out, xi, xi_prev)):
+        torch.sub(z[i], a, out=o).mul_(alpha).add_(a)
+        o.add_((a - b).mul_(1 - alpha))
+        z[i] = None
+    return ball.clip_(out), grad_norm
+
+
+def _joint_buffer(like: Sequence[torch.Tensor], zero: bool = False) -> List[torch.Tensor]:
+    """New tensors shaped like ``like``, views of one flat buffer per dtype and device.
+
+    A vector of the ball lives for several iterations, next to per-parameter buffers that
+    come and go in every forward and backward pass. In one allocation of its own, as large
+    as the model, it stays out of the allocator's pool of small blocks, and is returned
+    whole when freed, instead of pinning that pool at its high-water mark.
+    """
+    keys = [(t.dtype, t.device) for t in like]
+    sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    for key, t in zip(keys, like):
+        sizes[key] = sizes.get(key, 0) + t.numel()
+    make = torch.zeros if zero else torch.empty
+    flat = {key: make(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    views = []
+    for key, t in zip(keys, like):
+        start = offsets[key]
+        views.append(flat[key][start : start + t.numel()].view(t.shape))
+        offsets[key] = start + t.numel()
+    return views
 
 
 def average_in_ball(

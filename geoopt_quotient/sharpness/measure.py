@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -153,7 +153,7 @@ def _measure(
 
         def objective_for(batch):
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
-                params = plan.scatter(perturbed_points, base)
+                params = plan.scatter(_drain(perturbed_points), base)
                 return loss_fn(FunctionalModel(model, params), batch)
 
             return objective
@@ -171,13 +171,12 @@ def _measure(
             t0 = time.perf_counter()
             objective = objective_for(batch)
             if kind == "worst":
-                result = maximize_in_ball(
+                clean_loss, top, history = _worst_case(
                     groups, objective, rho=rho, iters=iters, path=path, seed=seed + index
                 )
-                clean_loss, top, history = result.initial_value, result.value, result.history
             else:
                 with torch.no_grad():
-                    clean_value = objective(points)
+                    clean_value = objective(list(points))
                 clean_loss = check_scalar_finite(clean_value)
                 top, history = average_in_ball(
                     groups, objective, rho=rho, samples=iters, path=path, seed=seed + index
@@ -206,6 +205,27 @@ def _measure(
         settings=settings,
         plan=plan.summary(),
     )
+
+
+def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Yield and remove the entries of ``points``, first to last.
+
+    The objective's caller builds a fresh list for every call; emptying it while the
+    points are scattered into the parameters lets the copies of the symmetric groups go
+    before the forward pass, instead of after it.
+    """
+    points.reverse()
+    while points:
+        yield points.pop()
+
+
+def _worst_case(
+    groups: List[BallGroup], objective: Callable, **kwargs: Any
+) -> Tuple[float, float, List[float]]:
+    """(clean loss, worst loss, history) of one batch; its best perturbation is dropped
+    here rather than kept alive while the next batch is measured."""
+    result = maximize_in_ball(groups, objective, **kwargs)
+    return result.initial_value, result.value, result.history
 
 
 def _process_grid(distributed: bool | None) -> Tuple[int, int]:

@@ -44,8 +44,10 @@ class SymmetryGroup:
     param_shapes : tuple of torch.Size
         Their shapes.
     index : torch.Tensor
-        Long tensor of the point's shape: entry ``k`` of the point is entry
-        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``.
+        Integer tensor of the point's shape: entry ``k`` of the point is entry
+        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``. The groups this
+        module builds store it as int32 when the parameters have fewer than
+        :math:`2^{31}` entries (half the memory of int64).
     kind : str
         ``"query-key"``, ``"value-output"``, ``"adaptive"``, ``"manifold-parameter"``...
     count : int
@@ -98,7 +100,7 @@ class SymmetryGroup:
             raise PlanError(f"layout of group {name!r} must return a tensor built from its inputs")
         if index.unique().numel() != index.numel():
             raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
-        return cls(name, manifold, names, shapes, index.contiguous(), kind, count)
+        return cls(name, manifold, names, shapes, _compact(index, offsets), kind, count)
 
     @property
     def shape(self) -> torch.Size:
@@ -137,9 +139,19 @@ class SymmetryGroup:
         return replace(self, manifold=manifold)
 
 
+def _compact(index: torch.Tensor, bound: int) -> torch.Tensor:
+    """``index`` (entries below ``bound``), contiguous and as int32 where that holds them."""
+    return index.to(torch.int32 if bound <= 2**31 else index.dtype).contiguous()
+
+
 @dataclass(frozen=True)
 class _WholeParameter(SymmetryGroup):
-    """A group that is exactly one parameter tensor (no copy on gather/scatter)."""
+    """A group that is exactly one parameter tensor (no copy on gather/scatter).
+
+    Its :attr:`index`, the identity map, is a ``meta`` tensor: its shape without its
+    entries, since an int64 index per parameter entry would take twice the memory of a
+    float32 model. :meth:`covered` builds the entries when asked.
+    """
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return params[self.param_names[0]]
@@ -147,13 +159,16 @@ class _WholeParameter(SymmetryGroup):
     def scatter(self, point, params):
         return {self.param_names[0]: point}
 
+    def covered(self) -> Dict[str, torch.Tensor]:
+        return {self.param_names[0]: torch.arange(self.index.numel())}
+
 
 def whole_parameter_group(
     name: str, shape: Sequence[int], manifold: Manifold, kind: str = "adaptive"
 ) -> SymmetryGroup:
     """A group holding all of one parameter, in its own shape."""
     shape = torch.Size(shape)
-    index = torch.arange(shape.numel()).reshape(shape)
+    index = torch.empty(shape, dtype=torch.long, device="meta")
     return _WholeParameter(name, manifold, (name,), (shape,), index, kind, 1)
 
 
@@ -215,7 +230,7 @@ class SymmetryPlan:
             if mask is None:
                 extra.append(whole_parameter_group(n, p.shape, adaptive))
             elif not mask.all():
-                rest = (~mask).nonzero().reshape(-1)
+                rest = _compact((~mask).nonzero().reshape(-1), p.numel())
                 extra.append(
                     SymmetryGroup(n + " (rest)", adaptive, (n,), (p.shape,), rest, "adaptive", 1)
                 )
