@@ -31,22 +31,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 _CONVERT_CHUNK_BYTES = 1 << 22
 
 
-def gram(
-    factor: torch.Tensor, eps: float = 0.0, *, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    r"""Relaxed Gram matrix :math:`F^\top F + \varepsilon I` of ``factor`` (``(..., r, h)``).
+def gram(factor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    r"""Gram matrix :math:`F^\top F` of ``factor`` (``(..., r, h)``).
 
     Computed in ``dtype``, by default :func:`compute_dtype` of the factor's dtype.
     """
     dtype = compute_dtype(factor.dtype) if dtype is None else dtype
     if factor.dtype == dtype or factor.dim() < 3:
         f = factor.to(dtype)
-        s = f.mT @ f
-    else:
-        s = _converted_gram(factor, dtype)
-    if eps:
-        s = s + eps * torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
-    return s
+        return f.mT @ f
+    return _converted_gram(factor, dtype)
 
 
 def _converted_gram(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
