@@ -4,6 +4,60 @@ from __future__ import annotations
 
 import pytest
 import torch
+from device_mode import TensorsOnDevice
+from hypothesis import settings
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torch-device",
+        default="cpu",
+        help="run the tests marked 'on_device' with the tensors they create on this torch "
+        "device (e.g. cuda) and deselect the others; default: cpu, everything",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "on_device: runs on the device of --torch-device (geometry, sharpness, Hessian, layers, "
+        "symmetries); the other tests are CPU-only and deselected by --torch-device",
+    )
+    device = run_device(config)
+    if device.type == "cpu":
+        return
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--torch-device {device}: CUDA is not available here")
+    # the first call of a GPU library (cuBLAS, cuSOLVER) takes a while: no deadlines
+    settings.register_profile("device", deadline=None)
+    settings.load_profile("device")
+    config._device_mode = TensorsOnDevice(device)
+    config._device_mode.__enter__()
+
+
+def pytest_unconfigure(config):
+    mode = getattr(config, "_device_mode", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    if run_device(config).type == "cpu":
+        return
+    keep = [item for item in items if item.get_closest_marker("on_device")]
+    kept = set(map(id, keep))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep
+
+
+def run_device(config) -> torch.device:
+    return torch.device(config.getoption("--torch-device"))
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device of this run (``--torch-device``)."""
+    return run_device(request.config)
 
 
 class TinyTransformer(torch.nn.Module):

@@ -25,7 +25,7 @@ RTOL = 1e-12
 EPS_VALUES = (0.0, 0.1, 1.0)
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 @st.composite

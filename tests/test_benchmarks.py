@@ -17,13 +17,28 @@ def benchmarks_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
 
 
-@pytest.mark.parametrize("name", ["bench_sharpness_iteration", "bench_geometry", "bench_memory"])
+def keys_named(report, key: str) -> list:
+    """Every value stored under ``key`` anywhere in a nested report."""
+    if isinstance(report, dict):
+        found = [report[key]] if key in report else []
+        return found + [v for item in report.values() for v in keys_named(item, key)]
+    if isinstance(report, list):
+        return [v for item in report for v in keys_named(item, key)]
+    return []
+
+
+QUICK = ["bench_sharpness_iteration", "bench_geometry", "bench_memory", "bench_cuda"]
+
+
+@pytest.mark.parametrize("name", [*QUICK, "bench_precision"])
 def test_benchmark_runs_in_quick_mode(name, tmp_path):
     module = importlib.import_module(name)
     out = tmp_path / f"{name}.json"
     argv = ["--quick", "--json", str(out)]
     if name == "bench_sharpness_iteration":
         argv += ["--iters", "1", "--repeats", "1"]
+    if name == "bench_precision":
+        argv += ["--device", "cpu"]
     report = module.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     if name == "bench_sharpness_iteration":
@@ -32,4 +47,66 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert report["projection"]["max_abs_difference"] < 1e-8
     if name == "bench_memory":
         assert report["peak_ratio_to_training_step"]["train"] == 1.0
+    if name == "bench_cuda":  # on CPU: no memory statistics, no compiling in quick mode
+        assert report["status"] == "complete" and keys_named(report, "error") == []
+        for model in ("bert-base", "vit-b32"):
+            for precision in ("float32", "bf16-autocast"):
+                unit = report["iteration"]["results"][model][precision]
+                assert set(unit["ratio_to_adaptive"]) == {"geodesic-inv", "geodesic-mix"}
+                protocol = report["protocol"]["results"][model][precision]["measures"]
+                for measure in ("adaptive", "geodesic-mix"):  # 2 batches x 1 iteration
+                    assert protocol[measure]["passes"] == {"forward_backward": 2, "forward": 2}
+        assert "skipped" in report["memory"] and "skipped" in report["compile"]
+    if name == "bench_precision":  # float64 is the reference, the others are compared to it
+        rows = report["models"]["bert-tiny"]
+        assert {r["mode"] for r in rows} == {"float64", "float32", "bf16-autocast"}
+        assert all(r["abs_error"] == 0.0 for r in rows if r["mode"] == "float64")
+        assert all(r["rel_error"] < 0.5 for r in rows), rows
     assert sys.modules[name]
+
+
+@pytest.mark.parametrize("name", ["bench_host_syncs", "profile_cuda_iteration"])
+def test_cuda_only_scripts_import_and_explain_themselves(name, capsys):
+    """They need a GPU to measure anything; here: they import and answer --help."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0 and "--json" in capsys.readouterr().out
+
+
+class FakeMemory:
+    """Allocator statistics that a CPU run can give: 1000 bytes allocated, peak 1500."""
+
+    @staticmethod
+    def available(device):
+        return True
+
+    @staticmethod
+    def allocated(device):
+        return 1000
+
+    @staticmethod
+    def reset_peak(device):
+        pass
+
+    @staticmethod
+    def peak(device):
+        return 1500
+
+    @staticmethod
+    def peak_reserved(device):
+        return 2000
+
+
+def test_cuda_benchmark_memory_section_with_fake_statistics(tmp_path, monkeypatch):
+    module = importlib.import_module("bench_cuda")
+    monkeypatch.setattr(module, "MEMORY", FakeMemory())
+    argv = ["--quick", "--sections", "memory", "--models", "bert-base", "--precisions", "float32"]
+    report = module.main([*argv, "--json", str(tmp_path / "memory.json")])
+    unit = report["memory"]["results"]["bert-base"]["float32"]
+    assert set(unit["runs"]) == {"train-step", "adaptive", "geodesic-inv", "geodesic-mix"}
+    assert unit["runs"]["train-step"]["passes"] == {"forward_backward": 1, "forward": 0}
+    assert unit["runs"]["geodesic-mix"]["passes"] == {"forward_backward": 1, "forward": 1}
+    assert unit["peak_ratio_to_training_step"]["geodesic-inv"] == 1.0
+    assert unit["increment_ratio_to_training_step"]["adaptive"] == 1.0
+    assert report["iteration"]["results"] == {} and report["protocol"]["results"] == {}

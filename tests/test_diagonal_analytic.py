@@ -31,6 +31,8 @@ from geoopt_quotient.diagonal.train import (
     train_population,
 )
 
+pytestmark = pytest.mark.on_device
+
 DT = torch.float64
 
 
@@ -167,7 +169,7 @@ def test_adaptive_against_brute_force():
     rng = np.random.default_rng(0)
     z = rng.standard_normal((400_000, 4))
     z /= np.linalg.norm(z, axis=1, keepdims=True)
-    b0, bs = case.beta0.numpy(), case.beta_star.numpy()
+    b0, bs = case.beta0.cpu().numpy(), case.beta_star.cpu().numpy()
     for rho in (0.05, 0.5):
         a, b = rho * z[:, :2], rho * z[:, 2:]
         beta = b0 * (1 + a) * (1 + b)
@@ -199,7 +201,7 @@ def test_dense_solver_reproduces_mix_closed_form_and_first_order_limit():
 
 def test_worst_case_point_is_feasible_and_attains_value():
     case = Whitened(d=8, seed=4)
-    b0, bs = case.beta0.numpy(), case.beta_star.numpy()
+    b0, bs = case.beta0.cpu().numpy(), case.beta_star.cpu().numpy()
     rho = 0.3
     inv = analytic.inv_worst_case(b0, bs, rho)
     assert np.sum(inv.budgets**2) <= rho**2 * (1 + 1e-12)

@@ -31,7 +31,7 @@ SEEDS = st.integers(0, 2**32 - 1)
 RTOL = 1e-12
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 # ----------------------------------------------------------------------------- helpers

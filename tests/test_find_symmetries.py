@@ -34,6 +34,8 @@ from geoopt_quotient import (  # noqa: E402
 )
 from geoopt_quotient.models import SymmetryVerificationError, linear_attention_pairs  # noqa: E402
 
+pytestmark = pytest.mark.on_device
+
 
 # ---------------------------------------------------------------- tiny models
 def reinit(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

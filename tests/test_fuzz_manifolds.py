@@ -16,9 +16,9 @@ The contract checked here (the documented behaviour this file proposes):
   metric weights are representable): no exception at all, every output finite with the
   expected shape and dtype; ``expmap`` of a *short* horizontal vector (relative size
   <= 1/4, see :func:`gl_relative_size`) is finite too. ``expmap`` of a long vector may
-  raise :class:`GeodesicDomainError` (the geodesic leaves the manifold) or
-  ``torch.linalg.LinAlgError`` (the RK4 integration of :class:`GLQuotient` runs through
-  a rank collapse), and may overflow to ±Inf, but never returns NaN.
+  raise :class:`GeodesicDomainError` (the geodesic leaves the manifold, or the RK4
+  integration of :class:`GLQuotient` runs through a rank collapse), and may overflow to
+  ±Inf, but never returns NaN.
 * **Invalid inputs** (NaN/Inf entries, rank-deficient factors with ``eps = 0``, zero
   coordinates of the diagonal quotient, extreme magnitudes): the methods do not
   validate their arguments (Geoopt's convention: validation is
@@ -88,7 +88,7 @@ def fuzz_settings(examples: int) -> settings:
     )
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 # ----------------------------------------------------------------------------- cases

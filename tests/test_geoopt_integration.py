@@ -25,7 +25,7 @@ SGD_LR = {"mix": 0.1, "inv": 0.01}
 ADAM_LR = 0.1
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 def rel_diff(a, b):

@@ -54,7 +54,7 @@ UNIT32 = torch.finfo(torch.float32).eps
 CONDITION_POWER = {"mix": 1.0, "inv": 1.5}
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 # ----------------------------------------------------------------------------- helpers

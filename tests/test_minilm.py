@@ -28,6 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 from geoopt_quotient import adaptive_sharpness, find_symmetries, geodesic_sharpness  # noqa: E402
 
+pytestmark = pytest.mark.on_device
+
 SENTENCES = [
     "The cat sat on the mat.",
     "A dog is running in the park.",

@@ -52,6 +52,8 @@ from geoopt_quotient import (
 from geoopt_quotient.io import UnsafeCheckpointError, find_weights, load_state_dict
 from geoopt_quotient.models import verify_plan
 
+pytestmark = pytest.mark.on_device
+
 F64 = torch.float64
 TESTS = Path(__file__).resolve().parent
 

@@ -29,6 +29,9 @@ from geoopt_quotient import (
 )
 from geoopt_quotient.sharpness.apgd import _evaluate, _prepare, apgd_checkpoints, random_tangent
 from geoopt_quotient.sharpness.measure import resolve_plan
+from geoopt_quotient.sharpness.precision import AutocastState
+
+pytestmark = pytest.mark.on_device
 
 
 # ---------------------------------------------------------------- oracles
@@ -139,9 +142,11 @@ def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentu
     if init == "zero":
         xi = [torch.zeros_like(x) for x in ball.points]
     else:
-        xi = ball.project(ball.random(torch.Generator().manual_seed(seed), ball.rho))
+        generator = torch.Generator(ball.points[0].device).manual_seed(seed)
+        xi = ball.project(ball.random(generator, ball.rho))
+    autocast = AutocastState.capture()
     step, checkpoints = 2.0 * rho, apgd_checkpoints(iters)
-    value_t, grads = _evaluate(ball, paths, objective, xi, grad=True)
+    value_t, grads = _evaluate(ball, paths, objective, xi, True, autocast)
     value = best_value = float(value_t)
     best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
@@ -155,7 +160,7 @@ def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentu
             [a + alpha * (c - a) + (1 - alpha) * (a - b) for a, c, b in zip(xi, z, xi_prev)]
         )
         need_grad = k + 1 < iters
-        value_t, new_grads = _evaluate(ball, paths, objective, xi_next, grad=need_grad)
+        value_t, new_grads = _evaluate(ball, paths, objective, xi_next, need_grad, autocast)
         new_value = float(value_t)
         history.append(new_value)
         increases += int(new_value > value)
@@ -411,7 +416,8 @@ def test_plan_indices_are_compact(tiny_transformer):
         numel = group.index.numel()
         if group.param_names == (group.name,):  # a whole parameter
             assert group.index.is_meta and group.shape == params[group.name].shape
-            assert torch.equal(group.covered()[group.name], torch.arange(numel))
+            covered = group.covered()[group.name]  # plans live on the CPU
+            assert torch.equal(covered, torch.arange(numel, device=covered.device))
         else:
             assert group.index.dtype == torch.int32
     out = plan.scatter(plan.gather(params), params)

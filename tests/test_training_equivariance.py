@@ -26,7 +26,7 @@ DT = torch.float64
 STEPS = 50
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 def gen(seed: int) -> torch.Generator:

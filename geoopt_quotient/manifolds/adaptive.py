@@ -10,6 +10,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from ._linalg import compute_dtype
+from ._random import standard_normal
 from ._validation import check_nonnegative_float
 
 __all__ = ["AdaptiveEuclidean"]
@@ -156,7 +157,7 @@ class AdaptiveEuclidean(Manifold):
     def _random_tangent(
         self, st: _ScaleState, x: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        noise = standard_normal(x, generator)
         return (noise * self.scale(x)).to(x.dtype)
 
     def random(self, *size, dtype=None, device=None, std: float = 1.0) -> ManifoldTensor:

@@ -10,6 +10,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from ._linalg import compute_dtype
+from ._random import standard_normal
 from ._validation import GeodesicDomainError, check_choice
 from .gl_quotient import METRICS, RETRACTIONS
 
@@ -226,7 +227,7 @@ class DiagonalQuotient(Manifold):
         self, x: torch.Tensor, *, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """A standard Gaussian horizontal vector in the metric."""
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        noise = standard_normal(x, generator)
         return self.proju(x, (noise / self._weights(x).sqrt()).to(x.dtype))
 
     def random(self, *size, dtype=None, device=None, std: float = 1.0) -> ManifoldTensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Tuple, Union
+from typing import List, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -19,6 +19,7 @@ from ._linalg import (
     solve_sylvester_shifted,
     sym,
 )
+from ._random import standard_normal
 from ._validation import (
     GeodesicDomainError,
     check_choice,
@@ -42,9 +43,12 @@ class PointState:
     not recomputed. Everything is in :func:`compute_dtype` (float32 at least).
     """
 
-    def __init__(self, manifold: GLQuotient, x: torch.Tensor):
+    def __init__(
+        self, manifold: GLQuotient, x: torch.Tensor, failures: List[torch.Tensor] | None = None
+    ):
         self.eps = manifold.eps
         self.x = x
+        self.failures = failures
         self.dtype = compute_dtype(x.dtype)
         g, h = manifold.factors(x)
         self.g, self.h = g.to(self.dtype), h.to(self.dtype)
@@ -73,16 +77,24 @@ class PointState:
         r""":math:`S_G, S_H` in the working dtype."""
         return tuple(s.to(self.dtype) for s in self.grams_exact)
 
+    def _cholesky(self, s: torch.Tensor) -> torch.Tensor:
+        """Cholesky factor of a Gram matrix. A failure raises at once (a host read), or,
+        with a ``failures`` list, is recorded in it for one check later (none here)."""
+        if self.failures is None:
+            return torch.linalg.cholesky(s)
+        chol, info = torch.linalg.cholesky_ex(s)
+        self.failures.append(info)
+        return chol
+
     @functools.cached_property
     def cholesky(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        chol = (torch.linalg.cholesky(s) for s in self.grams_exact)
-        return tuple(c.to(self.dtype) for c in chol)
+        return tuple(self._cholesky(s).to(self.dtype) for s in self.grams_exact)
 
     @functools.cached_property
     def inverses(self) -> Tuple[torch.Tensor, torch.Tensor]:
         r""":math:`S_G^{-1}, S_H^{-1}`: one small inverse, then a batched matmul per use is
         much faster than a triangular solve with an :math:`n \times h` right-hand side."""
-        exact = (torch.linalg.cholesky(s) for s in self.grams_exact)
+        exact = (self._cholesky(s) for s in self.grams_exact)
         return tuple(torch.cholesky_inverse(c).to(self.dtype) for c in exact)
 
     @functools.cached_property
@@ -458,9 +470,10 @@ class GLQuotient(Manifold):
         steps = self.expmap_steps if steps is None else check_positive_int(steps, "steps")
         dt = t / steps
         pos, vel = torch.broadcast_tensors(x, u)
+        failures: List[torch.Tensor] = []  # of the factorisations, checked once at the end
 
         def rhs(p: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-            return v, -self.christoffel(p, v)
+            return v, -self._christoffel(PointState(self, p, failures), v)
 
         for _ in range(steps):
             k1p, k1v = rhs(pos, vel)
@@ -469,20 +482,25 @@ class GLQuotient(Manifold):
             k4p, k4v = rhs(pos + dt * k3p, vel + dt * k3v)
             pos = pos + dt / 6 * (k1p + 2 * k2p + 2 * k3p + k4p)
             vel = vel + dt / 6 * (k1v + 2 * k2v + 2 * k3v + k4v)
-        self._check_integration(x, u, pos, vel, steps)
+        self._check_integration(x, u, pos, vel, steps, failures)
         return pos, vel
 
-    def _check_integration(self, x, u, pos, vel, steps: int) -> None:
+    def _check_integration(self, x, u, pos, vel, steps: int, failures: List[torch.Tensor]):
         """Geodesics keep their metric speed: a finite end point whose speed changed by more
-        than 2% means the path left the manifold or the steps were too long (one host read)."""
+        than 2% means the path left the manifold or the steps were too long; so does a
+        Gram matrix on the way that was not positive definite (a factor lost rank). All
+        of it is read from the device at once: one host synchronisation per call."""
         with torch.no_grad():
-            finite = bool(torch.isfinite(pos).all() and torch.isfinite(vel).all())
-            try:
-                start, end = self.inner(x, u), self.inner(pos, vel)
-                kept = bool(((end - start).abs() <= 2e-2 * start.abs() + 1e-30).all())
-            except torch.linalg.LinAlgError:  # the end point lost rank
-                kept = False
-        if not (finite and kept):
+            start = self._inner(PointState(self, x, failures), u, None, False)
+            end = self._inner(PointState(self, pos, failures), vel, None, False)
+            checks = [
+                torch.isfinite(pos).all(),
+                torch.isfinite(vel).all(),
+                ((end - start).abs() <= 2e-2 * start.abs() + 1e-30).all(),
+                *((info == 0).all() for info in failures),
+            ]
+            ok = bool(torch.stack(checks).all())
+        if not ok:
             raise GeodesicDomainError(
                 f"the geodesic integration broke down ({steps} RK4 steps): it left the "
                 "manifold (a factor lost rank) or the steps are too long for this vector; "
@@ -515,7 +533,7 @@ class GLQuotient(Manifold):
     def _random_tangent(
         self, st: PointState, x: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        noise = standard_normal(x, generator)
         n_g, n_h = self.factors(noise)
         chol_g, chol_h = st.cholesky
         w_g, w_h = (chol_g, chol_h) if self.metric == "inv" else (chol_h, chol_g)

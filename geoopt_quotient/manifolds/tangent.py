@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from geoopt.manifolds.base import Manifold
 
+from ._random import standard_normal
+
 __all__ = ["CachedTangentSpace", "TangentSpace", "tangent_space"]
 
 
@@ -52,9 +54,7 @@ class TangentSpace:
         """
         if getattr(type(self.manifold), "random_tangent", None) is not None:
             return self.manifold.random_tangent(self.x, generator=generator)
-        noise = torch.randn(
-            self.x.shape, generator=generator, dtype=self.x.dtype, device=self.x.device
-        )
+        noise = standard_normal(self.x, generator)
         return self.manifold.proju(self.x, noise)
 
 

@@ -6,6 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..manifolds._random import randn
+
 __all__ = ["balance", "balanced_factors", "orthonormal_frame"]
 
 
@@ -60,7 +62,7 @@ def orthonormal_frame(
     device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """A Haar-random ``(rows, cols)`` matrix with orthonormal columns (``cols <= rows``)."""
-    z = torch.randn(rows, cols, generator=generator, dtype=dtype, device=device)
+    z = randn((rows, cols), generator=generator, dtype=dtype, device=device)
     q, r = torch.linalg.qr(z)
     # fix the signs so that the distribution is Haar (diag(R) > 0)
     return q * torch.sign(torch.diagonal(r)).unsqueeze(-2)

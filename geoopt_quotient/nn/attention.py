@@ -133,11 +133,14 @@ class QuotientMultiheadAttention(nn.Module):
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
         """Re-draw the weights as :class:`torch.nn.MultiheadAttention` would."""
         e = self.embed_dim
-        factory = {"device": self.qk.device, "dtype": self.qk.dtype}
-        in_proj = torch.empty(3 * e, e, **factory)
+        # drawn where the generator lives (a CPU generator may seed a layer on the GPU)
+        source = self.qk.device if generator is None else generator.device
+        in_proj = torch.empty(3 * e, e, device=source, dtype=self.qk.dtype)
         nn.init.xavier_uniform_(in_proj, generator=generator)
-        out_proj = torch.empty(e, e, **factory)
+        out_proj = torch.empty(e, e, device=source, dtype=self.qk.dtype)
         nn.init.kaiming_uniform_(out_proj, a=math.sqrt(5), generator=generator)
+        in_proj, out_proj = in_proj.to(self.qk.device), out_proj.to(self.qk.device)
+        factory = {"device": self.qk.device, "dtype": self.qk.dtype}
         in_bias = torch.zeros(3 * e, **factory) if self.has_bias else None
         out_bias = torch.zeros(e, **factory) if self.has_bias else None
         self.load_projections(in_proj, in_bias, out_proj, out_bias)

@@ -11,6 +11,7 @@ from geoopt import ManifoldParameter
 from torch import nn
 
 from ..manifolds import GLQuotient
+from ..manifolds._random import standard_normal, uniform
 from ..manifolds._validation import check_positive_int
 from ._factors import balance, balanced_factors
 
@@ -103,12 +104,12 @@ class FactorizedLinear(nn.Module):
         """Re-draw the factors and the bias (see the class notes)."""
         x = self.factors
         std = (3.0 * self.in_features * self.rank) ** -0.25
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device) * std
+        noise = standard_normal(x, generator) * std
         g, h = balance(*self.manifold.factors(noise))
         x.copy_(self.manifold.from_factors(g, h))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features)
-            self.bias.uniform_(-bound, bound, generator=generator)
+            self.bias.copy_(uniform(self.bias, -bound, bound, generator))
 
     @classmethod
     def from_linear(

@@ -20,8 +20,10 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 import torch
 from geoopt.manifolds.base import Manifold
 
+from ..manifolds._linalg import compute_dtype
 from ..manifolds._validation import check_choice, check_positive_int
 from ..manifolds.tangent import tangent_space
+from .precision import AutocastState
 
 __all__ = [
     "PATHS",
@@ -112,12 +114,22 @@ def apgd_checkpoints(iters: int) -> List[int]:
 
 
 class _Ball:
-    """The feasible set and its geometry at fixed base points."""
+    """The feasible set and its geometry at fixed base points.
+
+    Its vectors are in :func:`compute_dtype` of their points (float32 for a bfloat16 or
+    float16 model): Auto-PGD's iterates and the paths' arithmetic keep full precision,
+    and only the perturbed point is rounded to the model's dtype.
+    """
 
     def __init__(self, groups: Sequence[BallGroup], rho: float):
         self.points = [g.point.detach() for g in groups]
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
+        self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         self.rho = rho
+
+    def zeros(self) -> List[torch.Tensor]:
+        """The zero vector, in one :func:`_joint_buffer`."""
+        return _joint_buffer(self.points, self.dtypes, zero=True)
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
         return sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v))
@@ -166,7 +178,10 @@ class _Ball:
         return norm
 
     def random(self, generator: torch.Generator, scale: float) -> List[torch.Tensor]:
-        return [space.random(generator) * scale for space in self.spaces]
+        return [
+            space.random(generator).to(dtype) * scale
+            for space, dtype in zip(self.spaces, self.dtypes)
+        ]
 
 
 def _prepare(
@@ -207,11 +222,22 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def _evaluate(
-    ball: _Ball, paths: Sequence[Path], objective: Objective, xi: Sequence[torch.Tensor], grad: bool
+    ball: _Ball,
+    paths: Sequence[Path],
+    objective: Objective,
+    xi: Sequence[torch.Tensor],
+    grad: bool,
+    autocast: AutocastState,
 ) -> Tuple[torch.Tensor, List[torch.Tensor] | None]:
+    """The objective at the perturbed points, and its gradient with respect to ``xi``.
+
+    The paths run in full precision, the objective under the caller's ``autocast``.
+    """
     leaves = [v.detach().requires_grad_(grad) for v in xi]
     with torch.enable_grad() if grad else torch.no_grad():
-        value = as_scalar(objective([p(x, v) for p, x, v in zip(paths, ball.points, leaves)]))
+        moved = [p(x, v).to(x.dtype) for p, x, v in zip(paths, ball.points, leaves)]
+        with autocast.restored():
+            value = as_scalar(objective(moved))
         if not grad:
             return value.detach().reshape(()), None
         grads = torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
@@ -300,18 +326,57 @@ def maximize_in_ball(
     gradient. The update is computed in place in the buffers of the gradient it uses.
     When Auto-PGD restarts from an earlier best iterate (after halving the step), that
     iterate's gradient is recomputed, one more forward and backward pass, instead of
-    being kept all along; :attr:`BallMaxResult.evaluations` counts the passes.
+    being kept all along; :attr:`BallMaxResult.evaluations` counts the passes. So
+    ``iters`` costs ``iters`` forward and backward passes, one forward pass, and one
+    forward and backward pass per restart.
+
+    The loop reads one scalar pair from the device per iteration (the new value and the
+    gradient's norm), its only host synchronisation. Under ``torch.autocast`` the
+    objective runs in the autocast precision and everything else (the ball, the paths,
+    the updates) in full precision; the iterates are float32 or better.
     """
+    autocast = AutocastState.capture()
+    with autocast.disabled():
+        return _maximize(
+            groups,
+            objective,
+            autocast,
+            rho=rho,
+            iters=iters,
+            path=path,
+            seed=seed,
+            init=init,
+            momentum=momentum,
+            check_finite=check_finite,
+        )
+
+
+def _maximize(
+    groups: Sequence[Union[BallGroup, Tuple[torch.Tensor, Manifold]]],
+    objective: Objective,
+    autocast: AutocastState,
+    *,
+    rho: float,
+    iters: int,
+    path: str,
+    seed: int,
+    init: str,
+    momentum: float,
+    check_finite: bool,
+) -> BallMaxResult:
     ball, paths = _prepare(groups, rho, path)
     iters = check_positive_int(iters, "iters")
     check_choice(init, ("zero", "random"), "init")
     if init == "zero":
-        xi = _joint_buffer(ball.points, zero=True)
+        xi = ball.zeros()
     else:
         xi = ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
 
+    def evaluate(xi: Sequence[torch.Tensor], grad: bool):
+        return _evaluate(ball, paths, objective, xi, grad, autocast)
+
     step = 2.0 * ball.rho
-    value_t, grads = _evaluate(ball, paths, objective, xi, grad=True)
+    value_t, grads = evaluate(xi, grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
     best_xi = xi_prev = xi
@@ -325,7 +390,7 @@ def maximize_in_ball(
         # alive while the objective runs: xi, the previous xi and the best xi
         xi_prev, xi, grads = xi, xi_next, None
         need_grad = k + 1 < iters
-        new_value_t, grads = _evaluate(ball, paths, objective, xi, grad=need_grad)
+        new_value_t, grads = evaluate(xi, grad=need_grad)
         evaluations += 1
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
@@ -346,7 +411,7 @@ def maximize_in_ball(
                 step /= 2.0
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
                     xi, value, grads = best_xi, best_value, None  # current ones released first
-                    grads = _evaluate(ball, paths, objective, xi, grad=True)[1]
+                    grads = evaluate(xi, grad=True)[1]
                     evaluations += 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return BallMaxResult(
@@ -387,15 +452,21 @@ def _apgd_update(
     return ball.clip_(out), grad_norm
 
 
-def _joint_buffer(like: Sequence[torch.Tensor], zero: bool = False) -> List[torch.Tensor]:
-    """New tensors shaped like ``like``, views of one flat buffer per dtype and device.
+def _joint_buffer(
+    like: Sequence[torch.Tensor],
+    dtypes: Sequence[torch.dtype] | None = None,
+    zero: bool = False,
+) -> List[torch.Tensor]:
+    """New tensors shaped like ``like`` (in ``dtypes``, default theirs), views of one flat
+    buffer per dtype and device.
 
     A vector of the ball lives for several iterations, next to per-parameter buffers that
     come and go in every forward and backward pass. In one allocation of its own, as large
     as the model, it stays out of the allocator's pool of small blocks, and is returned
     whole when freed, instead of pinning that pool at its high-water mark.
     """
-    keys = [(t.dtype, t.device) for t in like]
+    dtypes = [t.dtype for t in like] if dtypes is None else dtypes
+    keys = [(dtype, t.device) for dtype, t in zip(dtypes, like)]
     sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
     for key, t in zip(keys, like):
         sizes[key] = sizes.get(key, 0) + t.numel()
@@ -425,13 +496,15 @@ def average_in_ball(
     space), so the estimate is invariant under the group. Returns the mean and the
     per-sample values.
     """
-    ball, paths = _prepare(groups, rho, path)
-    samples = check_positive_int(samples, "samples")
-    generator = _generator(ball.points[0].device, seed)
-    values = []
-    for _ in range(samples):
-        value, _ = _evaluate(ball, paths, objective, ball.random(generator, ball.rho), grad=False)
-        values.append(value)
+    autocast = AutocastState.capture()
+    with autocast.disabled():
+        ball, paths = _prepare(groups, rho, path)
+        samples = check_positive_int(samples, "samples")
+        generator = _generator(ball.points[0].device, seed)
+        values = []
+        for _ in range(samples):
+            xi = ball.random(generator, ball.rho)
+            values.append(_evaluate(ball, paths, objective, xi, False, autocast)[0])
     per_sample = torch.stack(values).tolist()
     for index, value in enumerate(per_sample):
         _raise_if_not_finite(value, 0.0, index)

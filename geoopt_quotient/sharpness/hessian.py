@@ -11,8 +11,9 @@ eigenvalue (power iteration in the metric) are then invariant under the group.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Iterator, List, Sequence
 
 import geoopt
 import torch
@@ -25,6 +26,7 @@ from .apgd import NonFiniteError, as_scalar
 from .functional import FunctionalModel, preserved_model_state, trainable_parameters
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
 from .plan import BoundPlan, SymmetryPlan
+from .precision import AutocastState
 
 __all__ = [
     "HessianResult",
@@ -54,8 +56,10 @@ class _Pullback:
         batch: Any,
         plan: BoundPlan,
         riemannian: bool,
+        autocast: AutocastState,
     ):
         self.model, self.loss_fn, self.batch, self.plan = model, loss_fn, batch, plan
+        self.autocast = autocast
         self.base = trainable_parameters(model)
         self.riemannian = riemannian
         if riemannian:
@@ -75,7 +79,8 @@ class _Pullback:
             params = self.plan.scatter(moved, self.base)
         else:
             params = {n: x + u for (n, x), u in zip(self.base.items(), xi)}
-        value = as_scalar(self.loss_fn(FunctionalModel(self.model, params), self.batch))
+        with self.autocast.restored():
+            value = as_scalar(self.loss_fn(FunctionalModel(self.model, params), self.batch))
         return _finite(value, "the loss")
 
     def hvp(self, vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -108,7 +113,7 @@ class HessianResult:
     samples: List[List[float]]
 
 
-def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian):
+def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast):
     """One pullback per batch, after the same checks as the sharpness functions."""
     if not callable(loss_fn):
         raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
@@ -117,10 +122,24 @@ def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian):
     check_parameters(base)
     if riemannian:
         check_points(plan, plan.gather(base))
-    pulls = [_Pullback(model, loss_fn, b, plan, riemannian) for b in batches]
+    pulls = [_Pullback(model, loss_fn, b, plan, riemannian, autocast) for b in batches]
     if not pulls:
         raise ValueError("`batches` is empty: give at least one batch")
     return pulls
+
+
+@contextlib.contextmanager
+def _full_precision(model: torch.nn.Module) -> Iterator[AutocastState]:
+    """The model's state preserved, autocast off; yields the caller's autocast state,
+    which the pullbacks restore around ``loss_fn`` only."""
+    autocast = AutocastState.capture()
+    with preserved_model_state(model), autocast.disabled():
+        yield autocast
+
+
+def _generator(pulls: Sequence[_Pullback], seed: int) -> torch.Generator:
+    """The probes' generator, on the model's device."""
+    return torch.Generator(device=pulls[0].points[0].device).manual_seed(seed)
 
 
 def _finite(value: torch.Tensor, what: str) -> torch.Tensor:
@@ -142,8 +161,8 @@ def riemannian_hvp(
     metric: str = "mix",
 ) -> List[torch.Tensor]:
     """Riemannian Hessian-vector product, one tangent vector per plan group."""
-    with preserved_model_state(model):
-        pull = _pullbacks(model, loss_fn, [batch], symmetries, metric, True)[0]
+    with _full_precision(model) as autocast:
+        pull = _pullbacks(model, loss_fn, [batch], symmetries, metric, True, autocast)[0]
         return pull.raise_index(pull.hvp(vectors))
 
 
@@ -169,10 +188,10 @@ def hessian_trace(
     plan group, or per trainable parameter when Euclidean).
     """
     probes = check_positive_int(probes, "probes")
-    generator = torch.Generator().manual_seed(seed)
     per_batch, samples = [], []
-    with preserved_model_state(model):
-        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian)
+    with _full_precision(model) as autocast:
+        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
+        generator = _generator(pulls, seed)
         for b, pull in enumerate(pulls):
             values = []
             for p in range(probes):
@@ -205,10 +224,10 @@ def hessian_top_eigenvalue(
     ``start_vectors(batch_index)`` may supply the start vector.
     """
     iters = check_positive_int(iters, "iters")
-    generator = torch.Generator().manual_seed(seed)
     per_batch, samples = [], []
-    with preserved_model_state(model):
-        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian)
+    with _full_precision(model) as autocast:
+        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
+        generator = _generator(pulls, seed)
         for b, pull in enumerate(pulls):
             v = start_vectors(b) if start_vectors else pull.probe(generator)
             estimates = _lanczos(pull, v, iters)

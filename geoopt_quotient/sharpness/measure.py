@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
@@ -34,6 +35,7 @@ from .apgd import (
 )
 from .functional import FunctionalModel, preserved_model_state, trainable_parameters
 from .plan import BoundPlan, SymmetryGroup, SymmetryPlan
+from .precision import AutocastState
 
 __all__ = ["SharpnessResult", "adaptive_sharpness", "geodesic_sharpness", "resolve_plan"]
 
@@ -146,6 +148,7 @@ def _measure(
     with preserved_model_state(model):
         base = trainable_parameters(model)
         check_parameters(base)
+        warn_if_low_precision(base)
         points = [p.detach() for p in plan.gather(base)]
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
@@ -255,14 +258,39 @@ def _gather(records: List[Dict[str, Any]], world: int) -> List[Dict[str, Any]]:
 
 
 def check_parameters(params: Dict[str, torch.Tensor]) -> None:
+    """Floating-point and finite (one host read per device, not one per parameter)."""
     for name, p in params.items():
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; sharpness needs floats")
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(
-                f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
-                "checkpoint or the training run that produced it"
-            )
+    by_device: Dict[torch.device, List[str]] = {}
+    for name, p in params.items():
+        by_device.setdefault(p.device, []).append(name)
+    for names in by_device.values():
+        finite = torch.stack([torch.isfinite(params[n]).all() for n in names]).tolist()
+        for name, ok in zip(names, finite):
+            if not ok:
+                raise ValueError(
+                    f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
+                    "checkpoint or the training run that produced it"
+                )
+
+
+#: Relative resolution of the low-precision parameter dtypes.
+RESOLUTION = {torch.bfloat16: "2⁻⁸", torch.float16: "2⁻¹¹"}
+
+
+def warn_if_low_precision(params: Dict[str, torch.Tensor]) -> None:
+    """Warn that perturbations of low-precision parameters are rounded to their dtype."""
+    dtypes = sorted({p.dtype for p in params.values() if p.dtype in RESOLUTION}, key=str)
+    if dtypes:
+        names = ", ".join(f"{d} (resolution {RESOLUTION[d]} of a weight)" for d in dtypes)
+        warnings.warn(
+            f"the model has {names} parameters: a perturbation is rounded to that resolution "
+            "when it is written into the model, which can change a sharpness value by tens "
+            "of percent or round it to exactly 0 (README, 'Precision'); measure a float32 "
+            "copy (model.float()), under torch.autocast for speed",
+            stacklevel=4,
+        )
 
 
 def check_points(plan: BoundPlan, points: List[torch.Tensor]) -> None:
@@ -270,7 +298,8 @@ def check_points(plan: BoundPlan, points: List[torch.Tensor]) -> None:
     for group, point in zip(plan.groups, points):
         if group.kind == "adaptive":
             continue
-        ok, reason = group.manifold.check_point_on_manifold(point, explain=True)
+        with AutocastState.capture().disabled():  # the rank test in full precision
+            ok, reason = group.manifold.check_point_on_manifold(point, explain=True)
         if not ok:
             hint = " (e.g. eps=1e-6)" if "eps" in (reason or "") else ""
             raise ValueError(
@@ -344,6 +373,16 @@ def geodesic_sharpness(
         group (batch ``i`` on rank ``i % world_size``) and gather the per-batch results,
         so every rank returns the single-process result. ``None``: when a process group
         is initialised. Every rank must see the same ``batches``.
+
+    Notes
+    -----
+    Devices and precision: the model, its batches and ``loss_fn`` may live on any device;
+    the perturbations are made on the parameters' device. Called under
+    ``torch.autocast``, only ``loss_fn`` runs in the autocast precision; the ball, the
+    paths and the Auto-PGD iterates stay in float32 or better (also for a bfloat16 or
+    float16 model, whose perturbed weights are rounded to its dtype: it warns). Measure
+    in float32 (README, "Precision"). A CUDA run reads one scalar pair from the device per
+    Auto-PGD iteration (the exact path adds its integration check).
     """
     check_choice(metric, ("mix", "inv"), "metric")
     plan = resolve_plan(model, symmetries, metric, eps)

@@ -3,6 +3,7 @@
 Requires ``hypothesis`` (installed with the ``test`` extra).
 """
 
+from .cuda import count_host_syncs, host_syncs_per_iteration
 from .geometry import (
     batch_shapes,
     diagonal_points,
@@ -26,12 +27,14 @@ __all__ = [
     "assert_invariant",
     "attention_blocks",
     "batch_shapes",
+    "count_host_syncs",
     "diagonal_points",
     "full_rank_matrices",
     "gl_elements",
     "gl_points",
     "group_elements_for",
     "horizontal_vectors",
+    "host_syncs_per_iteration",
     "quotient_parameters",
     "random_group_elements",
     "tangent_vectors",

@@ -15,7 +15,11 @@ from .models import random_group_elements
 __all__ = ["assert_invariant", "transformed_copy"]
 
 
-def _elements(plan: BoundPlan, condition: float, generator: torch.Generator, dtype) -> List:
+def _elements(
+    plan: BoundPlan, condition: float, generator: torch.Generator, like: torch.Tensor
+) -> List:
+    """Random group elements drawn on ``generator``'s device, moved to ``like``'s."""
+    dtype = like.dtype
     elements: List[Optional[torch.Tensor]] = []
     for group in plan.symmetric_groups:
         shape = tuple(group.shape)
@@ -29,7 +33,7 @@ def _elements(plan: BoundPlan, condition: float, generator: torch.Generator, dty
             a = a[..., 0, 0].to(dtype)
         else:
             a = None  # not a group this helper knows how to act with
-        elements.append(a)
+        elements.append(None if a is None else a.to(like.device))
     return elements
 
 
@@ -44,9 +48,8 @@ def transformed_copy(
     group element with condition number ``condition`` (default plan: discovered)."""
     bound = plan if isinstance(plan, BoundPlan) else (plan or find_symmetries(model)).bind(model)
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    dtype = next(iter(params.values())).dtype
-    generator = torch.Generator().manual_seed(seed)
-    moved = bound.act(params, _elements(bound, condition, generator, dtype))
+    generator = torch.Generator().manual_seed(seed)  # the same elements on every device
+    moved = bound.act(params, _elements(bound, condition, generator, next(iter(params.values()))))
     other = copy.deepcopy(model)
     with torch.no_grad():
         for name, value in moved.items():

@@ -170,7 +170,7 @@ def act_on_module(module: nn.Module, elements: Dict[str, torch.Tensor]) -> nn.Mo
     moved = copy.deepcopy(module)
     for name, element in elements.items():
         param = moved.get_parameter(name)
-        param.copy_(param.manifold.act(param, element.to(param.dtype)))
+        param.copy_(param.manifold.act(param, element.to(param)))
     return moved
 
 
