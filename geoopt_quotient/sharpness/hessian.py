@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..manifolds._validation import check_positive_int
 from ..manifolds.tangent import tangent_space
-from .apgd import NonFiniteError, as_scalar
+from .apgd import NonFiniteError, _generator, as_scalar
 from .functional import FunctionalModel, preserved_model_state, trainable_parameters
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
 from .plan import BoundPlan, SymmetryPlan
@@ -137,11 +137,6 @@ def _full_precision(model: torch.nn.Module) -> Iterator[AutocastState]:
         yield autocast
 
 
-def _generator(pulls: Sequence[_Pullback], seed: int) -> torch.Generator:
-    """The probes' generator, on the model's device."""
-    return torch.Generator(device=pulls[0].points[0].device).manual_seed(seed)
-
-
 def _finite(value: torch.Tensor, what: str) -> torch.Tensor:
     if not bool(torch.isfinite(value).all()):
         raise NonFiniteError(
@@ -191,7 +186,7 @@ def hessian_trace(
     per_batch, samples = [], []
     with _full_precision(model) as autocast:
         pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
-        generator = _generator(pulls, seed)
+        generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
         for b, pull in enumerate(pulls):
             values = []
             for p in range(probes):
@@ -227,7 +222,7 @@ def hessian_top_eigenvalue(
     per_batch, samples = [], []
     with _full_precision(model) as autocast:
         pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
-        generator = _generator(pulls, seed)
+        generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
         for b, pull in enumerate(pulls):
             v = start_vectors(b) if start_vectors else pull.probe(generator)
             estimates = _lanczos(pull, v, iters)
