@@ -118,6 +118,25 @@ def random_gl(shape, h, max_condition, generator, dtype=torch.float64):
     return u @ torch.diag_embed(s) @ v.mT
 
 
+def tiny_bert_classifier(*, initializer_range: float = 0.02) -> torch.nn.Module:
+    """A tiny BertForSequenceClassification (vocabulary 30, 2 layers of 2 heads of 8,
+    3 labels) in float64 and eval mode, seeded."""
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        num_labels=3,
+        initializer_range=initializer_range,
+    )
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config).double().eval()
+
+
 TINY_BERT_WORDS = "the a cat dog sat ran on in mat park good bad movie film was is very not".split()
 
 

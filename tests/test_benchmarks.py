@@ -27,7 +27,7 @@ def keys_named(report, key: str) -> list:
     return []
 
 
-QUICK = ["bench_sharpness_iteration", "bench_geometry", "bench_memory", "bench_cuda"]
+QUICK = ["bench_sharpness_iteration", "bench_geometry", "bench_memory", "bench_cuda", "bench_sam"]
 
 
 @pytest.mark.parametrize("name", [*QUICK, "bench_precision"])
@@ -57,6 +57,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
                 for measure in ("adaptive", "geodesic-mix"):  # 2 batches x 1 iteration
                     assert protocol[measure]["passes"] == {"forward_backward": 2, "forward": 2}
         assert "skipped" in report["memory"] and "skipped" in report["compile"]
+    if name == "bench_sam":
+        assert report["models"]["bert"]["ratio_to_sam"]["sam"] == 1.0
     if name == "bench_precision":  # float64 is the reference, the others are compared to it
         rows = report["models"]["bert-tiny"]
         assert {r["mode"] for r in rows} == {"float64", "float32", "bf16-autocast"}

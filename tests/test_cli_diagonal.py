@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from geoopt_quotient.cli import main
+from geoopt_quotient.cli import build_parser, main
+from geoopt_quotient.cli._runtime import DEFAULT_THREADS, THREADS_HELP
+from geoopt_quotient.cli.reproduce import diagonal as diagonal_cli
 
 SMALL = ["reproduce", "diagonal", "--models", "8", "--dim", "40", "--iters", "20"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -114,3 +117,76 @@ def test_module_help_in_subprocess():
         "--quiet",
     ):
         assert option in result.stdout
+
+
+def test_few_models_warning_and_figure_titles(tmp_path, capsys, monkeypatch):
+    """Fewer than 8 models: a warning under the table, in the JSON and in the figure's
+    title; the title gives the radius of every measure."""
+    titles = []
+    scatter = diagonal_cli.sharpness_scatter
+
+    def spy(*args, title=None, **kwargs):
+        titles.append(title)
+        return scatter(*args, title=title, **kwargs)
+
+    monkeypatch.setattr(diagonal_cli, "sharpness_scatter", spy)
+    argv = ["reproduce", "diagonal", "--models", "4", "--dim", "20", "--iters", "3"]
+    argv += ["--rho", "0.2", "--rho-mix", "0.05", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "warning: only 4 models (fewer than 8): tau is coarse" in printed
+    document = json.loads((tmp_path / "diagonal.json").read_text())
+    assert document["warning"] == "only 4 models (fewer than 8): tau is coarse"
+    (title,) = titles
+    assert "radii ρ: adaptive 0.2, inv 0.2, mix 0.05" in title and "3 Auto-PGD iterations" in title
+    assert "warning: only 4 models" in title
+    titles.clear()
+    assert main([*SMALL, "--out", str(tmp_path / "eight"), "--quiet"]) == 0  # 8 models
+    assert "warning" not in titles[0] and "radii ρ: adaptive 0.1, inv 0.1, mix 0.1" in titles[0]
+    assert json.loads((tmp_path / "eight" / "diagonal.json").read_text())["warning"] is None
+
+
+COMPUTING_COMMANDS = {
+    ("sharpness",): ["--model", "m", "--data", "d.jsonl"],
+    ("population",): ["--checkpoints", "c", "--data", "d.npz", "--gaps", "g.csv"],
+    ("reproduce", "diagonal"): [],
+    ("reproduce", "transformers"): [],
+}
+
+
+def _option_help(command) -> str:
+    """The --help text of ``command``'s --threads option, whitespace removed."""
+    parser = build_parser()
+    for name in command:  # walk down the sub-command parsers
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    (action,) = [a for a in parser._actions if "--threads" in a.option_strings]
+    return "".join(action.help.split())
+
+
+@pytest.mark.parametrize("command", list(COMPUTING_COMMANDS), ids=" ".join)
+def test_threads_option_is_the_same_in_every_command(command, capsys):
+    argv = [*command, *COMPUTING_COMMANDS[command]]
+    assert build_parser().parse_args(argv).threads == DEFAULT_THREADS == 1
+    assert build_parser().parse_args([*argv, "--threads", "4"]).threads == 4
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args([*argv, "--threads", bad])
+        assert info.value.code == 2
+    assert _option_help(command) == "".join(THREADS_HELP.split())
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    assert "--threads N" in capsys.readouterr().out
+
+
+def test_threads_restored_after_a_run(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        argv = ["reproduce", "diagonal", "--models", "3", "--dim", "10", "--iters", "2"]
+        assert main([*argv, "--threads", "1", "--out", str(tmp_path), "--quiet"]) == 0
+        assert torch.get_num_threads() == 2
+        document = json.loads((tmp_path / "diagonal.json").read_text())
+        assert document["arguments"]["threads"] == 1
+    finally:
+        torch.set_num_threads(before)

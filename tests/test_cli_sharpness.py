@@ -7,13 +7,17 @@ import os
 import shutil
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier  # noqa: E402
 
-from geoopt_quotient.cli import main  # noqa: E402
+from geoopt_quotient.cli import build_parser, main  # noqa: E402
+from geoopt_quotient.cli import sharpness as sharpness_cli  # noqa: E402
+from geoopt_quotient.cli._runtime import radii_from_args  # noqa: E402
+from geoopt_quotient.population import StudySettings  # noqa: E402
 
 WORDS = TINY_BERT_WORDS
 TEXTS = [
@@ -74,18 +78,88 @@ def test_sharpness_command_writes_json(checkpoint, data, tmp_path, capsys):
     assert results["geodesic_inv"]["settings"]["metric"] == "inv"
 
 
-def test_json_to_stdout_prints_nothing_else(checkpoint, data, capsys):
+def test_json_to_stdout_prints_nothing_else(checkpoint, data, capfd):
+    """Only the JSON on stdout, and nothing on stderr: transformers' "Loading weights" bar
+    and its log messages are silenced too (file descriptors captured, as a shell sees them)."""
+    from transformers.utils import logging
+
+    bars, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
     argv = ["sharpness", "--model", str(checkpoint), "--data", data, "--iters", "1"]
     assert main([*argv, "--json", "-"]) == 0
-    document = json.loads(capsys.readouterr().out)
+    captured = capfd.readouterr()
+    document = json.loads(captured.out)
     assert set(document["results"]) == {"adaptive", "geodesic_mix"}
+    assert captured.err == ""
+    # transformers' settings are restored after the command
+    assert (logging.is_progress_bar_enabled(), logging.get_verbosity()) == (bars, verbosity)
 
 
-def error_of(argv, capsys) -> str:
+def test_radius_per_measure(checkpoint, data, capsys):
+    """--rho-adaptive/--rho-inv/--rho-mix, as in 'population': each ball its radius, --rho
+    for those not given, the population study's defaults otherwise."""
+    base = ["sharpness", "--model", "m", "--data", "d"]
+    defaults = StudySettings()
+
+    def radii(*extra):
+        return radii_from_args(build_parser().parse_args([*base, *extra]), defaults)
+
+    assert radii() == {"rho_adaptive": 0.05, "rho_inv": 0.05, "rho_mix": 0.05}
+    assert radii("--rho", "0.1", "--rho-mix", "0.01") == {
+        "rho_adaptive": 0.1,
+        "rho_inv": 0.1,
+        "rho_mix": 0.01,
+    }
+    argv = ["sharpness", "--model", str(checkpoint), "--data", data, "--metric", "both"]
+    argv += ["--iters", "1", "--max-examples", "4", "--no-verify"]
+    argv += ["--rho-adaptive", "0.2", "--rho-inv", "0.03", "--rho-mix", "0.01"]
+    assert main([*argv, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["radii"] == {"rho_adaptive": 0.2, "rho_inv": 0.03, "rho_mix": 0.01}
+    used = {name: r["settings"]["rho"] for name, r in document["results"].items()}
+    assert used == {"adaptive": 0.2, "geodesic_inv": 0.03, "geodesic_mix": 0.01}
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "(rho 0.2," in printed and "(rho 0.03," in printed and "(rho 0.01," in printed
+
+
+def test_threads_are_applied_and_restored(checkpoint, data, capsys, monkeypatch):
+    seen = []
+    load = sharpness_cli.load_checkpoint
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(sharpness_cli, "load_checkpoint", spy)
+    argv = ["sharpness", "--model", str(checkpoint), "--data", data, "--iters", "1", "--quiet"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(argv) == 0  # default: 1 thread
+        assert main([*argv, "--threads", "3"]) == 0
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 3]
+    assert build_parser().parse_args(["sharpness", "--model", "m", "--data", "d"]).threads == 1
+    assert error_of([*argv, "--threads", "0"], capsys, data_error=False)
+
+
+def error_of(argv, capsys, data_error=True) -> str:
+    """stderr of a command that fails with exit status 2.
+
+    A data error is one line, ``geoopt-quotient sharpness: error: ...``, without the
+    usage block (the arguments were well formed)."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    err = capsys.readouterr().err
+    if data_error:
+        assert err.startswith("geoopt-quotient sharpness: error: ")
+        assert err.count("\n") == 1 and err.endswith("\n") and "usage:" not in err
+    else:
+        assert "usage:" in err
+    return err
 
 
 def test_directory_without_safetensors_weights_is_refused(checkpoint, data, tmp_path, capsys):
@@ -111,6 +185,13 @@ def test_directory_without_tokenizer_is_refused(checkpoint, data, tmp_path, caps
     assert "no tokenizer" in err
 
 
+def test_directory_that_is_no_checkpoint_is_one_line(data, tmp_path, capsys):
+    err = error_of(["sharpness", "--model", str(tmp_path), "--data", data], capsys)
+    assert f"--model {tmp_path}: no config.json" in err
+    err = error_of(["sharpness", "--model", str(tmp_path / "nope"), "--data", data], capsys)
+    assert "not a directory" in err
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -134,7 +215,14 @@ def test_bad_data_lines_are_reported_with_their_number(checkpoint, tmp_path, cap
 def test_missing_data_file_is_reported(checkpoint, tmp_path, capsys):
     missing = str(tmp_path / "nope.jsonl")
     err = error_of(["sharpness", "--model", str(checkpoint), "--data", missing], capsys)
-    assert "nope.jsonl" in err
+    assert f"--data {missing}: no such file" in err
+
+
+def test_data_that_is_not_text_is_reported(checkpoint, tmp_path, capsys):
+    binary = tmp_path / "data.jsonl"
+    binary.write_bytes(b'{"text": "the cat", "label": 0}\n\x89PNG\x00\xff\n')
+    err = error_of(["sharpness", "--model", str(checkpoint), "--data", str(binary)], capsys)
+    assert f"--data {binary}, line 2: not UTF-8 text" in err
 
 
 @pytest.mark.slow

@@ -206,7 +206,12 @@ CASES: Dict[str, Case] = {
         text_inputs(output_hidden_states=True),
         {"value-output": 4},
         1,
-        tol=1e-6,  # RMSNorm normalises in float32
+        # LlamaRMSNorm casts its float64 input to float32: where the two representatives'
+        # hidden states (equal to ~1e-15) round to neighbouring float32 numbers, the outputs
+        # differ by a float32 ulp times the later layers' gain (measured: 1.2 eps for one
+        # such entry, 4.4 eps if every entry does). Such entries are rare (none in 1000
+        # trials); a wrong transformation changes the outputs by > 1e-2.
+        tol=64 * torch.finfo(torch.float32).eps,
         note="rotary",
     ),
     "mha": Case(
@@ -453,7 +458,7 @@ def test_rotary_qk_is_not_general_gl_but_the_commuting_subgroup_is():
         a, b = ab[..., j, 0] + 2, ab[..., j, 1]
         commuting[..., j, j] = commuting[..., j + 2, j + 2] = a
         commuting[..., j, j + 2], commuting[..., j + 2, j] = -b, b
-    assert relative_change(model, params, act(commuting), inputs) < 1e-6
+    assert relative_change(model, params, act(commuting), inputs) < CASES["llama"].tol
 
 
 # ---------------------------------------------------------------- PEFT LoRA

@@ -229,7 +229,10 @@ def test_strategies_deliver_what_they_promise(a, b, setup, data):
     if min(a.shape[-2:]) > 1:
         assert (cond <= 1e3 * (1 + 1e-9)).all() and (cond >= 2.0 * (1 - 1e-9)).all()
     assert b.dtype == torch.float32 and b.shape[-1] == b.shape[-2]
-    assert (GLQuotient.condition_number(b.double()) <= 50.0 * (1 + 1e-5)).all()
+    # rounding the float64 matrix to float32 (relative error <= sqrt(h) * UNIT32 / 2 <= UNIT32
+    # in the spectral norm, h <= 4) raises its condition number by a factor of at most
+    # 1 + (cond + 1) * UNIT32 (1 + 6e-6 for cond = 50): the bound below is twice that
+    assert (GLQuotient.condition_number(b.double()) <= 50.0 * (1 + 100 * UNIT32)).all()
     manifold, x = setup
     assert x.dtype == F64 and x.shape[-2] == manifold.n + manifold.m
     manifold.assert_check_point_on_manifold(x)
@@ -620,12 +623,12 @@ def test_float32_projection_metric_and_gradient(setup, data):
 @pytest.mark.parametrize("metric", METRICS)
 def test_half_precision_inputs_give_finite_results_of_the_input_dtype(dtype, metric):
     """The h x h algebra runs in float32, so the only error is the final rounding
-    to the input dtype (unit roundoff 4.9e-4 for float16, 3.9e-3 for bfloat16)."""
+    to the input dtype (unit roundoff eps / 2: 4.9e-4 for float16, 3.9e-3 for bfloat16)."""
     manifold = GLQuotient(6, 5, metric)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 11, 4, generator=gen).to(dtype)
     u = torch.randn(3, 11, 4, generator=gen).to(dtype)
-    unit = {torch.float16: 4.9e-4, torch.bfloat16: 3.9e-3}[dtype]
+    unit = torch.finfo(dtype).eps / 2
     for name in ("proju", "egrad2rgrad", "christoffel", "retr"):
         out = getattr(manifold, name)(x, u)
         assert out.dtype == dtype, name

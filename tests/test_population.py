@@ -1,12 +1,14 @@
 """The population study: ``reproduce transformers --quick`` end to end, ``population`` on its
-checkpoints (given and measured gaps, resume, ablations, text data, two processes), and the
-inputs' error messages."""
+checkpoints (given and measured gaps, resume, ablations, text data, two processes), the
+inputs' error messages (one line for data errors), the warning for small populations and
+the figure titles. The end-to-end tests are marked slow; the rest is fast."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,28 +27,53 @@ from geoopt_quotient.cli import main
 from geoopt_quotient.population import (
     ABLATIONS,
     MEASURES,
+    MIN_MODELS,
     StudySettings,
     find_checkpoints,
+    format_tau_table,
     read_gaps,
+    run_population,
     tau_table,
 )
 from geoopt_quotient.population import study as study_module
 from geoopt_quotient.sharpness.stats import kendall_tau, kendall_tau_bootstrap
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 FAST = ["--iters", "2", "--max-examples", "32", "--batch-size", "16", "--bootstrap", "200"]
 
 
+#: stdout and stderr of the ``quick`` run
+QUICK_STREAMS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One ``reproduce transformers --quick`` run: its directory and JSON document."""
+    """One ``reproduce transformers --quick --json -`` run, as a shell runs it: its
+    directory and JSON document (stdout and stderr are checked below)."""
     out = tmp_path_factory.mktemp("transformers")
-    assert main(["reproduce", "transformers", "--quick", "--out", str(out), "--quiet"]) == 0
+    command = [sys.executable, "-m", "geoopt_quotient", "reproduce", "transformers", "--quick"]
+    command += ["--out", str(out), "--json", "-"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    QUICK_STREAMS.update(stdout=result.stdout, stderr=result.stderr)
     return out, json.loads((out / "transformers.json").read_text())
 
 
+@slow
+def test_reproduce_json_to_stdout_prints_nothing_else(quick):
+    """``--json -``: stdout is the JSON document, stderr is empty (no loading bars, no
+    log messages, no progress bars)."""
+    _, doc = quick
+    assert QUICK_STREAMS["stderr"] == ""
+    assert json.loads(QUICK_STREAMS["stdout"]) == doc
+
+
+@slow
 def test_reproduce_quick_document(quick):
+    """Also: 6 models get the small-population warning, and the figure's title gives the
+    radii and marks the --quick run."""
     out, doc = quick
     assert doc["command"] == "reproduce transformers"
     assert doc["population"]["quick"] and doc["population"]["models"] == 6
@@ -74,6 +101,13 @@ def test_reproduce_quick_document(quick):
         assert row["models"] == 6
     assert doc["paper_tau"]["MNLI, 35 BERT-base"]["geodesic_mix"] == 0.38
     assert Path(doc["figure"]).is_file() and (out / "transformers.png").is_file()
+    warning = "only 6 models (fewer than 8): tau is coarse and its bootstrap interval unreliable"
+    assert doc["warning"] == warning
+    assert all(row["warning"] == warning for row in doc["tau"].values())
+    title = doc["figure_title"]
+    assert title.startswith("6 ViTs on 8x8 digits (--quick run")
+    assert "radii ρ: adaptive 0.2, inv 0.05, mix 0.01; worst case, 3 Auto-PGD iterations" in title
+    assert f"warning: {warning}" in title
     records = (out / "transformers-records.jsonl").read_text().splitlines()
     assert len(records) == 6
     with open(out / "gaps.csv") as handle:
@@ -83,6 +117,7 @@ def test_reproduce_quick_document(quick):
         assert set(load_arrays(str(out / "data" / name))) == {"pixel_values", "labels"}
 
 
+@slow
 def test_population_command_with_given_and_measured_gaps(quick, tmp_path, capsys):
     out, _ = quick
     base = ["population", "--checkpoints", str(out / "checkpoints"), *FAST]
@@ -91,6 +126,9 @@ def test_population_command_with_given_and_measured_gaps(quick, tmp_path, capsys
     assert main([*argv, "--out", str(given)]) == 0
     printed = capsys.readouterr().out
     assert "Kendall tau" in printed and "geodesic_mix" in printed and "-0.70" in printed
+    rows = [line for line in printed.splitlines() if line.startswith(MEASURES)]
+    assert len(rows) == 3 and all(re.search(r"\d\.\d{3} ! +\[", row) for row in rows)
+    assert "! only 6 models (fewer than 8)" in printed
     measured = tmp_path / "measured"
     argv = [*base, "--train", str(out / "data/train.npz"), "--test", str(out / "data/test.npz")]
     assert main([*argv, "--out", str(measured), "--quiet"]) == 0
@@ -105,6 +143,7 @@ def test_population_command_with_given_and_measured_gaps(quick, tmp_path, capsys
     assert (given / "population.png").is_file()
 
 
+@slow
 def test_population_resume_reuses_finished_models(quick, tmp_path, monkeypatch):
     out, _ = quick
     argv = ["population", "--checkpoints", str(out / "checkpoints"), *FAST, "--quiet"]
@@ -125,6 +164,7 @@ def test_population_resume_reuses_finished_models(quick, tmp_path, monkeypatch):
         main([*argv, "--resume", "--seed", "1"])
 
 
+@slow
 def test_population_ablations(quick, tmp_path):
     out, _ = quick
     argv = ["population", "--checkpoints", str(out / "checkpoints"), *FAST, "--quiet"]
@@ -136,23 +176,46 @@ def test_population_ablations(quick, tmp_path):
         assert set(m["measures"]) == set(MEASURES + ABLATIONS)
 
 
-def test_population_on_text_checkpoints(tmp_path):
-    """Sequence classifiers with tokenizers and JSONL data, gaps measured on train/test."""
-    root = tmp_path / "checkpoints"
+@pytest.fixture(scope="module")
+def text_population(tmp_path_factory):
+    """Three tiny BERT sequence classifiers and JSONL train/test data: ``population`` argv."""
+    directory = tmp_path_factory.mktemp("text-population")
+    root = directory / "checkpoints"
     for i in range(3):
         (root / f"bert-{i}").mkdir(parents=True)
         save_tiny_bert_classifier(root / f"bert-{i}", layers=1, initializer_range=0.1 + 0.1 * i)
     rows = [" ".join(TINY_BERT_WORDS[j : j + 3]) for j in range(0, 12)]
     for name, chunk in (("train", rows[:6]), ("test", rows[6:])):
-        with open(tmp_path / f"{name}.jsonl", "w") as handle:
+        with open(directory / f"{name}.jsonl", "w") as handle:
             for k, text in enumerate(chunk):
                 handle.write(json.dumps({"text": text, "label": k % 2}) + "\n")
-    argv = ["population", "--checkpoints", str(root), *FAST, "--quiet", "--out", str(tmp_path)]
-    argv += ["--train", str(tmp_path / "train.jsonl"), "--test", str(tmp_path / "test.jsonl")]
-    assert main(argv) == 0
+    train, test = str(directory / "train.jsonl"), str(directory / "test.jsonl")
+    return ["population", "--checkpoints", str(root), *FAST, "--train", train, "--test", test]
+
+
+@slow
+def test_population_on_text_checkpoints(text_population, tmp_path):
+    """Sequence classifiers with tokenizers and JSONL data, gaps measured on train/test."""
+    assert main([*text_population, "--quiet", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "population.json").read_text())
     assert [m["checkpoint"] for m in doc["models"]] == ["bert-0", "bert-1", "bert-2"]
     assert all(m["class"] == "BertForSequenceClassification" for m in doc["models"])
+
+
+@slow
+def test_population_json_to_stdout_prints_nothing_else(text_population, tmp_path, capfd):
+    """``--json -``: the JSON on stdout and nothing on stderr, no transformers loading bars or
+    log messages (file descriptors captured, as a shell sees them)."""
+    argv = [*text_population, "--out", str(tmp_path), "--json", "-", "--rho-mix", "0.01"]
+    assert main(argv) == 0
+    captured = capfd.readouterr()
+    assert captured.err == ""
+    doc = json.loads(captured.out)
+    assert doc["settings"]["rho_mix"] == 0.01 and doc["settings"]["rho_inv"] == 0.05
+    assert doc["threads"] == 1  # the default --threads
+    assert doc["warning"].startswith("only 3 models (fewer than 8)")
+    assert doc["figure_title"].startswith("3 checkpoints in checkpoints/\nradii ρ: adaptive 0.05")
+    assert "mix 0.01" in doc["figure_title"] and "warning: only 3 models" in doc["figure_title"]
 
 
 def free_port() -> int:
@@ -161,6 +224,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@slow
 def test_torchrun_shards_models_over_two_processes(quick, tmp_path, single_thread):
     """Both runs single-threaded: float32 sums depend on the thread count."""
     out, _ = quick
@@ -184,23 +248,104 @@ def test_torchrun_shards_models_over_two_processes(quick, tmp_path, single_threa
 
 
 # ---------------------------------------------------------------- inputs and statistics
-def test_population_argument_errors(quick, tmp_path, capsys):
-    out, _ = quick
-    base = ["population", "--checkpoints", str(out / "checkpoints"), "--out", str(tmp_path)]
+@pytest.fixture
+def fake_population(tmp_path):
+    """Three directories that look like checkpoints (a config.json, no weights), data and
+    gaps files: enough for everything that is checked before a model is loaded."""
+    root = tmp_path / "checkpoints"
+    for name in ("a", "b", "c"):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "the cat", "label": 0}\n')
+    gaps = write(tmp_path / "gaps.csv", "checkpoint,gap\na,0.1\nb,0.2\nc,0.3\n")
+    return root, str(data), gaps
+
+
+def test_population_argument_errors_print_the_usage(fake_population, tmp_path, capsys):
+    root, data, gaps = fake_population
+    base = ["population", "--checkpoints", str(root), "--out", str(tmp_path / "out")]
     cases = [
         ([], "the gaps are needed"),
-        (["--gaps", str(out / "gaps.csv")], "--data is required"),
-        (["--gaps", "g.csv", "--train", "a.npz", "--test", "b.npz"], "either --gaps or"),
-        (["--data", str(tmp_path / "nope.npz"), "--gaps", str(out / "gaps.csv")], "no such file"),
-        (["--data", str(out / "data/train.npz"), "--gaps", str(tmp_path / "x.csv")], "--gaps"),
+        (["--gaps", gaps], "--data is required"),
+        (["--gaps", gaps, "--train", data, "--test", data], "either --gaps or"),
+        (["--data", data, "--gaps", gaps, "--rho-mix", "0"], "must be a finite number > 0"),
+        (["--data", data, "--gaps", gaps, "--threads", "0"], "must be >= 1"),
     ]
     for extra, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             main(base + extra)
         assert exit_info.value.code == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("usage: geoopt-quotient population") and message in err
 
 
+def population_data_error(argv, capsys) -> str:
+    """The one line that a data error prints: no usage block, exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("geoopt-quotient population: error: ") and "usage:" not in err
+    assert err.count("\n") == 1 and err.endswith("\n")
+    return err
+
+
+def test_population_data_errors_are_one_line(fake_population, tmp_path, capsys):
+    root, data, gaps = fake_population
+    out = ["--out", str(tmp_path / "out")]
+    cases = [
+        ([str(root / "a"), "--data", data, "--gaps", gaps], "this is one checkpoint"),
+        ([str(tmp_path / "nope"), "--data", data, "--gaps", gaps], "not a directory"),
+        ([str(tmp_path / "out"), "--data", data, "--gaps", gaps], "needs at least 3"),
+        ([str(root), "--data", data, "--gaps", str(tmp_path / "x.csv")], "--gaps"),
+        ([str(root), "--data", str(tmp_path / "nope.npz"), "--gaps", gaps], "no such file"),
+        ([str(root), "--train", data, "--test", str(tmp_path / "t.jsonl")], "--test"),
+    ]
+    (tmp_path / "out").mkdir()
+    for extra, message in cases:
+        assert message in population_data_error(
+            ["population", "--checkpoints", *extra, *out], capsys
+        )
+    # a gaps CSV that does not match the checkpoints
+    other = write(tmp_path / "other.csv", "checkpoint,gap\na,0.1\nb,0.2\nx,0.3\n")
+    argv = ["population", "--checkpoints", str(root), "--data", data, "--gaps", other, *out]
+    assert f"--gaps {other}: no gap for c" in population_data_error(argv, capsys)
+    # a data file that is not text
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    argv = ["population", "--checkpoints", str(root), "--data", str(binary), "--gaps", gaps, *out]
+    assert f"--data {binary}, line 1: not UTF-8 text" in population_data_error(argv, capsys)
+
+
+def test_an_error_while_measuring_names_the_model(fake_population, tmp_path, capsys):
+    """The checkpoints have no weights: loading the first one fails inside the study, and
+    the error carries the model's name (a note, Python 3.11+), also on the CLI's line."""
+    root, data, gaps = fake_population
+    argv = ["population", "--checkpoints", str(root), "--data", data, "--gaps", gaps]
+    err = population_data_error([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert f"checkpoint {root / 'a'}: no model.safetensors weights" in err
+    if sys.version_info >= (3, 11):
+        assert err.rstrip().endswith("(while measuring model 'a')")
+
+
+def test_run_population_adds_the_model_to_any_error(fake_population, monkeypatch):
+    root, data, _ = fake_population
+
+    def fail(directory, *args, **kwargs):
+        if directory.endswith("b"):
+            raise RuntimeError("out of memory")
+        return {"checkpoint": Path(directory).name, "measures": {}, "plan": {}}
+
+    monkeypatch.setattr(study_module, "_measure_checkpoint", fail)
+    checkpoints = [str(root / n) for n in ("a", "b", "c")]
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        run_population(checkpoints, data, StudySettings(), gaps={"a": 0, "b": 1, "c": 2})
+    if sys.version_info >= (3, 11):
+        assert info.value.__notes__ == ["while measuring model 'b'"]
+
+
+@slow
 def test_find_checkpoints_errors(quick, tmp_path):
     out, _ = quick
     assert len(find_checkpoints(str(out / "checkpoints"))) == 6
@@ -272,6 +417,25 @@ def test_tau_table_and_bootstrap():
     # with 4 models many resamples are all ties: they are left out, not NaN
     tau, low, high = kendall_tau_bootstrap([1, 2, 3, 4], [1, 3, 2, 4], resamples=500)
     assert np.isfinite([tau, low, high]).all() and low <= tau <= high
+
+
+def test_small_populations_get_a_warning_beside_tau():
+    assert MIN_MODELS == 8
+    few = tau_table({"adaptive": [1, 2, 3, 4, 5, 6]}, [6, 5, 4, 3, 2, 1], resamples=200)
+    row = few["adaptive"]
+    assert row["tau"] == pytest.approx(-1) and (row["ci_low"], row["ci_high"]) == (-1, -1)
+    assert row["warning"] == (
+        "only 6 models (fewer than 8): tau is coarse and its bootstrap interval unreliable"
+    )
+    text = format_tau_table(few)
+    assert re.search(r"^adaptive +-1\.000 ! +\[-1\.00, -1\.00\]", text, flags=re.M)
+    assert text.splitlines()[-1] == f"! {row['warning']}"
+    rng = np.random.default_rng(1)
+    gaps = rng.normal(size=MIN_MODELS)
+    enough = tau_table({"adaptive": gaps + rng.normal(size=MIN_MODELS)}, gaps, resamples=200)
+    assert enough["adaptive"]["warning"] is None
+    text = format_tau_table(enough)
+    assert "!" not in text and len(text.splitlines()) == 3
 
 
 def test_study_settings_validation():

@@ -68,3 +68,19 @@ def test_record_file_skips_a_line_cut_off_by_a_kill(tmp_path):
         f.write('{"model": 1, "val')
     assert list(RecordFile(path, resume=True)) == [{"model": 0, "value": 1.5}]
     assert list(RecordFile(path, resume=False)) == []
+
+
+def test_resume_with_another_thread_count_reuses_the_records(tmp_path):
+    """``--threads`` is how a run is executed, not what it computes: a run resumed with
+    another thread count reuses every model already measured."""
+    from geoopt_quotient.cli import main
+
+    argv = ["reproduce", "diagonal", "--models", "4", "--dim", "10", "--iters", "3", "--quiet"]
+    argv += ["--out", str(tmp_path)]
+    assert main([*argv, "--threads", "1"]) == 0
+    first = json.loads((tmp_path / "diagonal.json").read_text())
+    assert main([*argv, "--threads", "2", "--resume"]) == 0
+    again = json.loads((tmp_path / "diagonal.json").read_text())
+    assert again["runs"][0]["settings"]["resumed_models"] == 4
+    assert again["arguments"]["threads"] == 2
+    assert comparable(again) == comparable(first)

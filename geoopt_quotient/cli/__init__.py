@@ -14,9 +14,22 @@ so adding a command means adding one file, e.g. ``cli/sharpness.py``::
         return 0
 
 ``handler(args, parser)`` (``parser``: the subcommand's own parser) returns the exit
-status; it may call ``parser.error(...)`` for argument errors found late (exit status
-2). :mod:`geoopt_quotient.cli.reproduce` discovers its targets (``reproduce diagonal``,
-...) the same way.
+status. Two kinds of errors exit with status 2:
+
+* argument errors found late (options that do not fit together): the handler calls
+  ``parser.error(...)``, which prints the usage block and the message;
+* data errors (a missing or malformed data file, a directory that is not a checkpoint,
+  a gaps CSV that does not match the checkpoints): the handler, or the library code it
+  calls, raises :class:`~geoopt_quotient.classifiers.InputError`, and :func:`main`
+  prints one line, ``geoopt-quotient COMMAND: error: MESSAGE``, without the usage (the
+  arguments were well formed; the files were not). Notes added to the exception on its
+  way up (``while measuring model 'x'``) are appended to the line.
+
+A command that computes registers ``--threads`` with
+:func:`~geoopt_quotient.cli._runtime.add_threads_argument`; :func:`main` runs the
+handler with that many torch threads and restores the previous count afterwards.
+:mod:`geoopt_quotient.cli.reproduce` discovers its targets (``reproduce diagonal``,
+...) the same way as the commands.
 """
 
 from __future__ import annotations
@@ -28,9 +41,10 @@ import sys
 from types import ModuleType
 from typing import List, Sequence
 
-from ._runtime import end_distributed
+from ..classifiers import InputError
+from ._runtime import end_distributed, torch_threads
 
-__all__ = ["build_parser", "discover", "main"]
+__all__ = ["build_parser", "discover", "error_line", "main"]
 
 PROG = "geoopt-quotient"
 
@@ -65,11 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(error: BaseException) -> str:
+    """The message of ``error`` and its notes (``add_note``) on one line."""
+    parts = [str(error), *(f"({note})" for note in getattr(error, "__notes__", ()))]
+    return " ".join(line.strip() for part in parts for line in part.splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (argument errors exit with 2)."""
+    """Run the command line; returns the exit status.
+
+    Argument errors and data errors (:class:`~geoopt_quotient.classifiers.InputError`)
+    exit with status 2 (``SystemExit``); a data error prints one line to stderr.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args, args.parser) or 0)
+        with torch_threads(getattr(args, "threads", None)):
+            return int(args.handler(args, args.parser) or 0)
+    except InputError as error:
+        args.parser.exit(2, f"{args.parser.prog}: error: {error_line(error)}\n")
     finally:
         end_distributed()

@@ -1,21 +1,43 @@
-"""Devices, process groups and quiet Hugging Face loading, shared by the subcommands."""
+"""What the subcommands share: devices, process groups, threads, quiet Hugging Face
+loading, and the arguments that mean the same in every command (``--threads``, the ball
+radii, the outputs)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from typing import Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from ..classifiers import ARRAY_SUFFIXES, InputError
+from ._types import int_at_least, positive_float
+
 __all__ = [
+    "DEFAULT_THREADS",
+    "THREADS_HELP",
     "add_output_arguments",
+    "add_radius_arguments",
+    "add_threads_argument",
+    "check_data_file",
     "end_distributed",
     "local_device",
     "parse_device",
     "quiet_transformers",
+    "radii_from_args",
     "start_distributed",
+    "torch_threads",
 ]
+
+#: ``--threads`` default of every command that computes.
+DEFAULT_THREADS = 1
+THREADS_HELP = (
+    f"torch intra-op threads for this run, restored afterwards (default {DEFAULT_THREADS}). "
+    "The models of the reproductions are small, and on cores shared with other work every "
+    "operation waits for the slowest thread: 'reproduce diagonal' took 207 s with 2 "
+    "threads and 45 s with 1 on 2 busy cores. Give more for large models on idle cores"
+)
 
 
 def parse_device(text: str, parser: argparse.ArgumentParser) -> torch.device:
@@ -64,11 +86,114 @@ def local_device(device: torch.device, rank: int, world: int) -> torch.device:
     return device
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' own per-checkpoint progress bars (ours show the work)."""
+@contextlib.contextmanager
+def quiet_transformers(silent: bool = False) -> Iterator[None]:
+    """A block without transformers' own progress bars (ours show the work).
+
+    Loading a checkpoint draws a "Loading weights" bar on stderr; it is switched off for
+    the block. With ``silent`` (``--quiet``, ``--json -``) transformers' log messages
+    below errors are silenced too. Both settings are restored on exit.
+    """
     from transformers.utils import logging
 
+    bars, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
     logging.disable_progress_bar()
+    if silent:
+        logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def check_data_file(flag: str, path: str, *, arrays: bool = True) -> None:
+    """Raise :class:`~geoopt_quotient.classifiers.InputError` unless ``path`` is a file,
+    and, unless it is an ``.npz`` archive (``arrays``), UTF-8 text throughout.
+
+    Run before any model is loaded, so that a wrong file fails at once, with the option
+    (``flag``), the file and the line in the message.
+    """
+    if not os.path.isfile(path):
+        raise InputError(f"{flag} {path}: no such file")
+    if arrays and path.lower().endswith(ARRAY_SUFFIXES):
+        return  # classifiers.load_arrays reports a bad archive
+    expected = "JSON lines" + (" or an .npz archive" if arrays else "")
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(
+                    f"{flag} {path}, line {number}: not UTF-8 text ({error.reason}); "
+                    f"expected {expected}"
+                ) from None
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N`` (:data:`THREADS_HELP`); :func:`geoopt_quotient.cli.main` applies it."""
+    parser.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help=THREADS_HELP,
+    )
+
+
+@contextlib.contextmanager
+def torch_threads(count: Optional[int]) -> Iterator[None]:
+    """A block run with ``count`` torch intra-op threads (``None``: unchanged).
+
+    The previous count is restored on exit, also after an exception.
+    """
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count is not None:
+            torch.set_num_threads(previous)
+
+
+RADII = (("adaptive", "adaptive"), ("inv", "geodesic inv"), ("mix", "geodesic mix"))
+
+
+def add_radius_arguments(parser: Any, defaults: Any) -> None:
+    """``--rho R`` for every ball, and ``--rho-adaptive``, ``--rho-inv``, ``--rho-mix``.
+
+    ``parser`` is a parser or an argument group; ``defaults`` has ``rho_adaptive``,
+    ``rho_inv`` and ``rho_mix`` attributes (e.g. a
+    :class:`~geoopt_quotient.population.StudySettings`), shown in --help. A radius given
+    by name wins over ``--rho``, which wins over the default (:func:`radii_from_args`).
+    """
+    parser.add_argument(
+        "--rho",
+        type=positive_float,
+        default=None,
+        metavar="R",
+        help="one radius for every ball (overridden by the three below)",
+    )
+    for name, what in RADII:
+        parser.add_argument(
+            f"--rho-{name}",
+            type=positive_float,
+            default=None,
+            metavar="R",
+            help=f"radius of the {what} ball (default {getattr(defaults, f'rho_{name}')})",
+        )
+
+
+def radii_from_args(args: argparse.Namespace, defaults: Any) -> Dict[str, float]:
+    """``{"rho_adaptive", "rho_inv", "rho_mix"}`` from :func:`add_radius_arguments`."""
+    radii = {}
+    for name, _ in RADII:
+        given = getattr(args, f"rho_{name}")
+        fallback = args.rho if args.rho is not None else getattr(defaults, f"rho_{name}")
+        radii[f"rho_{name}"] = given if given is not None else fallback
+    return radii
 
 
 def add_output_arguments(

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..classifiers import InputError
 from ..population.study import (
     MEASURES,
     StudySettings,
@@ -22,14 +21,25 @@ from ..population.study import (
 from ..records import RecordFile
 from ._runtime import (
     add_output_arguments,
+    add_radius_arguments,
+    add_threads_argument,
+    check_data_file,
     local_device,
     parse_device,
     quiet_transformers,
+    radii_from_args,
     start_distributed,
 )
-from ._types import int_at_least, positive_float
+from ._types import int_at_least
 
-__all__ = ["add_study_arguments", "register", "report", "run", "settings_from_args"]
+__all__ = [
+    "add_study_arguments",
+    "figure_title",
+    "register",
+    "report",
+    "run",
+    "settings_from_args",
+]
 
 DESCRIPTION = """\
 For a directory of Hugging Face classifier checkpoints, measure adaptive sharpness and
@@ -55,11 +65,18 @@ inputs:
 
 output:
   stdout   the tau table; nothing with --quiet; only the JSON document with --json -
-  stderr   a progress bar over models (on a terminal; not with --quiet or --json -)
+  stderr   a progress bar over models (on a terminal; not with --quiet or --json -);
+           errors. A data error (a missing or malformed data file, a --checkpoints
+           directory without 3 checkpoints, a gaps CSV that does not match them, a
+           checkpoint that cannot be loaded) is one line 'geoopt-quotient
+           population: error: ...' and exit status 2
   files    OUT/population-records.jsonl (one line per finished model; --resume
            continues from it), OUT/population.json (settings, per-model values and
            gaps, tau with CI, timings, versions), OUT/population.png (sharpness vs
-           gap, one panel per measure)
+           gap, one panel per measure; the title gives the radii)
+  With fewer than 8 models, tau is coarse and its bootstrap interval unreliable
+  (it can collapse to a single value): the table marks tau with '!', the JSON has
+  a 'warning', and the figure's title says so.
 
 examples:
   geoopt-quotient population --checkpoints runs/ --data train.jsonl --gaps gaps.csv
@@ -73,22 +90,7 @@ examples:
 def add_study_arguments(parser: argparse.ArgumentParser, defaults: StudySettings) -> None:
     """The sharpness settings of a population study, with ``defaults`` shown in --help."""
     group = parser.add_argument_group("sharpness")
-    group.add_argument(
-        "--rho",
-        type=positive_float,
-        default=None,
-        metavar="R",
-        help="one radius for every ball (overridden by the three below)",
-    )
-    for name, what in (("adaptive", "adaptive"), ("inv", "geodesic inv"), ("mix", "geodesic mix")):
-        value = getattr(defaults, f"rho_{name}")
-        group.add_argument(
-            f"--rho-{name}",
-            type=positive_float,
-            default=None,
-            metavar="R",
-            help=f"radius of the {what} ball (default {value})",
-        )
+    add_radius_arguments(group, defaults)
     group.add_argument(
         "--iters",
         type=int_at_least(1),
@@ -141,13 +143,8 @@ def add_study_arguments(parser: argparse.ArgumentParser, defaults: StudySettings
 
 def settings_from_args(args: argparse.Namespace, defaults: StudySettings) -> StudySettings:
     """The :class:`StudySettings` given on the command line."""
-    radii = {}
-    for name in ("adaptive", "inv", "mix"):
-        given = getattr(args, f"rho_{name}")
-        fallback = args.rho if args.rho is not None else getattr(defaults, f"rho_{name}")
-        radii[f"rho_{name}"] = given if given is not None else fallback
     return StudySettings(
-        **radii,
+        **radii_from_args(args, defaults),
         iters=args.iters,
         kind=args.kind,
         path=args.path,
@@ -189,6 +186,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip checking each model's discovered symmetries on its first batch",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())
     add_output_arguments(parser, "population-out", "population", ", data and weights")
     parser.set_defaults(handler=run, parser=parser)
@@ -209,12 +207,35 @@ def _versions() -> Dict[str, str]:
     }
 
 
-def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, title: str = "") -> None:
-    """Write OUT/STEM.json and OUT/STEM.png (and --json), print the tau table."""
+def figure_title(document: Dict[str, Any], label: str) -> str:
+    """The scatter figure's title: ``label``, the radius of every measure, the warning.
+
+    ``label`` says what the models are (e.g. ``"6 ViTs on 8x8 digits (--quick run)"``).
+    """
+    settings = document["settings"]
+    radii = ", ".join(f"{name} {settings[f'rho_{name}']:g}" for name in ("adaptive", "inv", "mix"))
+    steps = "Auto-PGD iterations" if settings["kind"] == "worst" else "samples"
+    lines = [label, f"radii ρ: {radii}; {settings['kind']} case, {settings['iters']} {steps}"]
+    if document.get("warning"):
+        lines.append(f"warning: {document['warning']}")
+    return "\n".join(lines)
+
+
+def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label: str) -> None:
+    """Write OUT/STEM.json and OUT/STEM.png (and --json), print the tau table.
+
+    The figure's title is :func:`figure_title` of ``label``; the JSON document keeps it
+    as ``figure_title``, and the torch threads of the run as ``threads``.
+    """
+    import torch
+
+    document["threads"] = torch.get_num_threads()
     document["versions"] = _versions()
     out = Path(args.out)
+    title = figure_title(document, label)
     figure = scatter_figure(document["models"], MEASURES, str(out / f"{stem}.png"), title)
     document["figure"] = figure
+    document["figure_title"] = title
     text = json.dumps(document, indent=1, default=float)
     json_path = out / f"{stem}.json"
     json_path.write_text(text + "\n")
@@ -244,25 +265,29 @@ def _gap_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Op
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Handler of ``population``."""
+    """Handler of ``population``.
+
+    Options that do not fit together are argument errors (usage and message); data
+    errors raise :class:`~geoopt_quotient.classifiers.InputError` (one line, printed by
+    :func:`geoopt_quotient.cli.main`), also from inside a model's measurement.
+    """
     data = _gap_inputs(args, parser)
     device = parse_device(args.device, parser)
+    try:
+        settings = settings_from_args(args, StudySettings())
+    except ValueError as error:
+        parser.error(str(error))
+    checkpoints = find_checkpoints(args.checkpoints)
+    names = [os.path.basename(c) for c in checkpoints]
+    gaps = read_gaps(args.gaps, names) if args.gaps else None
+    for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
+        if path is not None:
+            check_data_file(flag, path)
     rank, world = start_distributed(device)
     device = local_device(device, rank, world)
-    quiet_transformers()
     silent = args.quiet or args.json == "-" or rank > 0
-    try:
-        checkpoints = find_checkpoints(args.checkpoints)
-        names = [os.path.basename(c) for c in checkpoints]
-        gaps = read_gaps(args.gaps, names) if args.gaps else None
-        for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
-            if path is not None and not os.path.isfile(path):
-                raise InputError(f"{flag} {path}: no such file")
-        settings = settings_from_args(args, StudySettings())
-    except (InputError, ValueError) as error:
-        parser.error(str(error))
     records = RecordFile(Path(args.out) / "population-records.jsonl", resume=args.resume)
-    try:
+    with quiet_transformers(silent=silent):
         document = run_population(
             checkpoints,
             data,
@@ -275,10 +300,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             progress=not silent and sys.stderr.isatty(),
             resamples=args.bootstrap,
         )
-    except InputError as error:
-        parser.error(str(error))
     if rank > 0:
         return 0
     document = {"command": "population", "checkpoints": args.checkpoints, **document}
-    report(document, args, "population")
+    where = os.path.basename(os.path.normpath(args.checkpoints)) or args.checkpoints
+    report(document, args, "population", f"{len(checkpoints)} checkpoints in {where}/")
     return 0

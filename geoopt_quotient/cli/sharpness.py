@@ -18,8 +18,18 @@ from ..classifiers import (
     load_examples,
     make_batches,
 )
-from ._runtime import local_device, parse_device, start_distributed
-from ._types import int_at_least, positive_float
+from ..population.study import StudySettings
+from ._runtime import (
+    add_radius_arguments,
+    add_threads_argument,
+    check_data_file,
+    local_device,
+    parse_device,
+    quiet_transformers,
+    radii_from_args,
+    start_distributed,
+)
+from ._types import int_at_least
 
 __all__ = ["register", "run"]
 
@@ -30,6 +40,12 @@ hold config.json, safetensors weights (model.safetensors or a sharded index; pic
 pytorch_model.bin files are never loaded) and a tokenizer; nothing is downloaded.
 The symmetries are discovered from the model's structure, checked on the first batch
 (a random group element must leave the logits unchanged) and printed as a table.
+
+Each ball has its radius: --rho-adaptive, --rho-inv, --rho-mix, or --rho for all three;
+the defaults are those of 'geoopt-quotient population'. The balls live on different
+scales (the adaptive ball measures relative changes of every weight, the mix ball
+absolute changes of the products W_q W_k^T and W_v W_o^T), so one radius rarely suits
+all three.
 """
 
 EPILOG = """\
@@ -42,14 +58,18 @@ data (JSONL, one object per line; blank lines are skipped):
 output:
   stdout   the symmetry plan, then one line per measure; only the JSON document
            with --json -; nothing with --quiet
-  stderr   progress bars (on a terminal, not with --quiet or --json -); errors
+  stderr   progress bars (on a terminal, not with --quiet or --json -); errors.
+           A data error (missing or malformed --data, a --model directory that is
+           not a checkpoint) is one line 'geoopt-quotient sharpness: error: ...'
+           and exit status 2; a failed symmetry check is exit status 1
   --json FILE   settings, plan (table, groups, notes), per measure the value,
            per-batch values, clean and perturbed losses and timings, versions
 
 examples:
   geoopt-quotient sharpness --model ./my-bert --data dev.jsonl
   geoopt-quotient sharpness --model ./my-bert --data dev.jsonl --metric both \\
-      --rho 0.05 --iters 20 --batch-size 32 --max-examples 512 --json result.json
+      --rho-adaptive 0.2 --rho-inv 0.05 --rho-mix 0.01 --iters 20 \\
+      --batch-size 32 --max-examples 512 --json result.json
   torchrun --nproc_per_node 4 -m geoopt_quotient sharpness --model ./my-bert \\
       --data dev.jsonl      # batches sharded over 4 processes, same result
 """
@@ -72,15 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="mix",
         help="metric of the symmetry quotients (default mix)",
     )
-    parser.add_argument(
-        "--rho", type=positive_float, default=0.05, help="geodesic ball radius (0.05)"
-    )
-    parser.add_argument(
-        "--rho-adaptive",
-        type=positive_float,
-        default=None,
-        help="adaptive ball radius (default: --rho); the balls live on different scales",
-    )
+    add_radius_arguments(parser, StudySettings())
     parser.add_argument(
         "--iters", type=int_at_least(1), default=20, help="Auto-PGD iterations per batch (20)"
     )
@@ -106,33 +118,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip checking the discovered symmetries on the first batch (done by default)",
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
+    add_threads_argument(parser)
     parser.set_defaults(handler=run, parser=parser)
 
 
 # ---------------------------------------------------------------- the command
+#: The radius of each measure, a key of :func:`~geoopt_quotient.cli._runtime.radii_from_args`.
+_RADIUS = {"adaptive": "rho_adaptive", "geodesic_inv": "rho_inv", "geodesic_mix": "rho_mix"}
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Handler of ``sharpness``."""
+    """Handler of ``sharpness``.
+
+    Data errors raise :class:`~geoopt_quotient.classifiers.InputError` (one line, exit
+    status 2, printed by :func:`geoopt_quotient.cli.main`).
+    """
+    device = parse_device(args.device, parser)
+    check_data_file("--data", args.data, arrays=False)
+    rank, world = start_distributed(device)
+    with quiet_transformers(silent=args.quiet or args.json == "-" or rank > 0):
+        return _run(args, parser, local_device(device, rank, world), rank, world)
+
+
+def _run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> int:
     import transformers
 
     from .. import __version__
     from ..models import SymmetryVerificationError, find_symmetries
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
 
-    device = parse_device(args.device, parser)
-    rank, world = start_distributed(device)
-    device = local_device(device, rank, world)
     to_stdout = args.json == "-"
     silent = args.quiet or to_stdout or rank > 0
     start = time.perf_counter()
-    try:
-        model, tokenizer = load_checkpoint(args.model, device, where=f"--model {args.model}")
-        if tokenizer is None:
-            raise InputError(f"--model {args.model}: not a sequence classifier")
-        examples = load_examples(
-            args.data, model.config, args.max_examples, where=f"--data {args.data}"
-        )
-    except InputError as error:
-        parser.error(str(error))
+    model, tokenizer = load_checkpoint(args.model, device, where=f"--model {args.model}")
+    if tokenizer is None:
+        raise InputError(f"--model {args.model}: not a sequence classifier")
+    where = f"--data {args.data}"
+    examples = load_examples(args.data, model.config, args.max_examples, where=where)
     regression = is_regression(model.config)
     batches = make_batches(
         examples, tokenizer, args.batch_size, args.max_length, device, regression
@@ -155,18 +183,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         print(bound.summary())
         print()
-    common = dict(
-        rho=args.rho, iters=args.iters, seed=args.seed, progress=False if silent else None
-    )
+    radii = radii_from_args(args, StudySettings())
+    common = dict(iters=args.iters, seed=args.seed, progress=False if silent else None)
     results: Dict[str, Any] = {}
-    rho_adaptive = args.rho if args.rho_adaptive is None else args.rho_adaptive
     results["adaptive"] = adaptive_sharpness(
-        model, loss_fn, batches, **(common | {"rho": rho_adaptive})
+        model, loss_fn, batches, rho=radii["rho_adaptive"], **common
     )
     for metric in metrics:
         symmetries = bound if metric == metrics[0] else None
         results[f"geodesic_{metric}"] = geodesic_sharpness(
-            model, loss_fn, batches, metric=metric, symmetries=symmetries, **common
+            model,
+            loss_fn,
+            batches,
+            rho=radii[f"rho_{metric}"],
+            metric=metric,
+            symmetries=symmetries,
+            **common,
         )
     document = {
         "command": "sharpness",
@@ -178,6 +210,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "regression": regression,
         },
         "data": {"examples": len(examples), "batches": len(batches)},
+        "radii": radii,
         "plan": {
             "table": bound.summary(),
             "groups": [
@@ -209,9 +242,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not silent:
         width = max(len(n) for n in results)
         for name, r in results.items():
+            clean = sum(r.clean_losses) / len(r.clean_losses)
             print(
                 f"{name.ljust(width)}  sharpness {r.value:.6g}  "
-                f"(clean loss {sum(r.clean_losses) / len(r.clean_losses):.6g}, {r.seconds:.1f} s)"
+                f"(rho {radii[_RADIUS[name]]:g}, clean loss {clean:.6g}, {r.seconds:.1f} s)"
             )
         if args.json:
             print(f"wrote {args.json}")

@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 import torch
 
 from ..manifolds._validation import check_choice, check_nonnegative_float
-from ..sharpness.plan import SymmetryGroup, SymmetryPlan
+from ..sharpness.plan import SymmetryGroup, SymmetryPlan, install_discovery
 from .huggingface import Findings, bert_style_pairs, find_attention, linear_attention_pairs
 from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
@@ -142,3 +142,6 @@ def _members(specs: List[PairSpec], groups: List[SymmetryGroup]) -> Dict[str, Li
     for spec in specs:
         buckets.setdefault(spec.signature, []).append(spec)
     return {g.name: [s.module for s in m] for g, m in zip(groups, buckets.values())}
+
+
+install_discovery(find_symmetries)

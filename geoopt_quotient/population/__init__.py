@@ -8,8 +8,10 @@ small vision transformers on CPU to run it on.
 from .study import (
     ABLATIONS,
     MEASURES,
+    MIN_MODELS,
     PAPER_TAU,
     StudySettings,
+    few_models_warning,
     find_checkpoints,
     format_tau_table,
     measure_model,
@@ -22,8 +24,10 @@ from .study import (
 __all__ = [
     "ABLATIONS",
     "MEASURES",
+    "MIN_MODELS",
     "PAPER_TAU",
     "StudySettings",
+    "few_models_warning",
     "find_checkpoints",
     "format_tau_table",
     "measure_model",

@@ -12,7 +12,8 @@ for every model, as in the paper. Then, per measure, Kendall's
 
 between sharpness :math:`s` and generalization gap :math:`g` (test error minus train
 error) over the :math:`M` models, with a percentile bootstrap confidence interval over
-models.
+models. Below :data:`MIN_MODELS` models that interval is unreliable, and the table, the
+JSON document and the figure say so (:func:`few_models_warning`).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ from ..sharpness.stats import kendall_tau, kendall_tau_bootstrap, sharpness_scat
 __all__ = [
     "ABLATIONS",
     "MEASURES",
+    "MIN_MODELS",
     "PAPER_TAU",
     "StudySettings",
+    "few_models_warning",
     "find_checkpoints",
     "format_tau_table",
     "measure_model",
@@ -69,6 +72,22 @@ PAPER_TAU = {
     "ImageNet, 72 CLIP ViT-B/32": {"adaptive": -0.41, "geodesic_inv": -0.71, "geodesic_mix": -0.70},
     "MNLI, 35 BERT-base": {"adaptive": 0.06, "geodesic_inv": 0.28, "geodesic_mix": 0.38},
 }
+#: Populations smaller than this get a warning beside tau. A bootstrap resample of M
+#: models holds about 0.63 M distinct ones (4 of 6), so its tau takes only a few values,
+#: resamples in which a column is constant have no tau and are left out, and the
+#: percentile interval can collapse to a single value such as [-1.00, -1.00].
+MIN_MODELS = 8
+
+
+def few_models_warning(models: int, *, interval: bool = True) -> Optional[str]:
+    """The warning for a population of ``models`` models, or None from :data:`MIN_MODELS` on.
+
+    ``interval``: the warning also speaks of tau's bootstrap interval.
+    """
+    if models >= MIN_MODELS:
+        return None
+    extra = " and its bootstrap interval unreliable" if interval else ""
+    return f"only {models} models (fewer than {MIN_MODELS}): tau is coarse{extra}"
 
 
 @dataclass(frozen=True)
@@ -350,9 +369,14 @@ def tau_table(
     resamples: int = 2000,
     confidence: float = 0.95,
     seed: int = 0,
-) -> Dict[str, Dict[str, float]]:
-    """Per measure: Kendall tau, its p-value and a bootstrap confidence interval over models."""
+) -> Dict[str, Dict[str, Any]]:
+    """Per measure: Kendall tau, its p-value and a bootstrap confidence interval over models.
+
+    Each row also has ``warning``: :func:`few_models_warning` (None from
+    :data:`MIN_MODELS` models on).
+    """
     table = {}
+    warning = few_models_warning(len(gaps))
     for measure, column in values.items():
         tau, p_value = kendall_tau(column, gaps)
         _, low, high = kendall_tau_bootstrap(
@@ -364,26 +388,35 @@ def tau_table(
             "ci_low": low,
             "ci_high": high,
             "models": len(gaps),
+            "warning": warning,
         }
     return table
 
 
-def format_tau_table(table: Mapping[str, Mapping[str, float]], confidence: float = 0.95) -> str:
-    """Plain-text tau table with the bootstrap interval, beside the paper's Table 1."""
+def format_tau_table(table: Mapping[str, Mapping[str, Any]], confidence: float = 0.95) -> str:
+    """Plain-text tau table with the bootstrap interval, beside the paper's Table 1.
+
+    Rows with a ``warning`` (too few models) have ``!`` beside tau, and the warning is
+    printed under the table.
+    """
     papers = list(PAPER_TAU)
     width = max(len("measure"), *map(len, table)) + 2
+    warnings = list(dict.fromkeys(r["warning"] for r in table.values() if r.get("warning")))
+    gap = "  " if warnings else ""
     ci = f"{round(100 * confidence)}% CI"
-    head = f"{'measure':<{width}}{'tau':>8}{ci:>18}{'p':>9}" + "".join(
+    head = f"{'measure':<{width}}{'tau':>8}{gap}{ci:>18}{'p':>9}" + "".join(
         f"{'paper: ' + p.split(',')[0]:>17}" for p in papers
     )
     lines = [head, "-" * len(head)]
     for measure, row in table.items():
         interval = f"[{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
-        line = f"{measure:<{width}}{row['tau']:>+8.3f}{interval:>18}{row['p_value']:>9.2g}"
+        mark = " !" if row.get("warning") else gap
+        line = f"{measure:<{width}}{row['tau']:>+8.3f}{mark}{interval:>18}{row['p_value']:>9.2g}"
         for paper in papers:
             reference = PAPER_TAU[paper].get(measure)
             line += f"{'—' if reference is None else f'{reference:+.2f}':>17}"
         lines.append(line)
+    lines += [f"! {w}" for w in warnings]
     return "\n".join(lines)
 
 
@@ -469,14 +502,21 @@ def run_population(
     resamples : int
         Bootstrap resamples of the tau confidence intervals.
 
+    Raises
+    ------
+    InputError
+        For inputs that cannot be used. An exception raised while one model is measured
+        carries the note ``while measuring model 'NAME'`` (Python 3.11 and later).
+
     Returns
     -------
     dict
         ``settings``, ``models`` (per checkpoint: gap, per-measure values and losses,
-        seconds), ``tau`` (per measure: tau, p-value, CI), ``paper_tau``, ``timings``,
-        ``processes``. With ``torch.distributed`` initialised the models are sharded
-        over the ranks (model ``i`` of each round of ``world_size`` on rank ``i``) and
-        every rank returns the same document.
+        seconds), ``tau`` (per measure: tau, p-value, CI, warning), ``warning``
+        (:func:`few_models_warning`, None from :data:`MIN_MODELS` models on),
+        ``paper_tau``, ``timings``, ``processes``. With ``torch.distributed``
+        initialised the models are sharded over the ranks (model ``i`` of each round of
+        ``world_size`` on rank ``i``) and every rank returns the same document.
     """
     start = time.perf_counter()
     names = [Path(c).name for c in checkpoints]
@@ -511,15 +551,21 @@ def run_population(
             mine = round_[rank] if rank < len(round_) else None
             record = None
             if mine is not None:
-                record = _measure_checkpoint(
-                    mine,
-                    settings,
-                    data,
-                    train_data,
-                    test_data,
-                    device,
-                    lambda m, name=Path(mine).name: bar.set_postfix_str(f"{name}: {m}"),
-                )
+                name = Path(mine).name
+                try:
+                    record = _measure_checkpoint(
+                        mine,
+                        settings,
+                        data,
+                        train_data,
+                        test_data,
+                        device,
+                        lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
+                    )
+                except Exception as error:
+                    if hasattr(error, "add_note"):  # Python >= 3.11
+                        error.add_note(f"while measuring model {name!r}")
+                    raise
                 record["fingerprint"] = study
             for finished in _gather(record, world):
                 if finished is None:
@@ -542,6 +588,7 @@ def run_population(
         "gap_source": "measured" if gaps is None else "given",
         "models": models,
         "tau": tau_table(values, gap_values, resamples=resamples, seed=settings.seed),
+        "warning": few_models_warning(len(models)),
         "paper_tau": PAPER_TAU,
         "timings": {"total": time.perf_counter() - start},
         "processes": world,

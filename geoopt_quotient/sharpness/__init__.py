@@ -1,8 +1,14 @@
 """The sharpness engine: a worst-case ball maximiser on manifolds, and sharpness of models."""
 
 from .apgd import BallGroup, BallMaxResult, NonFiniteError, average_in_ball, maximize_in_ball
+from .functional import IndependentLossError, LossFnError, StaleParameterError
 from .hessian import HessianResult, hessian_top_eigenvalue, hessian_trace, riemannian_hvp
-from .measure import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .measure import (
+    SharpnessResult,
+    ZeroSharpnessWarning,
+    adaptive_sharpness,
+    geodesic_sharpness,
+)
 from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
 from .stats import kendall_tau, kendall_tau_bootstrap, sharpness_scatter
 
@@ -11,11 +17,15 @@ __all__ = [
     "BallMaxResult",
     "BoundPlan",
     "HessianResult",
+    "IndependentLossError",
+    "LossFnError",
     "NonFiniteError",
     "PlanError",
     "SharpnessResult",
+    "StaleParameterError",
     "SymmetryGroup",
     "SymmetryPlan",
+    "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
     "geodesic_sharpness",

@@ -23,6 +23,7 @@ from geoopt.manifolds.base import Manifold
 from ..manifolds._linalg import compute_dtype
 from ..manifolds._validation import check_choice, check_positive_int
 from ..manifolds.tangent import tangent_space
+from .functional import check_depends_on_perturbation
 from .precision import AutocastState
 
 __all__ = [
@@ -240,7 +241,9 @@ def _evaluate(
             value = as_scalar(objective(moved))
         if not grad:
             return value.detach().reshape(()), None
-        grads = torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
+        check_depends_on_perturbation(value, grads_found=True)
+        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+    check_depends_on_perturbation(value, any(g is not None for g in grads))
     grads = [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads)]
     return value.detach().reshape(()), grads
 
@@ -298,7 +301,9 @@ def maximize_in_ball(
     groups : sequence of BallGroup or (tensor, manifold)
         Base points and their manifolds; the ball is joint over all groups.
     objective : callable
-        ``objective(points) -> scalar tensor``, with ``points`` the perturbed points.
+        ``objective(points) -> scalar tensor``, with ``points`` the perturbed points;
+        differentiable in at least one of them
+        (:class:`~geoopt_quotient.sharpness.functional.IndependentLossError` otherwise).
     rho : float
         Radius of the ball.
     iters : int

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import geoopt
 import torch
@@ -23,7 +23,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..manifolds._validation import check_positive_int
 from ..manifolds.tangent import tangent_space
 from .apgd import NonFiniteError, _generator, as_scalar
-from .functional import FunctionalModel, preserved_model_state, trainable_parameters
+from .functional import (
+    RESOLUTION,
+    PerturbedLoss,
+    check_depends_on_perturbation,
+    noting_batch,
+    preserved_model_state,
+    trainable_parameters,
+)
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
 from .plan import BoundPlan, SymmetryPlan
 from .precision import AutocastState
@@ -52,13 +59,13 @@ class _Pullback:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss_fn: LossFn,
+        perturbed_loss: PerturbedLoss,
         batch: Any,
         plan: BoundPlan,
         riemannian: bool,
         autocast: AutocastState,
     ):
-        self.model, self.loss_fn, self.batch, self.plan = model, loss_fn, batch, plan
+        self.perturbed_loss, self.batch, self.plan = perturbed_loss, batch, plan
         self.autocast = autocast
         self.base = trainable_parameters(model)
         self.riemannian = riemannian
@@ -80,7 +87,7 @@ class _Pullback:
         else:
             params = {n: x + u for (n, x), u in zip(self.base.items(), xi)}
         with self.autocast.restored():
-            value = as_scalar(self.loss_fn(FunctionalModel(self.model, params), self.batch))
+            value = as_scalar(self.perturbed_loss(params, self.batch))
         return _finite(value, "the loss")
 
     def hvp(self, vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -88,8 +95,13 @@ class _Pullback:
         zeros = [torch.zeros_like(x).requires_grad_(True) for x in self.points]
         # fused attention kernels have no double backward; the math kernel has
         with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
-            grads = torch.autograd.grad(self.loss(zeros), zeros, create_graph=True)
-            dot = sum((g * v).sum() for g, v in zip(grads, vectors))
+            value = self.loss(zeros)
+            check_depends_on_perturbation(value, grads_found=True)
+            grads = torch.autograd.grad(value, zeros, create_graph=True, allow_unused=True)
+            check_depends_on_perturbation(value, any(g is not None for g in grads))
+            dot = sum((g * v).sum() for g, v in zip(grads, vectors) if g is not None)
+            if not dot.requires_grad:  # the loss is linear in the parameters it uses
+                return [torch.zeros_like(x) for x in self.points]
             hv = torch.autograd.grad(dot, zeros, allow_unused=True)
         return [torch.zeros_like(x) if h is None else h.detach() for x, h in zip(zeros, hv)]
 
@@ -120,12 +132,26 @@ def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast
     plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
     base = trainable_parameters(model)
     check_parameters(base)
+    refuse_low_precision(base)
     if riemannian:
         check_points(plan, plan.gather(base))
-    pulls = [_Pullback(model, loss_fn, b, plan, riemannian, autocast) for b in batches]
+    loss = PerturbedLoss(model, loss_fn)
+    pulls = [_Pullback(model, loss, b, plan, riemannian, autocast) for b in batches]
     if not pulls:
         raise ValueError("`batches` is empty: give at least one batch")
     return pulls
+
+
+def refuse_low_precision(params: Dict[str, torch.Tensor]) -> None:
+    """Second derivatives of a bfloat16/float16 model are refused, not estimated."""
+    low = sorted({str(p.dtype) for p in params.values() if p.dtype in RESOLUTION})
+    if low:
+        raise TypeError(
+            f"the model has {', '.join(low)} parameters: a Hessian by double backward in that "
+            "precision (8 to 11 significant bits) is dominated by rounding, so it is not "
+            "estimated; measure a float32 copy, model.float() (under torch.autocast for speed: "
+            "only loss_fn runs in low precision there)"
+        )
 
 
 @contextlib.contextmanager
@@ -181,6 +207,10 @@ def hessian_trace(
     (``riemannian=True``) or :math:`\mathcal N(0, I)` in parameter space.
     ``probe_vectors(batch_index, probe_index)`` may supply the probes instead (one per
     plan group, or per trainable parameter when Euclidean).
+
+    ``loss_fn`` is called as by :func:`geodesic_sharpness` (any use of the model inside
+    it sees the perturbed parameters). A bfloat16/float16 model raises ``TypeError``:
+    measure ``model.float()``, under ``torch.autocast`` for speed.
     """
     probes = check_positive_int(probes, "probes")
     per_batch, samples = [], []
@@ -189,10 +219,11 @@ def hessian_trace(
         generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
         for b, pull in enumerate(pulls):
             values = []
-            for p in range(probes):
-                v = probe_vectors(b, p) if probe_vectors else pull.probe(generator)
-                sample = sum((h * a).sum() for h, a in zip(pull.hvp(v), v))
-                values.append(_finite(sample, "a Hutchinson sample"))
+            with noting_batch(b):
+                for p in range(probes):
+                    v = probe_vectors(b, p) if probe_vectors else pull.probe(generator)
+                    sample = sum((h * a).sum() for h, a in zip(pull.hvp(v), v))
+                    values.append(_finite(sample, "a Hutchinson sample"))
             values = torch.stack(values).tolist()
             samples.append(values)
             per_batch.append(sum(values) / len(values))
@@ -225,7 +256,8 @@ def hessian_top_eigenvalue(
         generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
         for b, pull in enumerate(pulls):
             v = start_vectors(b) if start_vectors else pull.probe(generator)
-            estimates = _lanczos(pull, v, iters)
+            with noting_batch(b):
+                estimates = _lanczos(pull, v, iters)
             samples.append(estimates)
             per_batch.append(estimates[-1])
     return HessianResult(sum(per_batch) / len(per_batch), per_batch, samples)

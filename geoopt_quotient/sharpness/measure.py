@@ -28,16 +28,30 @@ from ..manifolds._validation import check_choice, check_positive_int
 from .apgd import (
     PATHS,
     BallGroup,
+    as_scalar,
     average_in_ball,
     check_scalar_finite,
     maximize_in_ball,
     path_function,
 )
-from .functional import FunctionalModel, preserved_model_state, trainable_parameters
-from .plan import BoundPlan, SymmetryGroup, SymmetryPlan
+from .functional import (
+    RESOLUTION,
+    PerturbedLoss,
+    check_depends_on_perturbation,
+    noting_batch,
+    preserved_model_state,
+    trainable_parameters,
+)
+from .plan import BoundPlan, SymmetryGroup, SymmetryPlan, discover_symmetries
 from .precision import AutocastState
 
-__all__ = ["SharpnessResult", "adaptive_sharpness", "geodesic_sharpness", "resolve_plan"]
+__all__ = [
+    "SharpnessResult",
+    "ZeroSharpnessWarning",
+    "adaptive_sharpness",
+    "geodesic_sharpness",
+    "resolve_plan",
+]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Symmetries = Union[None, SymmetryPlan, BoundPlan, Sequence[SymmetryGroup]]
@@ -83,13 +97,12 @@ class SharpnessResult:
 def resolve_plan(
     model: torch.nn.Module, symmetries: Symmetries, metric: str, eps: float = 0.0
 ) -> BoundPlan:
-    """Bind ``symmetries`` to ``model``; ``None`` discovers what the project knows."""
+    """Bind ``symmetries`` to ``model``; ``None`` asks the installed discovery
+    (:func:`~geoopt_quotient.sharpness.plan.install_discovery`)."""
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        from ..models import find_symmetries
-
-        return find_symmetries(model, metric=metric, eps=eps).bind(model)
+        return discover_symmetries(model, metric=metric, eps=eps).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
     return symmetries.bind(model)
@@ -153,11 +166,11 @@ def _measure(
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
+        perturbed_loss = PerturbedLoss(model, loss_fn)
 
         def objective_for(batch):
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
-                params = plan.scatter(_drain(perturbed_points), base)
-                return loss_fn(FunctionalModel(model, params), batch)
+                return perturbed_loss(plan.scatter(_drain(perturbed_points), base), batch)
 
             return objective
 
@@ -172,17 +185,16 @@ def _measure(
             if index % world != rank:
                 continue
             t0 = time.perf_counter()
-            objective = objective_for(batch)
-            if kind == "worst":
-                clean_loss, top, history = _worst_case(
-                    groups, objective, rho=rho, iters=iters, path=path, seed=seed + index
-                )
-            else:
-                with torch.no_grad():
-                    clean_value = objective(list(points))
-                clean_loss = check_scalar_finite(clean_value)
-                top, history = average_in_ball(
-                    groups, objective, rho=rho, samples=iters, path=path, seed=seed + index
+            with noting_batch(index):
+                clean_loss, top, history = _measure_batch(
+                    kind,
+                    groups,
+                    objective_for(batch),
+                    rho=rho,
+                    iters=iters,
+                    path=path,
+                    seed=seed + index,
+                    check_dependence=not records,
                 )
             records.append(
                 dict(
@@ -197,6 +209,8 @@ def _measure(
     if not records:
         raise ValueError("`batches` is empty: give at least one batch")
     per_batch = [r["top"] - r["clean"] for r in records]
+    if kind == "worst":
+        warn_if_no_ascent([r["index"] for r in records if r["top"] == r["clean"]], len(records))
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
@@ -222,13 +236,59 @@ def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
         yield points.pop()
 
 
-def _worst_case(
-    groups: List[BallGroup], objective: Callable, **kwargs: Any
+def _measure_batch(
+    kind: str,
+    groups: List[BallGroup],
+    objective: Callable,
+    *,
+    rho: float,
+    iters: int,
+    path: str,
+    seed: int,
+    check_dependence: bool,
 ) -> Tuple[float, float, List[float]]:
-    """(clean loss, worst loss, history) of one batch; its best perturbation is dropped
-    here rather than kept alive while the next batch is measured."""
-    result = maximize_in_ball(groups, objective, **kwargs)
-    return result.initial_value, result.value, result.history
+    """(clean loss, worst or mean perturbed loss, history) of one batch.
+
+    The worst case's best perturbation is dropped here rather than kept alive while the
+    next batch is measured. Its first evaluation differentiates the loss, which checks
+    that it depends on the perturbation; the average case, which never differentiates,
+    checks that on its clean loss when ``check_dependence``.
+    """
+    if kind == "worst":
+        result = maximize_in_ball(groups, objective, rho=rho, iters=iters, path=path, seed=seed)
+        return result.initial_value, result.value, result.history
+    if check_dependence:  # new tensors: the stale-parameter check tells them from the model's
+        with torch.enable_grad():
+            clean_value = as_scalar(objective([g.point.clone().requires_grad_() for g in groups]))
+    else:
+        with torch.no_grad():
+            clean_value = as_scalar(objective([g.point for g in groups]))
+    if check_dependence:
+        check_depends_on_perturbation(clean_value, grads_found=True)
+    clean_loss = check_scalar_finite(clean_value.detach())
+    top, history = average_in_ball(groups, objective, rho=rho, samples=iters, path=path, seed=seed)
+    return clean_loss, top, history
+
+
+class ZeroSharpnessWarning(UserWarning):
+    """Worst-case sharpness exactly 0: no perturbation increased the loss."""
+
+
+def warn_if_no_ascent(batches: List[int], total: int) -> None:
+    """Warn when Auto-PGD found no iterate above the clean loss on some batches."""
+    if not batches:
+        return
+    which = "every batch" if len(batches) == total else f"batches {batches} of {total}"
+    warnings.warn(
+        f"worst-case sharpness is exactly 0 on {which}: no Auto-PGD iterate increased the "
+        "loss. Likely causes: a loss that does not change under small perturbations (a "
+        "piecewise-constant loss such as an accuracy, or one rounded to float16/bfloat16: "
+        "compute it in float32), a gradient exactly 0 at the unperturbed parameters (a "
+        "stationary point), `rho` so large that every step overshoots (try a smaller one), "
+        "or too few `iters`",
+        ZeroSharpnessWarning,
+        stacklevel=4,
+    )
 
 
 def _process_grid(distributed: bool | None) -> Tuple[int, int]:
@@ -273,10 +333,6 @@ def check_parameters(params: Dict[str, torch.Tensor]) -> None:
                     f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
                     "checkpoint or the training run that produced it"
                 )
-
-
-#: Relative resolution of the low-precision parameter dtypes.
-RESOLUTION = {torch.bfloat16: "2⁻⁸", torch.float16: "2⁻¹¹"}
 
 
 def warn_if_low_precision(params: Dict[str, torch.Tensor]) -> None:
@@ -338,12 +394,19 @@ def geodesic_sharpness(
     Parameters
     ----------
     model : torch.nn.Module
-        Never mutated: perturbed parameters reach it through
-        :func:`torch.func.functional_call`; train/eval mode, ``requires_grad`` flags and
-        the global RNG state are restored on return (also after an exception).
-        It runs in eval mode.
+        Never written to: during each call of ``loss_fn`` the perturbed tensors are
+        swapped into it (:func:`torch.func.functional_call`) and the original parameters
+        put back on every exit, so it is bitwise unchanged afterwards; train/eval mode,
+        ``requires_grad`` flags and the global RNG state are restored on return (also
+        after an exception). It runs in eval mode.
     loss_fn : callable
-        ``loss_fn(model, batch) -> scalar tensor``; it must call ``model`` itself.
+        ``loss_fn(model, batch) -> scalar tensor``. Every use of the model's parameters
+        inside the call sees the perturbed values: calls of the model or of any
+        submodule, ``.forward``, parameter reads, ``model.parameters()``, tied weights,
+        and the model object the loss closes over. A loss with no autograd path to any
+        parameter raises :class:`IndependentLossError`; one that uses a parameter tensor
+        taken before the call, :class:`StaleParameterError`. An exception raised inside
+        carries a note with the batch index.
     batches : iterable
         Each batch gets its own maximiser run; the result is the mean over batches.
     rho : float
@@ -374,8 +437,17 @@ def geodesic_sharpness(
         so every rank returns the single-process result. ``None``: when a process group
         is initialised. Every rank must see the same ``batches``.
 
+    Warns
+    -----
+    ZeroSharpnessWarning
+        When no Auto-PGD iterate increases the loss of a batch (worst case exactly 0).
+
     Notes
     -----
+    Cost: the worst case makes ``iters`` forward and backward passes per batch, one more
+    forward pass, and one forward and backward pass per Auto-PGD restart (see
+    :func:`maximize_in_ball`); the average case makes ``iters + 1`` forward passes.
+
     Devices and precision: the model, its batches and ``loss_fn`` may live on any device;
     the perturbations are made on the parameters' device. Called under
     ``torch.autocast``, only ``loss_fn`` runs in the autocast precision; the ball, the

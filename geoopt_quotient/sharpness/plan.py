@@ -20,7 +20,14 @@ from geoopt.manifolds.base import Manifold
 
 from ..manifolds import AdaptiveEuclidean
 
-__all__ = ["BoundPlan", "PlanError", "SymmetryGroup", "SymmetryPlan"]
+__all__ = [
+    "BoundPlan",
+    "PlanError",
+    "SymmetryGroup",
+    "SymmetryPlan",
+    "discover_symmetries",
+    "install_discovery",
+]
 
 Layout = Callable[..., torch.Tensor]
 
@@ -414,3 +421,28 @@ def _manifold_label(manifold: Manifold) -> str:
         return f"{name}({', '.join(parts)})"
     extra = manifold.extra_repr() if hasattr(manifold, "extra_repr") else ""
     return f"{name}({extra})"
+
+
+#: ``discovery(model, metric=..., eps=...) -> SymmetryPlan``, used for ``symmetries=None``.
+_discovery: Callable[..., SymmetryPlan] | None = None
+
+
+def install_discovery(discovery: Callable[..., SymmetryPlan]) -> None:
+    """Install the function that finds a model's symmetries when none are given.
+
+    The engine knows no architectures: :mod:`geoopt_quotient.models` installs
+    :func:`~geoopt_quotient.models.find_symmetries` here when it is imported (which
+    ``import geoopt_quotient`` does).
+    """
+    global _discovery
+    _discovery = discovery
+
+
+def discover_symmetries(model: torch.nn.Module, *, metric: str, eps: float) -> SymmetryPlan:
+    """The installed discovery's plan for ``model``; a :class:`PlanError` if none is."""
+    if _discovery is None:
+        raise PlanError(
+            "`symmetries=None` needs a symmetry discovery: import geoopt_quotient (or "
+            "geoopt_quotient.models), or pass `symmetries` explicitly"
+        )
+    return _discovery(model, metric=metric, eps=eps)

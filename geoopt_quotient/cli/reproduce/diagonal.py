@@ -20,9 +20,10 @@ from ...diagonal.experiment import (
     summarize_runs,
 )
 from ...diagonal.train import DEFAULT_MAX_STEPS
+from ...population.study import few_models_warning
 from ...records import RecordFile
 from ...sharpness.stats import sharpness_scatter
-from .._runtime import add_output_arguments
+from .._runtime import add_output_arguments, add_threads_argument
 from .._types import int_at_least, positive_float
 
 __all__ = ["register", "run"]
@@ -45,8 +46,11 @@ output:
            finishes; --resume continues from it after an interruption),
            OUT/diagonal.json (settings, per-model values, tau table, timings,
            versions) and OUT/diagonal.png (sharpness vs test loss, one panel per
-           measure, first seed); with --seeds K > 1 also OUT/diagonal-seed<S>.png
-           for every seed; --json FILE writes the same JSON to FILE as well
+           measure, first seed; the title gives the radii); with --seeds K > 1 also
+           OUT/diagonal-seed<S>.png for every seed; --json FILE writes the same JSON
+           to FILE as well
+  With fewer than 8 models tau is coarse: a warning under the table, in the JSON
+  ('warning') and in the figures' titles.
 
 examples:
   geoopt-quotient reproduce diagonal
@@ -105,6 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"gradient-descent step budget per model (default {DEFAULT_MAX_STEPS})",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default cpu)")
+    add_threads_argument(parser)
     add_output_arguments(
         parser,
         "diagonal-out",
@@ -114,20 +119,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, parser=parser)
 
 
+def figure_title(settings: Dict[str, Any]) -> str:
+    """What a run's figure shows: the population, the radius of every measure, a warning."""
+    rho, rho_mix = settings["rho"], settings["rho_mix"]
+    lines = [
+        f"diagonal networks: d = {settings['dim']}, {settings['models']} models, "
+        f"seed {settings['seed']}",
+        f"radii ρ: adaptive {rho:g}, inv {rho:g}, mix {rho_mix:g}; worst case, "
+        f"{settings['iters']} Auto-PGD iterations",
+    ]
+    warning = few_models_warning(settings["models"], interval=False)
+    if warning:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
 def _figure(run: Dict[str, Any], path: str) -> str:
     per_model = run["per_model"]
-    settings = run["settings"]
     panels = {name: per_model[f"sharpness_{name}"] for name in MEASURES}
-    return sharpness_scatter(
-        panels,
-        per_model["test_loss"],
-        path,
-        ylabel="test loss",
-        title=(
-            f"diagonal networks: d = {settings['dim']}, {settings['models']} models, "
-            f"seed {settings['seed']}, ρ = {settings['rho']:g} (mix {settings['rho_mix']:g})"
-        ),
-    )
+    title = figure_title(run["settings"])
+    return sharpness_scatter(panels, per_model["test_loss"], path, ylabel="test loss", title=title)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -168,6 +179,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "command": "reproduce diagonal",
         "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "parser")},
         "summary": summary,
+        "warning": few_models_warning(args.models, interval=False),
         "runs": runs,
         "figures": figures,
         "timings": {
@@ -191,6 +203,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
         )
         print(format_table(summary))
+        if document["warning"]:
+            print(f"warning: {document['warning']}")
         written = [json_path, *figures] + ([args.json] if args.json else [])
         print(f"wrote {', '.join(written)} in {document['timings']['total']:.1f} s")
     return 0

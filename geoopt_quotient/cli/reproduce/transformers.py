@@ -8,13 +8,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict
 
-import torch
 from tqdm.auto import tqdm
 
 from ...population.digits import load_digits_split, train_population, write_gaps, write_split
-from ...population.study import StudySettings, run_population
+from ...population.study import MIN_MODELS, StudySettings, run_population
 from ...records import RecordFile
-from .._runtime import add_output_arguments, quiet_transformers
+from .._runtime import add_output_arguments, add_threads_argument, quiet_transformers
 from .._types import int_at_least
 from ..population import add_study_arguments, report, settings_from_args
 
@@ -49,21 +48,29 @@ Runs on CPU; nothing is downloaded.
 EPILOG = f"""\
 output:
   stdout   the tau table; nothing with --quiet; only the JSON document with --json -
-  stderr   progress bars for training and sharpness (on a terminal)
+  stderr   progress bars for training and sharpness (on a terminal; not with --quiet
+           or --json -)
   files    OUT/data/{{train,test}}.npz, OUT/checkpoints/model-XX/ (safetensors and
            training.json: hyper-parameters, errors), OUT/gaps.csv,
            OUT/transformers-records.jsonl, OUT/transformers.json, OUT/transformers.png
+           (its title gives the radii, and marks --quick runs)
+  With fewer than {MIN_MODELS} models (--quick has {QUICK["models"]}), tau is coarse and \
+its bootstrap interval
+  unreliable: the table marks tau with '!', the JSON has a 'warning', and the
+  figure's title says so.
   The checkpoints are ordinary: the same study runs with
     geoopt-quotient population --checkpoints OUT/checkpoints --data OUT/data/train.npz \\
         --gaps OUT/gaps.csv
 
 defaults: {DEFAULT_MODELS} models; radii adaptive {DEFAULTS.rho_adaptive}, inv \
-{DEFAULTS.rho_inv}, mix {DEFAULTS.rho_mix}; {DEFAULTS.iters} Auto-PGD iterations;
-{DEFAULTS.max_examples} training images in batches of {DEFAULTS.batch_size}. About 10-15 minutes
-on 2 CPU cores, half training, half sharpness; --ablations makes the sharpness part
-about 2.5 times longer.
+{DEFAULTS.rho_inv}, mix {DEFAULTS.rho_mix}, fixed for this
+study (the balls live on different scales; 'population' defaults to 0.05 for all);
+{DEFAULTS.iters} Auto-PGD iterations; {DEFAULTS.max_examples} training images in batches \
+of {DEFAULTS.batch_size}. About 13-18 minutes on
+2 CPU cores with --threads 1 (the default), half training, half sharpness; --ablations
+makes the sharpness part about 2.5 times longer.
 --quick: {QUICK["models"]} models trained for 2-4 epochs, {QUICK["iters"]} iterations on \
-{QUICK["max_examples"]} images (about a minute; for tests).
+{QUICK["max_examples"]} images (about 30 s; for tests).
 
 examples:
   geoopt-quotient reproduce transformers
@@ -98,14 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a few short-trained models, few iterations"
     )
-    parser.add_argument(
-        "--threads",
-        type=int_at_least(1),
-        default=1,
-        metavar="T",
-        help="torch intra-op threads (default 1: at this model size more threads cost more "
-        "in synchronisation than they save)",
-    )
+    add_threads_argument(parser)
     add_study_arguments(parser, DEFAULTS)
     add_output_arguments(
         parser,
@@ -128,13 +128,9 @@ def _apply_quick(args: argparse.Namespace, argv_defaults: Dict[str, Any]) -> Non
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Handler of ``reproduce transformers``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    """Handler of ``reproduce transformers`` (``main`` applies ``--threads``)."""
+    with quiet_transformers(silent=args.quiet or args.json == "-"):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -148,7 +144,6 @@ def _run(args: argparse.Namespace) -> int:
         },
     )
     settings = settings_from_args(args, DEFAULTS)
-    quiet_transformers()
     silent = args.quiet or args.json == "-"
     progress = not silent and sys.stderr.isatty()
     out = Path(args.out)
@@ -201,6 +196,8 @@ def _run(args: argparse.Namespace) -> int:
         "sharpness": document["timings"]["total"],
         "total": time.perf_counter() - start,
     }
-    title = f"{args.models} ViTs on 8x8 digits"
-    report(document, args, "transformers", title)
+    label = f"{args.models} ViTs on 8x8 digits"
+    if args.quick:
+        label += " (--quick run: short training, few iterations; a check, not a result)"
+    report(document, args, "transformers", label)
     return 0

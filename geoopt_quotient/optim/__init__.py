@@ -1,0 +1,7 @@
+"""Optimizers: geoopt's Riemannian optimizers with the fixes a quotient needs, and
+sharpness-aware minimisation on the quotient (:class:`GeodesicSAM`)."""
+
+from .riemannian import RiemannianAdam, RiemannianSGD
+from .sam import GeodesicSAM
+
+__all__ = ["GeodesicSAM", "RiemannianAdam", "RiemannianSGD"]

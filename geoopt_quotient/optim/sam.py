@@ -1,0 +1,288 @@
+r"""Sharpness-aware minimisation on the symmetry quotient (and SAM, ASAM by one switch).
+
+SAM (Foret et al. 2021) minimises :math:`\max_{|\delta| \le \rho} L(w + \delta)` with
+one ascent step to the perturbed point and a descent step with the gradient taken there.
+Its ascent :math:`\delta = \rho \nabla L / |\nabla L|` (SAM) or
+:math:`\rho T^2 \nabla L / |T \nabla L|`, :math:`T = \operatorname{diag}(|w| + \eta)`
+(ASAM, Kwon et al. 2021) is taken in raw or element-wise scaled parameters, so under the
+attention symmetries :math:`(W_q, W_k) \mapsto (W_q A^{-1}, W_k A^\top)` two
+representatives of the same network are perturbed to *different* functions.
+
+:class:`GeodesicSAM` takes the ascent on the quotient ("Hide & Seek", da Silva, Dangel &
+Oore 2025): the Riemannian gradient in the GL-invariant metric, which is horizontal,
+scaled to metric norm :math:`\rho`, and applied through the second-order retraction,
+
+.. math::
+
+    \xi = \rho\, \frac{\operatorname{grad} L(w)}{|\operatorname{grad} L(w)|_w}, \qquad
+    w' = R_w(\xi), \qquad w \leftarrow \mathrm{base\ step}\big(w, \nabla L(w')\big).
+
+The perturbed function is then the same for every representative. Parameters outside the
+symmetry groups use the adaptive geometry (ASAM's ascent for them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Dict, Iterable, List, Tuple
+
+import geoopt
+import torch
+
+from ..manifolds import AdaptiveEuclidean
+from ..manifolds._linalg import compute_dtype
+from ..manifolds._validation import check_choice
+from ..manifolds.tangent import tangent_space
+from ..sharpness.measure import Symmetries
+from ..sharpness.plan import (
+    BoundPlan,
+    SymmetryGroup,
+    SymmetryPlan,
+    _WholeParameter,
+    discover_symmetries,
+    whole_parameter_group,
+)
+from ..sharpness.precision import AutocastState
+
+__all__ = ["BALLS", "GeodesicSAM"]
+
+BALLS = ("geodesic", "adaptive", "euclidean")
+
+
+class GeodesicSAM(torch.optim.Optimizer):
+    r"""Sharpness-aware minimisation whose ascent step is invariant under the symmetries.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its trainable parameters are optimised (``nn.Module``s, Hugging Face models and
+        this package's ``ManifoldParameter`` layers alike).
+    base_optimizer_cls : type
+        The descent step, e.g. :class:`torch.optim.SGD` or
+        :class:`~geoopt_quotient.optim.RiemannianSGD`; built on this optimizer's
+        parameter groups with ``**base_kwargs``.
+    rho : float
+        Radius of the ascent step, in the ball's metric.
+    metric : {"mix", "inv"}
+        Metric of the discovered quotients (``ball="geodesic"``).
+    symmetries : SymmetryPlan, list of SymmetryGroup, BoundPlan or None
+        As for :func:`~geoopt_quotient.geodesic_sharpness`; ``None`` discovers them.
+    ball : {"geodesic", "adaptive", "euclidean"}
+        ``"geodesic"``: the quotient metric and its retraction (this class's purpose);
+        ``"adaptive"``: ASAM, :math:`\xi = \rho T^2 g / |T g|` with
+        :math:`T = |w| + \varepsilon`; ``"euclidean"``: SAM, :math:`\xi = \rho g / |g|`.
+        The last two ignore ``metric`` and ``symmetries``.
+    eps : float
+        :math:`\varepsilon` of the adaptive metric :math:`\sum \xi^2 / (|w| + \varepsilon)^2`
+        of every parameter outside the symmetry groups (ASAM's :math:`\eta`, 0.01 in Kwon
+        et al.; with 0, parameters at exactly 0 are not perturbed). The discovered
+        quotients stay exact (GL-invariant); a relaxed geometry comes with ``symmetries``.
+    path : {"second_order", "exact"}
+        Retraction of the geodesic ball (the exponential map with ``"exact"``).
+
+    Notes
+    -----
+    Use as the common SAM implementations::
+
+        loss_fn(model(x), y).backward()
+        optimizer.first_step(zero_grad=True)   # to w' = R_w(xi)
+        loss_fn(model(x), y).backward()
+        optimizer.second_step(zero_grad=True)  # back to w, base step with grad L(w')
+
+    or ``optimizer.step(closure)`` with a closure that zeroes nothing, computes the loss
+    and calls ``backward`` (called twice: at :math:`w` and at :math:`w'`). A step costs two
+    forward and backward passes, as SAM; the geometry adds small :math:`h \times h` algebra
+    per attention head. :meth:`first_step` keeps a copy of the parameters, which
+    :meth:`second_step` writes back bitwise. After :meth:`first_step`,
+    :attr:`last_ascent` holds :math:`\xi` (one tangent vector per group of :attr:`plan`).
+    ``state_dict()`` is the base optimizer's.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        base_optimizer_cls: Callable[..., torch.optim.Optimizer],
+        *,
+        rho: float,
+        metric: str = "mix",
+        symmetries: Symmetries = None,
+        ball: str = "geodesic",
+        eps: float = 0.0,
+        path: str = "second_order",
+        **base_kwargs: Any,
+    ):
+        check_choice(ball, BALLS, "ball")
+        check_choice(path, ("second_order", "exact"), "path")
+        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not rho > 0:
+            raise ValueError(f"`rho` must be a number > 0, got {rho!r}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        super().__init__([p for _, p in named], dict(rho=float(rho)))
+        self.base_optimizer = base_optimizer_cls(self.param_groups, **base_kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+        self.plan = _ball_plan(model, ball, symmetries, metric, eps)
+        self.ball, self.path = ball, path
+        self._named = dict(named)
+        self._saved: Dict[torch.Tensor, torch.Tensor] = {}
+        self.last_ascent: List[torch.Tensor] = []
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        r"""Move the parameters to :math:`w' = R_w(\xi)`, :math:`\xi` the normalised
+        Riemannian gradient of metric norm :math:`\rho`; gradients must be those at
+        :math:`w`."""
+        if self._saved:
+            raise RuntimeError("first_step() twice without second_step() in between")
+        with AutocastState.capture().disabled():
+            moved = self._ascend()
+        for name, value in self.plan.scatter(moved, self._current()).items():
+            param = self._named[name]
+            self._saved[param] = param.detach().clone()
+            param.copy_(value)
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Put the parameters back to :math:`w` and take the base optimizer's step with
+        the gradients now stored (those at :math:`w'`)."""
+        if not self._saved:
+            raise RuntimeError("second_step() without first_step() before it")
+        for param, saved in self._saved.items():
+            param.copy_(saved)
+        self._saved.clear()
+        self.base_optimizer.step()
+        # torch's LR schedulers check this flag (set by a wrapped step()) to warn about a
+        # scheduler stepped before its optimizer; step() is not called on this path
+        self._opt_called = True
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """A whole SAM step; ``closure`` computes the loss and calls ``backward``.
+
+        Returns the loss at :math:`w` (the closure's first value).
+        """
+        if closure is None:
+            raise ValueError(
+                "GeodesicSAM.step needs a closure that computes the loss and calls "
+                "backward(); or call first_step() and second_step() around your own passes"
+            )
+        with torch.enable_grad():
+            loss = closure()
+        self.first_step(zero_grad=True)
+        with torch.enable_grad():
+            closure()
+        self.second_step()
+        return loss
+
+    def _current(self) -> Dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self._named.items()}
+
+    def _ascend(self) -> List[torch.Tensor]:
+        r"""The perturbed points, one per plan group; sets :attr:`last_ascent`.
+
+        Element-wise groups (adaptive :math:`c = |w| + \varepsilon`, Euclidean
+        :math:`c = 1`; the metric :math:`\sum \xi^2 / c^2`) are done together with
+        ``torch._foreach`` kernels: their Riemannian gradient is :math:`c^2 g`, its squared
+        norm :math:`\sum (c g)^2`. The quotient groups use their tangent spaces.
+        """
+        params = self._current()
+        grads = {n: _grad_or_zeros(p) for n, p in self._named.items()}
+        points, egrads = self.plan.gather(params), self.plan.gather(grads)
+        dtypes = [x.dtype for x in points]
+        points = [x.to(compute_dtype(x.dtype)) for x in points]
+        egrads = [e.to(x.dtype) for e, x in zip(egrads, points)]
+        flat = [i for i, g in enumerate(self.plan.groups) if _elementwise_eps(g) is not None]
+        other = [i for i in range(len(points)) if i not in set(flat)]
+        scales = self._elementwise_scales([self.plan.groups[i] for i in flat], points, flat)
+        scaled = [egrads[i] for i in flat]  # c g
+        if scales is not None:
+            scaled = torch._foreach_mul(scaled, scales)
+        spaces = {i: tangent_space(self.plan.groups[i].manifold, points[i]) for i in other}
+        rgrads = {i: spaces[i].egrad2rgrad(egrads[i]) for i in other}
+        squares = [n.pow(2) for n in torch._foreach_norm(scaled)] if scaled else []
+        squares += [spaces[i].inner(r, r) for i, r in rgrads.items()]
+        norm = torch.stack([q.to(torch.float64) for q in squares]).sum().sqrt()
+        factor = self.param_groups[0]["rho"] / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+        ascent: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
+        moved: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
+        steps = torch._foreach_mul(scaled, scales) if scales is not None else scaled
+        for i, step in zip(flat, steps):
+            ascent[i] = step.mul_(factor.to(step.dtype))
+            moved[i] = points[i] + ascent[i]
+        for i, r in rgrads.items():
+            ascent[i] = r * factor.to(r.dtype)
+            moved[i] = self._move(spaces[i], points[i], ascent[i])
+        self.last_ascent = ascent
+        return [m.to(d) for m, d in zip(moved, dtypes)]
+
+    @staticmethod
+    def _elementwise_scales(groups, points, flat) -> List[torch.Tensor] | None:
+        r""":math:`c = |w| + \varepsilon` per adaptive group (1 for Euclidean ones), or
+        ``None`` when all are Euclidean."""
+        eps = [_elementwise_eps(g) for g in groups]
+        if all(e is None or isinstance(g.manifold, geoopt.Euclidean) for g, e in zip(groups, eps)):
+            return None
+        scales = torch._foreach_abs([points[i] for i in flat])
+        for scale, group, e in zip(scales, groups, eps):
+            if isinstance(group.manifold, geoopt.Euclidean):
+                scale.fill_(1.0)
+            elif e:
+                scale.add_(e)
+        return scales
+
+    def _move(self, space, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.ball != "geodesic":
+            return x.to(u.dtype) + u
+        return space.expmap(u) if self.path == "exact" else space.retr(u)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+
+
+def _elementwise_eps(group: SymmetryGroup) -> float | None:
+    r"""The metric's :math:`\varepsilon` for an element-wise group of whole parameters
+    (0 for Euclidean ones); ``None`` for any other group."""
+    if not isinstance(group, _WholeParameter):
+        return None
+    if isinstance(group.manifold, AdaptiveEuclidean):
+        return group.manifold.eps
+    if type(group.manifold) is geoopt.Euclidean:
+        return 0.0
+    return None
+
+
+def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(param) if param.grad is None else param.grad.detach()
+
+
+def _ball_plan(
+    model: torch.nn.Module, ball: str, symmetries: Symmetries, metric: str, eps: float
+) -> BoundPlan:
+    if ball == "euclidean":
+        return SymmetryPlan(_euclidean_groups(model.named_parameters())).bind(model)
+    if ball == "adaptive":
+        return SymmetryPlan(adaptive_eps=eps).bind(model)
+    if isinstance(symmetries, BoundPlan):
+        return symmetries
+    if symmetries is None:
+        symmetries = discover_symmetries(model, metric=metric, eps=0.0)
+    elif not isinstance(symmetries, SymmetryPlan):
+        symmetries = SymmetryPlan(list(symmetries))
+    return replace(symmetries, adaptive_eps=eps).bind(model)
+
+
+def _euclidean_groups(
+    named: Iterable[Tuple[str, torch.nn.Parameter]],
+) -> List[SymmetryGroup]:
+    euclidean = geoopt.Euclidean()
+    return [
+        whole_parameter_group(n, p.shape, euclidean, kind="euclidean")
+        for n, p in named
+        if p.requires_grad
+    ]
