@@ -392,3 +392,32 @@ def test_positive_sharpness_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", gq.ZeroSharpnessWarning)
         assert gq.adaptive_sharpness(model, lambda m, b: m.value(), [0], rho=0.1, iters=3).value > 0
+
+
+# --- what a measurement costs --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["worst", "average"])
+@pytest.mark.parametrize("measure", ["adaptive", "geodesic"])
+def test_reported_passes_are_the_passes_made(kind, measure):
+    """``forward_passes`` counts the calls of loss_fn, ``backward_passes`` the backward
+    passes through it (restarts included), per batch."""
+    model, batches = tiny_bert(), dict_batches()
+    forward, backward = [0] * len(batches), [0] * len(batches)
+
+    def counting_loss(m, b):
+        index = next(i for i, c in enumerate(batches) if c is b)
+        forward[index] += 1
+        loss = m(**b).loss
+        if loss.requires_grad:
+            loss.register_hook(lambda g: backward.__setitem__(index, backward[index] + 1) or g)
+        return loss
+
+    call = gq.adaptive_sharpness if measure == "adaptive" else gq.geodesic_sharpness
+    result = call(model, counting_loss, batches, rho=0.5, iters=12, kind=kind)
+    assert result.forward_passes == forward
+    if kind == "worst":
+        assert result.backward_passes == backward
+        assert all(b >= 12 and f == b + 1 for f, b in zip(forward, backward))
+    else:
+        assert result.backward_passes == [0, 0] and forward == [13, 13]

@@ -74,6 +74,9 @@ class BallMaxResult:
     evaluations : int
         Objective evaluations (forward passes): one per iterate, plus one per restart
         from an earlier best iterate, whose gradient is recomputed rather than kept.
+    gradients : int
+        Of those, the evaluations that were differentiated (backward passes): all but
+        the last iterate's.
     """
 
     value: float
@@ -82,6 +85,7 @@ class BallMaxResult:
     history: List[float] = field(default_factory=list)
     step_sizes: List[float] = field(default_factory=list)
     evaluations: int = 0
+    gradients: int = 0
 
 
 def path_function(manifold: Manifold, path: str) -> Path:
@@ -331,9 +335,10 @@ def maximize_in_ball(
     gradient. The update is computed in place in the buffers of the gradient it uses.
     When Auto-PGD restarts from an earlier best iterate (after halving the step), that
     iterate's gradient is recomputed, one more forward and backward pass, instead of
-    being kept all along; :attr:`BallMaxResult.evaluations` counts the passes. So
-    ``iters`` costs ``iters`` forward and backward passes, one forward pass, and one
-    forward and backward pass per restart.
+    being kept all along; :attr:`BallMaxResult.evaluations` and
+    :attr:`BallMaxResult.gradients` count the passes. So ``iters`` costs ``iters``
+    forward and backward passes, one forward pass, and one forward and backward pass per
+    restart.
 
     The loop reads one scalar pair from the device per iteration (the new value and the
     gradient's norm), its only host synchronisation. Under ``torch.autocast`` the
@@ -385,7 +390,7 @@ def _maximize(
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
     best_xi = xi_prev = xi
-    history, steps, evaluations = [value], [], 1
+    history, steps, evaluations, gradients = [value], [], 1, 1
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
     best_at_last_mark, step_halved_at_last_mark = value, True
@@ -396,7 +401,7 @@ def _maximize(
         xi_prev, xi, grads = xi, xi_next, None
         need_grad = k + 1 < iters
         new_value_t, grads = evaluate(xi, grad=need_grad)
-        evaluations += 1
+        evaluations, gradients = evaluations + 1, gradients + int(need_grad)
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
         if check_finite:
@@ -417,7 +422,7 @@ def _maximize(
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
                     xi, value, grads = best_xi, best_value, None  # current ones released first
                     grads = evaluate(xi, grad=True)[1]
-                    evaluations += 1
+                    evaluations, gradients = evaluations + 1, gradients + 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return BallMaxResult(
         value=best_value,
@@ -426,6 +431,7 @@ def _maximize(
         history=history,
         step_sizes=steps,
         evaluations=evaluations,
+        gradients=gradients,
     )
 
 

@@ -74,6 +74,10 @@ class SharpnessResult:
         Per batch, the loss at every Auto-PGD iterate (worst case) or sample (average).
     seconds : float
         Wall time of the whole call; ``seconds_per_batch`` per batch.
+    forward_passes, backward_passes : list of int
+        Per batch, the evaluations of ``loss_fn`` and the backward passes through it:
+        ``iters + 1`` and ``iters`` for the worst case, plus one of each per Auto-PGD
+        restart; ``iters + 1`` and 0 for the average case.
     settings : dict
         The settings used.
     plan : str
@@ -87,6 +91,8 @@ class SharpnessResult:
     histories: List[List[float]]
     seconds: float
     seconds_per_batch: List[float]
+    forward_passes: List[int] = field(default_factory=list)
+    backward_passes: List[int] = field(default_factory=list)
     settings: Dict[str, Any] = field(default_factory=dict)
     plan: str = ""
 
@@ -186,7 +192,7 @@ def _measure(
                 continue
             t0 = time.perf_counter()
             with noting_batch(index):
-                clean_loss, top, history = _measure_batch(
+                clean_loss, top, history, passes = _measure_batch(
                     kind,
                     groups,
                     objective_for(batch),
@@ -202,6 +208,7 @@ def _measure(
                     clean=clean_loss,
                     top=top,
                     history=history,
+                    passes=passes,
                     seconds=time.perf_counter() - t0,
                 )
             )
@@ -219,6 +226,8 @@ def _measure(
         histories=[r["history"] for r in records],
         seconds=time.perf_counter() - start,
         seconds_per_batch=[r["seconds"] for r in records],
+        forward_passes=[r["passes"][0] for r in records],
+        backward_passes=[r["passes"][1] for r in records],
         settings=settings,
         plan=plan.summary(),
     )
@@ -246,8 +255,9 @@ def _measure_batch(
     path: str,
     seed: int,
     check_dependence: bool,
-) -> Tuple[float, float, List[float]]:
-    """(clean loss, worst or mean perturbed loss, history) of one batch.
+) -> Tuple[float, float, List[float], Tuple[int, int]]:
+    """(clean loss, worst or mean perturbed loss, history, (forward, backward passes)) of
+    one batch.
 
     The worst case's best perturbation is dropped here rather than kept alive while the
     next batch is measured. Its first evaluation differentiates the loss, which checks
@@ -256,7 +266,8 @@ def _measure_batch(
     """
     if kind == "worst":
         result = maximize_in_ball(groups, objective, rho=rho, iters=iters, path=path, seed=seed)
-        return result.initial_value, result.value, result.history
+        passes = (result.evaluations, result.gradients)
+        return result.initial_value, result.value, result.history, passes
     if check_dependence:  # new tensors: the stale-parameter check tells them from the model's
         with torch.enable_grad():
             clean_value = as_scalar(objective([g.point.clone().requires_grad_() for g in groups]))
@@ -267,7 +278,7 @@ def _measure_batch(
         check_depends_on_perturbation(clean_value, grads_found=True)
     clean_loss = check_scalar_finite(clean_value.detach())
     top, history = average_in_ball(groups, objective, rho=rho, samples=iters, path=path, seed=seed)
-    return clean_loss, top, history
+    return clean_loss, top, history, (iters + 1, 0)
 
 
 class ZeroSharpnessWarning(UserWarning):
