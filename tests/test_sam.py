@@ -231,6 +231,18 @@ def test_second_step_restores_the_parameters_bitwise():
         assert param.grad is None or not param.grad.any()
 
 
+@pytest.mark.parametrize("ball", BALLS)
+def test_first_step_leaves_the_gradients_alone(ball):
+    """Without ``zero_grad`` the gradients at w are still there after the ascent."""
+    model, data = tiny_bert(), bert_batch()
+    bert_loss(model, data).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer = GeodesicSAM(model, torch.optim.SGD, rho=0.05, ball=ball, eps=0.01, lr=0.1)
+    optimizer.first_step(zero_grad=False)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
+
+
 def test_step_with_closure_equals_the_two_steps():
     data = attention_data()
     models = [attention_block(), attention_block()]

@@ -193,9 +193,9 @@ class GeodesicSAM(torch.optim.Optimizer):
         dtypes = [x.dtype for x in points]
         points = [x.to(compute_dtype(x.dtype)) for x in points]
         egrads = [e.to(x.dtype) for e, x in zip(egrads, points)]
-        flat = [i for i, g in enumerate(self.plan.groups) if _elementwise_eps(g) is not None]
-        other = [i for i in range(len(points)) if i not in set(flat)]
-        scales = self._elementwise_scales([self.plan.groups[i] for i in flat], points, flat)
+        flat = [i for i, g in enumerate(self.plan.groups) if _is_elementwise(g)]
+        other = sorted(set(range(len(points))) - set(flat))
+        scales = _elementwise_scales([self.plan.groups[i] for i in flat], [points[i] for i in flat])
         scaled = [egrads[i] for i in flat]  # c g
         if scales is not None:
             scaled = torch._foreach_mul(scaled, scales)
@@ -207,34 +207,22 @@ class GeodesicSAM(torch.optim.Optimizer):
         factor = self.param_groups[0]["rho"] / norm.clamp_min(torch.finfo(norm.dtype).tiny)
         ascent: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
         moved: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
-        steps = torch._foreach_mul(scaled, scales) if scales is not None else scaled
+        if scales is not None:  # c^2 g, in new tensors
+            steps = torch._foreach_mul(scaled, scales)
+            torch._foreach_mul_(steps, [factor.to(t.dtype) for t in steps])
+        else:  # the gradients themselves (views of .grad): not in place
+            steps = [g * factor.to(g.dtype) for g in scaled]
         for i, step in zip(flat, steps):
-            ascent[i] = step.mul_(factor.to(step.dtype))
-            moved[i] = points[i] + ascent[i]
+            ascent[i] = step
+            moved[i] = points[i] + step
         for i, r in rgrads.items():
             ascent[i] = r * factor.to(r.dtype)
-            moved[i] = self._move(spaces[i], points[i], ascent[i])
+            moved[i] = self._move(spaces[i], ascent[i])
         self.last_ascent = ascent
         return [m.to(d) for m, d in zip(moved, dtypes)]
 
-    @staticmethod
-    def _elementwise_scales(groups, points, flat) -> List[torch.Tensor] | None:
-        r""":math:`c = |w| + \varepsilon` per adaptive group (1 for Euclidean ones), or
-        ``None`` when all are Euclidean."""
-        eps = [_elementwise_eps(g) for g in groups]
-        if all(e is None or isinstance(g.manifold, geoopt.Euclidean) for g, e in zip(groups, eps)):
-            return None
-        scales = torch._foreach_abs([points[i] for i in flat])
-        for scale, group, e in zip(scales, groups, eps):
-            if isinstance(group.manifold, geoopt.Euclidean):
-                scale.fill_(1.0)
-            elif e:
-                scale.add_(e)
-        return scales
-
-    def _move(self, space, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        if self.ball != "geodesic":
-            return x.to(u.dtype) + u
+    def _move(self, space, u: torch.Tensor) -> torch.Tensor:
+        """The path of a quotient group (only the geodesic ball has any)."""
         return space.expmap(u) if self.path == "exact" else space.retr(u)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -245,16 +233,28 @@ class GeodesicSAM(torch.optim.Optimizer):
         self.param_groups = self.base_optimizer.param_groups
 
 
-def _elementwise_eps(group: SymmetryGroup) -> float | None:
-    r"""The metric's :math:`\varepsilon` for an element-wise group of whole parameters
-    (0 for Euclidean ones); ``None`` for any other group."""
-    if not isinstance(group, _WholeParameter):
+def _is_elementwise(group: SymmetryGroup) -> bool:
+    """A whole parameter in the adaptive or the Euclidean metric (element-wise weights)."""
+    return isinstance(group, _WholeParameter) and (
+        isinstance(group.manifold, AdaptiveEuclidean) or type(group.manifold) is geoopt.Euclidean
+    )
+
+
+def _elementwise_scales(
+    groups: List[SymmetryGroup], points: List[torch.Tensor]
+) -> List[torch.Tensor] | None:
+    r""":math:`c = |w| + \varepsilon` of each element-wise group (1 for Euclidean ones), or
+    ``None`` when all are Euclidean."""
+    adaptive = [isinstance(g.manifold, AdaptiveEuclidean) for g in groups]
+    if not any(adaptive):
         return None
-    if isinstance(group.manifold, AdaptiveEuclidean):
-        return group.manifold.eps
-    if type(group.manifold) is geoopt.Euclidean:
-        return 0.0
-    return None
+    scales = torch._foreach_abs(points)
+    for scale, group, is_adaptive in zip(scales, groups, adaptive):
+        if is_adaptive:
+            scale.add_(group.manifold.eps)
+        else:
+            scale.fill_(1.0)
+    return scales
 
 
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
