@@ -159,7 +159,15 @@ def make_optimizer(
     if method == "sgd":
         opt = torch.optim.SGD(model.parameters(), **base)
         return opt, opt
-    opt = GeodesicSAM(
+    opt = sam_optimizer(model, method, rho, args, **base)
+    return opt, opt.base_optimizer
+
+
+def sam_optimizer(
+    model: torch.nn.Module, method: str, rho: float, args: argparse.Namespace, **base: Any
+) -> GeodesicSAM:
+    """``method``'s ball (SAM, ASAM or GeodesicSAM) around ``torch.optim.SGD(**base)``."""
+    return GeodesicSAM(
         model,
         torch.optim.SGD,
         rho=rho,
@@ -168,7 +176,6 @@ def make_optimizer(
         eps=args.asam_eps if method == "asam" else 0.0,
         **base,
     )
-    return opt, opt.base_optimizer
 
 
 def schedule(args: argparse.Namespace, steps_per_epoch: int):
@@ -435,15 +442,7 @@ def ascent_increase(
     model: torch.nn.Module, method: str, rho: float, batches: List[Tensors], args
 ) -> float:
     """Mean over ``batches`` of L(w') - L(w), w' the ascent point of ``method``'s ball."""
-    probe = GeodesicSAM(
-        model,
-        torch.optim.SGD,
-        rho=rho,
-        ball=BALL[method],
-        metric=args.metric,
-        eps=args.asam_eps if method == "asam" else 0.0,
-        lr=0.0,  # second_step restores w and takes a zero step
-    )
+    probe = sam_optimizer(model, method, rho, args, lr=0.0)  # second_step: w, a zero step
     increases = []
     for batch in batches:
         probe.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "load_checkpoint",
     "load_examples",
     "make_batches",
+    "text_lines",
 ]
 
 Batch = Tuple[Dict[str, torch.Tensor], torch.Tensor]
@@ -159,9 +160,22 @@ def _label(value: Any, config: Any, regression: bool, where: str) -> float | int
 
 def _open(path: str, where: str):
     try:
-        return open(path, encoding="utf-8")
+        return open(path, "rb")
     except OSError as error:
         raise InputError(f"{where}: {error.strerror or error}") from error
+
+
+def text_lines(path: str, where: str, expected: str = "JSON lines") -> Iterator[Tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file; an :class:`InputError` naming the
+    line (as ``"WHERE, line N"``) at the first line that is not UTF-8."""
+    with _open(path, where) as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(
+                    f"{where}, line {number}: not UTF-8 text ({error.reason}); expected {expected}"
+                ) from None
 
 
 def _example(record: Any, config: Any, regression: bool, where: str) -> Dict[str, Any]:
@@ -186,17 +200,16 @@ def load_examples(
     where = where or f"data {path}"
     regression = is_regression(config)
     examples: List[Dict[str, Any]] = []
-    with _open(path, where) as handle:
-        for number, line in enumerate(handle, start=1):
-            if max_examples is not None and len(examples) >= max_examples:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InputError(f"{path}, line {number}: not valid JSON ({error.msg})") from error
-            examples.append(_example(record, config, regression, f"{path}, line {number}"))
+    for number, line in text_lines(path, path):
+        if max_examples is not None and len(examples) >= max_examples:
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path}, line {number}: not valid JSON ({error.msg})") from error
+        examples.append(_example(record, config, regression, f"{path}, line {number}"))
     if not examples:
         raise InputError(f"{where}: no examples")
     if len({e["text_pair"] is None for e in examples}) > 1:

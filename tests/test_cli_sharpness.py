@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -223,6 +224,19 @@ def test_data_that_is_not_text_is_reported(checkpoint, tmp_path, capsys):
     binary.write_bytes(b'{"text": "the cat", "label": 0}\n\x89PNG\x00\xff\n')
     err = error_of(["sharpness", "--model", str(checkpoint), "--data", str(binary)], capsys)
     assert f"--data {binary}, line 2: not UTF-8 text" in err
+
+
+def test_library_loader_reports_data_that_is_not_text(checkpoint, tmp_path):
+    """The same check in :func:`load_examples` itself, for callers outside the CLI."""
+    import transformers
+
+    from geoopt_quotient.classifiers import InputError, load_examples
+
+    binary = tmp_path / "data.jsonl"
+    binary.write_bytes(b'{"text": "the cat", "label": 0}\n\x89PNG\x00\xff\n')
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    with pytest.raises(InputError, match=re.escape(f"{binary}, line 2: not UTF-8 text")):
+        load_examples(str(binary), config)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..classifiers import ARRAY_SUFFIXES, InputError
+from ..classifiers import ARRAY_SUFFIXES, InputError, text_lines
 from ._types import int_at_least, positive_float
 
 __all__ = [
@@ -120,15 +120,8 @@ def check_data_file(flag: str, path: str, *, arrays: bool = True) -> None:
     if arrays and path.lower().endswith(ARRAY_SUFFIXES):
         return  # classifiers.load_arrays reports a bad archive
     expected = "JSON lines" + (" or an .npz archive" if arrays else "")
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise InputError(
-                    f"{flag} {path}, line {number}: not UTF-8 text ({error.reason}); "
-                    f"expected {expected}"
-                ) from None
+    for _ in text_lines(path, f"{flag} {path}", expected):
+        pass
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:

@@ -127,15 +127,13 @@ class HessianResult:
 
 def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast):
     """One pullback per batch, after the same checks as the sharpness functions."""
-    if not callable(loss_fn):
-        raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
+    loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
     base = trainable_parameters(model)
     check_parameters(base)
     refuse_low_precision(base)
     if riemannian:
         check_points(plan, plan.gather(base))
-    loss = PerturbedLoss(model, loss_fn)
     pulls = [_Pullback(model, loss, b, plan, riemannian, autocast) for b in batches]
     if not pulls:
         raise ValueError("`batches` is empty: give at least one batch")

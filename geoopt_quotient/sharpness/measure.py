@@ -159,8 +159,7 @@ def _measure(
     iters = check_positive_int(iters, "iters")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
-    if not callable(loss_fn):
-        raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
+    perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     start = time.perf_counter()
     records: List[Dict[str, Any]] = []
     world, rank = _process_grid(distributed)
@@ -172,7 +171,6 @@ def _measure(
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
-        perturbed_loss = PerturbedLoss(model, loss_fn)
 
         def objective_for(batch):
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
@@ -271,11 +269,10 @@ def _measure_batch(
     if check_dependence:  # new tensors: the stale-parameter check tells them from the model's
         with torch.enable_grad():
             clean_value = as_scalar(objective([g.point.clone().requires_grad_() for g in groups]))
+        check_depends_on_perturbation(clean_value, grads_found=True)
     else:
         with torch.no_grad():
             clean_value = as_scalar(objective([g.point for g in groups]))
-    if check_dependence:
-        check_depends_on_perturbation(clean_value, grads_found=True)
     clean_loss = check_scalar_finite(clean_value.detach())
     top, history = average_in_ball(groups, objective, rho=rho, samples=iters, path=path, seed=seed)
     return clean_loss, top, history, (iters + 1, 0)
