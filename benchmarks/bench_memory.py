@@ -28,7 +28,12 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def child(mode: str, quick: bool, batch_size: int, seq_len: int, iters: int) -> dict:
+KEEP = {"auto": None, "yes": True, "no": False}
+
+
+def child(
+    mode: str, quick: bool, batch_size: int, seq_len: int, iters: int, keep: str = "auto"
+) -> dict:
     import torch
     from bench_sharpness_iteration import build_model, loss_fn, make_batch
 
@@ -44,11 +49,26 @@ def child(mode: str, quick: bool, batch_size: int, seq_len: int, iters: int) -> 
         loss_fn(model, batch).backward()
         optimizer.step()
     elif mode == "adaptive":
-        gq.adaptive_sharpness(model, loss_fn, [batch], rho=0.01, iters=iters, progress=False)
+        gq.adaptive_sharpness(
+            model,
+            loss_fn,
+            [batch],
+            rho=0.01,
+            iters=iters,
+            progress=False,
+            keep_best_gradient=KEEP[keep],
+        )
     else:
         metric = mode.split("-")[1]
         gq.geodesic_sharpness(
-            model, loss_fn, [batch], rho=0.01, iters=iters, metric=metric, progress=False
+            model,
+            loss_fn,
+            [batch],
+            rho=0.01,
+            iters=iters,
+            metric=metric,
+            progress=False,
+            keep_best_gradient=KEEP[keep],
         )
     return {"baseline_mib": baseline, "peak_mib": peak_mib(), "parameters_mib": parameters}
 
@@ -57,6 +77,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     """One mode in a fresh process: the median run by peak, with every run's peak."""
     command = [sys.executable, __file__, "--child", mode, "--iters", str(args.iters)]
     command += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    command += ["--keep-best-gradient", args.keep_best_gradient]
     command += ["--quick"] if args.quick else []
     runs = []
     for _ in range(args.repeats):
@@ -73,13 +94,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="processes per mode (median)")
+    parser.add_argument(
+        "--keep-best-gradient",
+        choices=tuple(KEEP),
+        default="auto",
+        help="keep Auto-PGD's best gradient (auto: up to 64 MiB, so not for BERT-base)",
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch_size, args.seq_len = min(args.batch_size, 4), min(args.seq_len, 16)
     if args.child:
-        print(json.dumps(child(args.child, args.quick, args.batch_size, args.seq_len, args.iters)))
+        sizes = (args.batch_size, args.seq_len, args.iters, args.keep_best_gradient)
+        print(json.dumps(child(args.child, args.quick, *sizes)))
         return {}
     runs = {mode: measure(mode, args) for mode in MODES}
     report = summarize(runs, args)
@@ -99,6 +127,7 @@ def summarize(runs: dict, args: argparse.Namespace) -> dict:
         "batch": [args.batch_size, args.seq_len],
         "iters": args.iters,
         "repeats": args.repeats,
+        "keep_best_gradient": args.keep_best_gradient,
         "parameters_mib": parameters,
         "runs": runs,
         "peak_ratio_to_training_step": {
@@ -121,7 +150,8 @@ def print_report(report: dict) -> None:
     batch_size, seq_len = report["batch"]
     print(
         f"{report['model']}, batch {batch_size}x{seq_len}, {report['iters']} Auto-PGD "
-        f"iterations, parameters {report['parameters_mib']:.1f} MiB: peak resident memory"
+        f"iterations, best gradient kept: {report.get('keep_best_gradient', 'auto')}, "
+        f"parameters {report['parameters_mib']:.1f} MiB: peak resident memory"
         + (f" (median of {report['repeats']} processes)" if report["repeats"] > 1 else "")
     )
     for mode, r in report["runs"].items():

@@ -1,63 +1,50 @@
 """geoopt-quotient: quotient geometry of neural-network symmetries, and sharpness it can't fool.
 
-The subpackages :mod:`~geoopt_quotient.nn`, :mod:`~geoopt_quotient.optim`,
-:mod:`~geoopt_quotient.testing`, :mod:`~geoopt_quotient.population`, ... are imported on
-first attribute access (``gq.nn.FactorizedLinear``), not by ``import geoopt_quotient``.
+``import geoopt_quotient`` imports nothing heavy (not even torch): every name below and
+every subpackage (:mod:`~geoopt_quotient.manifolds`, :mod:`~geoopt_quotient.sharpness`,
+:mod:`~geoopt_quotient.nn`, :mod:`~geoopt_quotient.optim`, ...) is imported on first
+attribute access (``gq.GLQuotient``, ``gq.nn.FactorizedLinear``). Any of them also
+imports :mod:`~geoopt_quotient.models`, which installs the symmetry discovery that the
+sharpness functions use for ``symmetries=None``.
 """
 
 import importlib
-
-from .manifolds import AdaptiveEuclidean, DiagonalQuotient, GeodesicDomainError, GLQuotient
-from .models import SymmetryVerificationError, find_symmetries
-from .sharpness import (
-    BallGroup,
-    IndependentLossError,
-    LossFnError,
-    NonFiniteError,
-    PlanError,
-    SharpnessResult,
-    StaleParameterError,
-    SymmetryGroup,
-    SymmetryPlan,
-    ZeroSharpnessWarning,
-    adaptive_sharpness,
-    average_in_ball,
-    geodesic_sharpness,
-    hessian_top_eigenvalue,
-    hessian_trace,
-    kendall_tau,
-    maximize_in_ball,
-    riemannian_hvp,
-)
+from typing import Any, Dict, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdaptiveEuclidean",
-    "BallGroup",
-    "DiagonalQuotient",
-    "GLQuotient",
-    "GeodesicDomainError",
-    "IndependentLossError",
-    "LossFnError",
-    "NonFiniteError",
-    "PlanError",
-    "SharpnessResult",
-    "StaleParameterError",
-    "SymmetryGroup",
-    "SymmetryPlan",
-    "SymmetryVerificationError",
-    "ZeroSharpnessWarning",
-    "adaptive_sharpness",
-    "average_in_ball",
-    "find_symmetries",
-    "geodesic_sharpness",
-    "hessian_top_eigenvalue",
-    "hessian_trace",
-    "kendall_tau",
-    "maximize_in_ball",
-    "riemannian_hvp",
-]
+#: Top-level names, and the subpackage each is imported from on first access.
+EXPORTS: Dict[str, str] = {
+    **dict.fromkeys(
+        ("AdaptiveEuclidean", "DiagonalQuotient", "GeodesicDomainError", "GLQuotient"),
+        "manifolds",
+    ),
+    **dict.fromkeys(("SymmetryVerificationError", "find_symmetries"), "models"),
+    **dict.fromkeys(
+        (
+            "BallGroup",
+            "IndependentLossError",
+            "LossFnError",
+            "NonFiniteError",
+            "PlanError",
+            "SharpnessResult",
+            "StaleParameterError",
+            "SymmetryGroup",
+            "SymmetryPlan",
+            "ZeroSharpnessWarning",
+            "adaptive_sharpness",
+            "average_in_ball",
+            "calibrate_rho",
+            "geodesic_sharpness",
+            "hessian_top_eigenvalue",
+            "hessian_trace",
+            "kendall_tau",
+            "maximize_in_ball",
+            "riemannian_hvp",
+        ),
+        "sharpness",
+    ),
+}
 
 #: Subpackages imported on first access as attributes of the package.
 SUBMODULES = (
@@ -75,12 +62,21 @@ SUBMODULES = (
     "testing",
 )
 
-
-def __getattr__(name: str):
-    if name in SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = sorted(EXPORTS)
 
 
-def __dir__():
-    return sorted(set(globals()) | set(SUBMODULES))
+def __getattr__(name: str) -> Any:
+    if name in EXPORTS:
+        importlib.import_module(f"{__name__}.models")  # installs the discovery
+        value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
+    elif name in SUBMODULES:
+        importlib.import_module(f"{__name__}.models")
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(EXPORTS) | set(SUBMODULES))

@@ -27,7 +27,14 @@ def keys_named(report, key: str) -> list:
     return []
 
 
-QUICK = ["bench_sharpness_iteration", "bench_geometry", "bench_memory", "bench_cuda", "bench_sam"]
+QUICK = [
+    "bench_sharpness_iteration",
+    "bench_iteration_overhead",
+    "bench_geometry",
+    "bench_memory",
+    "bench_cuda",
+    "bench_sam",
+]
 
 
 @pytest.mark.parametrize("name", [*QUICK, "bench_precision"])

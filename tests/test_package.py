@@ -36,8 +36,38 @@ def test_unknown_attribute_raises_attribute_error():
         gq.nonexistent  # noqa: B018
 
 
+def test_import_loads_nothing_heavy():
+    code = (
+        "import sys, geoopt_quotient\n"
+        "heavy = ['torch', 'geoopt', 'numpy', 'scipy', 'transformers', 'matplotlib']\n"
+        "assert not [m for m in heavy if m in sys.modules], sorted(sys.modules)\n"
+        "assert not [m for m in sys.modules if m.startswith('geoopt_quotient.')]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_export_is_reachable_and_listed():
+    for name in gq.__all__:
+        assert getattr(gq, name) is not None
+        assert name in dir(gq)
+
+
 def test_engine_uses_the_installed_discovery(monkeypatch):
-    assert plan_module._discovery is gq.find_symmetries
+    find_symmetries = gq.find_symmetries  # importing models installs it
+    assert plan_module._discovery is find_symmetries
     monkeypatch.setattr(plan_module, "_discovery", None)
+    monkeypatch.setattr(plan_module, "DISCOVERY_ENTRY_POINTS", "no.such.group")
     with pytest.raises(gq.PlanError, match="symmetries=None"):
         plan_module.discover_symmetries(object(), metric="mix", eps=0.0)
+
+
+def test_engine_alone_loads_the_discovery_from_its_entry_point():
+    code = (
+        "import sys, torch\n"
+        "from geoopt_quotient.sharpness import geodesic_sharpness, plan\n"
+        "assert 'geoopt_quotient.models' not in sys.modules\n"
+        "found = plan.discover_symmetries(torch.nn.MultiheadAttention(8, 2), metric='mix', "
+        "eps=0.0)\n"
+        "assert len(found.groups) == 2, found\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -176,6 +177,135 @@ def test_population_ablations(quick, tmp_path):
         assert set(m["measures"]) == set(MEASURES + ABLATIONS)
 
 
+RECORD_KEYS = {"scale", "rho", "measure", "path", "tau", "ci"}
+
+
+def untimed(entry):
+    """``entry`` (dicts and lists of them) less every wall-clock ``seconds``."""
+    if isinstance(entry, dict):
+        return {k: untimed(v) for k, v in entry.items() if k != "seconds"}
+    if isinstance(entry, list):
+        return [untimed(v) for v in entry]
+    return entry
+
+
+def check_tau_by_rho(doc, scales, measures, radii):
+    """One record per (scale, measure, path), its radius the scale times the measure's,
+    its tau that of the per-model values at that scale against the gaps, inside its CI;
+    scale 1 is the study without scales."""
+    records = doc["tau_by_rho"]
+    assert doc["rho_scales"] == sorted(scales)
+    assert all(set(r) == RECORD_KEYS for r in records)
+    keys = [(r["scale"], r["measure"], r["path"]) for r in records]
+    assert len(set(keys)) == len(keys) == len(scales) * len(measures)
+    paths = {"adaptive": "straight", "geodesic_inv": "second_order", "geodesic_mix": "second_order"}
+    assert set(keys) == {(s, m, paths[m]) for s in scales for m in measures}
+    gaps = [m["gap"] for m in doc["models"]]
+    for record in records:
+        scale, measure = record["scale"], record["measure"]
+        assert record["rho"] == pytest.approx(scale * radii[measure], rel=1e-15)
+        values = [m["by_scale"][f"{scale:g}"][measure]["value"] for m in doc["models"]]
+        assert record["tau"] == pytest.approx(kendall_tau(values, gaps)[0], abs=1e-12)
+        low, high = record["ci"]
+        assert low <= record["tau"] <= high
+        if scale == 1:
+            assert record["tau"] == doc["tau"][measure]["tau"]
+            assert values == [m["measures"][measure]["value"] for m in doc["models"]]
+    ratios = {(r["scale"], r["measure"]): r["ratio"] for r in doc["sharpness_to_clean_loss"]}
+    assert set(ratios) == {(s, m) for s in scales for m in measures}
+    for measure in measures:  # a larger ball, a larger worst-case increase
+        column = [ratios[s, measure] for s in sorted(scales)]
+        assert column == sorted(column) and column[0] > 0
+
+
+@slow
+def test_population_rho_scales_and_resume_after_a_kill(quick, tmp_path, monkeypatch, capsys):
+    """--rho-scales: tau per (scale, measure, path), a record per (model, scale); a run
+    killed between two scales of a model recomputes only what was not finished, and a
+    run without --rho-scales reuses the scale-1 records as its own."""
+    out, _ = quick
+    argv = ["population", "--checkpoints", str(out / "checkpoints"), *FAST, "--out", str(tmp_path)]
+    argv += ["--data", str(out / "data/train.npz"), "--gaps", str(out / "gaps.csv")]
+    assert main([*argv, "--rho-scales", "2,0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "Kendall tau against the radius" in printed and "mean sharpness / mean clean" in printed
+    assert "population-tau-by-rho.png" in printed
+    first = json.loads((tmp_path / "population.json").read_text())
+    check_tau_by_rho(first, [0.5, 1.0, 2.0], MEASURES, dict.fromkeys(MEASURES, 0.05))
+    assert Path(first["tau_by_rho_figure"]).is_file()
+    records_file = tmp_path / "population-records.jsonl"
+    lines = records_file.read_text().splitlines()
+    assert len(lines) == 6 * 3
+    # the kill: model-00 finished, model-01 at its first scale only
+    records_file.write_text("\n".join(lines[:4]) + "\n")
+    calls = []
+    measure_checkpoint = study_module._measure_checkpoint
+
+    def spy(checkpoint, *args, scales, **kwargs):
+        calls.append((Path(checkpoint).name, [scale for scale, _ in scales]))
+        return measure_checkpoint(checkpoint, *args, scales=scales, **kwargs)
+
+    monkeypatch.setattr(study_module, "_measure_checkpoint", spy)
+    assert main([*argv, "--rho-scales", "0.5,2", "--resume", "--quiet"]) == 0
+    expected = [("model-01", [1.0, 2.0])] + [(f"model-0{i}", [0.5, 1.0, 2.0]) for i in range(2, 6)]
+    assert calls == expected
+    again = json.loads((tmp_path / "population.json").read_text())
+    assert again["tau_by_rho"] == first["tau_by_rho"]
+    assert untimed(again["models"]) == untimed(first["models"])
+    # without --rho-scales: nothing measured, the document of a study without scales
+    calls.clear()
+    assert main([*argv, "--resume", "--quiet"]) == 0
+    assert calls == []
+    plain = json.loads((tmp_path / "population.json").read_text())
+    assert not {"tau_by_rho", "rho_scales", "sharpness_to_clean_loss"} & set(plain)
+    assert plain["tau"] == first["tau"]
+    assert all("by_scale" not in m and "scale" not in m for m in plain["models"])
+
+
+@slow
+def test_reproduce_transformers_rho_scales(quick, tmp_path, capsys):
+    """--rho-scales on 'reproduce transformers --quick', resumed from the quick run:
+    its trained models and scale-1 records are reused, only scale 2 is measured."""
+    out, doc = quick
+    copy = tmp_path / "transformers"
+    shutil.copytree(out, copy)
+    argv = ["reproduce", "transformers", "--quick", "--out", str(copy), "--resume"]
+    assert main([*argv, "--rho-scales", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "tau against the radius" in printed.lower() and "transformers-tau-by-rho.png" in printed
+    grid = json.loads((copy / "transformers.json").read_text())
+    radii = {"adaptive": 0.2, "geodesic_inv": 0.05, "geodesic_mix": 0.01}
+    check_tau_by_rho(grid, [1.0, 2.0], MEASURES, radii)
+    assert grid["tau"] == doc["tau"]
+    assert (copy / "transformers-tau-by-rho.png").is_file()
+    assert len((copy / "transformers-records.jsonl").read_text().splitlines()) == 6 * 2
+
+
+def test_measure_radius_and_path():
+    """The ball and the path of every measure, ablations included, at a scale."""
+    settings = StudySettings(rho_adaptive=0.2, rho_inv=0.05, rho_mix=0.01, ablations=True)
+    scaled = study_module.scaled_settings(settings, 3.0)
+    assert study_module.scaled_settings(settings, 1.0) is settings
+    expected = {
+        "adaptive": (0.2, "straight"),
+        "geodesic_inv": (0.05, "second_order"),
+        "geodesic_mix": (0.01, "second_order"),
+        "geodesic_inv_no_norm": (0.2, "second_order"),
+        "geodesic_inv_no_curvature": (0.05, "straight"),
+        "geodesic_mix_no_norm": (0.2, "second_order"),
+        "geodesic_mix_no_curvature": (0.01, "straight"),
+    }
+    assert set(expected) == set(settings.measures)
+    for measure, (rho, path) in expected.items():
+        assert study_module.measure_radius(settings, measure) == rho
+        assert study_module.measure_radius(scaled, measure) == 3.0 * rho
+        assert study_module.measure_path(settings, measure) == path
+    assert study_module.study_scales(None) == (1.0,)
+    assert study_module.study_scales([3, 0.5]) == (0.5, 1.0, 3.0)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        study_module.study_scales([0.0])
+
+
 @pytest.fixture(scope="module")
 def text_population(tmp_path_factory):
     """Three tiny BERT sequence classifiers and JSONL train/test data: ``population`` argv."""
@@ -335,7 +465,7 @@ def test_run_population_adds_the_model_to_any_error(fake_population, monkeypatch
     def fail(directory, *args, **kwargs):
         if directory.endswith("b"):
             raise RuntimeError("out of memory")
-        return {"checkpoint": Path(directory).name, "measures": {}, "plan": {}}
+        return [{"checkpoint": Path(directory).name, "measures": {}, "plan": {}}]
 
     monkeypatch.setattr(study_module, "_measure_checkpoint", fail)
     checkpoints = [str(root / n) for n in ("a", "b", "c")]

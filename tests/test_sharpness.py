@@ -177,9 +177,10 @@ def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentu
     return best_value, best_xi, history
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("init", ["zero", "random"])
-def test_auto_pgd_is_bitwise_the_textbook_loop(init):
-    """In-place updates and a recomputed (not kept) gradient at restarts change no bit."""
+def test_auto_pgd_is_bitwise_the_textbook_loop(init, keep):
+    """In-place updates, and the best gradient at restarts, recomputed or kept, change no bit."""
     torch.manual_seed(0)
     w = torch.randn(5, 4, dtype=torch.float64)
     gl = GLQuotient(6, 5, "inv")
@@ -196,16 +197,18 @@ def test_auto_pgd_is_bitwise_the_textbook_loop(init):
         groups = [(w, AdaptiveEuclidean()), (x, gl)]
         kwargs = dict(rho=rho, iters=30, init=init, seed=3)
         value, xi, history = textbook_apgd(groups, objective, **kwargs)
-        result = maximize_in_ball(groups, objective, **kwargs)
+        result = maximize_in_ball(groups, objective, keep_best_gradient=keep, **kwargs)
         assert (result.value, result.history) == (value, history)
         assert all(torch.equal(u, v) for u, v in zip(result.xi, xi))
         restarts += result.evaluations - 31
-    assert restarts > 0  # the recomputed gradient was used
+        assert result.gradients == (30 if keep else result.evaluations - 1)
+    assert (restarts == 0) if keep else (restarts > 0)  # the recomputed gradient was used
 
 
 def test_auto_pgd_keeps_three_perturbations_during_an_evaluation():
     """While the objective runs: the base point, the perturbed point and at most three
-    perturbations (current, previous, best) as large as the point; no gradient kept."""
+    perturbations (current, previous, best) as large as the point; no gradient kept,
+    unless asked for."""
     torch.manual_seed(0)
     w = torch.randn(500, 400, dtype=torch.float64)
     a = torch.randn(400, dtype=torch.float64)
@@ -220,9 +223,13 @@ def test_auto_pgd_keeps_three_perturbations_during_an_evaluation():
         )
         return torch.sin(points[0] @ a).sum() + points[0].pow(3).sum()
 
-    result = maximize_in_ball([(w, AdaptiveEuclidean())], objective, rho=1.0, iters=12)
-    assert result.evaluations > 13  # includes evaluations after restarts
-    assert max(large) <= 5
+    for keep, most in ((False, 5), (True, 6)):
+        large.clear()
+        result = maximize_in_ball(
+            [(w, AdaptiveEuclidean())], objective, rho=1.0, iters=12, keep_best_gradient=keep
+        )
+        assert result.evaluations == 13 if keep else result.evaluations > 13  # restarts
+        assert max(large) <= most  # kept: one more, the best iterate's gradient
 
 
 # ---------------------------------------------------------------- invariance

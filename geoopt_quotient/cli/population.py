@@ -7,10 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
+from ..population.rho_grid import format_tau_by_rho, parse_rho_scales, tau_by_rho_figure
 from ..population.study import (
+    FORMATS,
     MEASURES,
+    PAPER_TAU,
+    PROTOCOLS,
     StudySettings,
     find_checkpoints,
     format_tau_table,
@@ -35,6 +39,7 @@ from ._types import int_at_least
 __all__ = [
     "add_study_arguments",
     "figure_title",
+    "format_sharpness_to_clean_loss",
     "register",
     "report",
     "run",
@@ -42,26 +47,48 @@ __all__ = [
 ]
 
 DESCRIPTION = """\
-For a directory of Hugging Face classifier checkpoints, measure adaptive sharpness and
+For a directory of classifier checkpoints (Hugging Face directories, or the model-soups
+release's CLIP state dicts with --format model-soups), measure adaptive sharpness and
 geodesic sharpness in the inv and mix metrics of every model, on the same training
 examples in the same batches for all, and report Kendall's tau between each measure and
 the generalization gap (test error - train error) with a bootstrap confidence interval
 over models, beside the paper's Table 1. The gaps come from a CSV (--gaps), or are
-measured here on --train and --test data. The symmetries of each model are discovered
-from its structure and checked on its first batch.
+measured here on --train and --test data (--train-images and --test-images for
+model-soups). The symmetries of each model are discovered from its structure (the Q/K
+and V/O groups of every attention block) and checked on its first batch. --protocol
+sets the paper's evaluation protocol.
 """
 
 EPILOG = """\
 inputs:
-  --checkpoints DIR   one sub-directory per model, each with config.json and
-                      model.safetensors (pickled weights are never loaded) and, for
-                      text models, a tokenizer; sub-directories without config.json
-                      are ignored
+  --checkpoints DIR   --format hf (default): one sub-directory per model, each with
+                      config.json and model.safetensors (pickled weights are never
+                      loaded) and, for text models, a tokenizer; sub-directories without
+                      config.json are ignored.
+                      --format model-soups: one FILE.pt per model, the state dict of
+                      model-soups' CLIP wrapper (OpenAI CLIP ViT keys under 'model.',
+                      'classification_head.'), read with torch.load(weights_only=True):
+                      a pickle that would run code is refused. The architecture (width,
+                      layers, heads = width / 64, patch and image size, embedding size,
+                      classes) is read off the shapes; forward: image features,
+                      L2-normalised, then the classification head
   --data FILE         the sharpness examples: .jsonl text ({"text", "label"},
                       optional "text_pair") for sequence classifiers, or .npz arrays
                       ("labels" plus model inputs such as "pixel_values")
+  --train-images DIR, --test-images DIR
+                      (model-soups) ImageFolder trees: DIR/CLASS/IMAGE, the sorted class
+                      directories are the labels 0, 1, ... (ImageNet synsets sort into
+                      the usual class order; every class needs its directory), CLIP's
+                      preprocessing. Sharpness: --max-examples images of --train-images
+                      drawn with a fixed seed, the same for every model. Gaps: error on
+                      every image of --test-images minus that of --train-images
   --gaps FILE.csv     header 'checkpoint,gap' (or 'checkpoint,train_error,test_error');
-                      'checkpoint' is the sub-directory's name
+                      'checkpoint' is the sub-directory's (or .pt file's) name
+
+protocols (explicit --max-examples, --batch-size, --iters override them):
+  --protocol imagenet  2048 training images in batches of 256, 20 Auto-PGD iterations
+  --protocol mnli      1024 training examples in batches of 128, 20 iterations
+  without --protocol   1024 examples in batches of 128, 20 iterations
 
 output:
   stdout   the tau table; nothing with --quiet; only the JSON document with --json -
@@ -74,6 +101,16 @@ output:
            continues from it), OUT/population.json (settings, per-model values and
            gaps, tau with CI, timings, versions), OUT/population.png (sharpness vs
            gap, one panel per measure; the title gives the radii)
+  with --rho-scales also: the table of tau against the radius and that of mean
+  sharpness / mean clean loss per scale (stdout), OUT/population-tau-by-rho.png (tau
+  with its 95% bootstrap band against the scale, one curve per measure and path,
+  ImageNet's Table 1 values as thin lines), and in the JSON 'rho_scales', per model
+  'by_scale', 'sharpness_to_clean_loss' and the top-level 'tau_by_rho': records
+  {"scale", "rho", "measure", "path", "tau", "ci": [low, high]}, one per (scale,
+  measure, path); the path of adaptive sharpness (and of the no-curvature ablations)
+  is "straight", that of the geodesic measures --path. Each (model, scale) is one line
+  of the records file: --resume recomputes no finished scale. Each scale costs about
+  the sharpness time of a run without --rho-scales.
   With fewer than 8 models, tau is coarse and its bootstrap interval unreliable
   (it can collapse to a single value): the table marks tau with '!', the JSON has
   a 'warning', and the figure's title says so.
@@ -82,8 +119,13 @@ examples:
   geoopt-quotient population --checkpoints runs/ --data train.jsonl --gaps gaps.csv
   geoopt-quotient population --checkpoints runs/ --train train.npz --test test.npz \\
       --rho-adaptive 0.2 --rho-inv 0.05 --rho-mix 0.01 --ablations --out study/
+  geoopt-quotient population --checkpoints runs/ --data train.jsonl --gaps gaps.csv \\
+      --rho-scales 0.3,1,3,10    # tau against the radius: 4 scales of every radius
   torchrun --nproc_per_node 4 -m geoopt_quotient population --checkpoints runs/ \\
       --data train.jsonl --gaps gaps.csv    # models sharded over 4 processes
+  geoopt-quotient population --checkpoints soups/ --format model-soups \\
+      --train-images imagenet-train-subset/ --test-images imagenet-val/ \\
+      --protocol imagenet --device cuda --workers 8
 """
 
 
@@ -130,6 +172,16 @@ def add_study_arguments(parser: argparse.ArgumentParser, defaults: StudySettings
         "(quotient ball, straight path), per metric",
     )
     group.add_argument(
+        "--rho-scales",
+        type=parse_rho_scales,
+        default=None,
+        metavar="S1,S2,...",
+        help="also measure every model at these multiples of every radius, on the same "
+        "batches (1 is always included): tau against the radius as a table, a figure and "
+        "'tau_by_rho' in the JSON; each scale costs about the sharpness time of a run "
+        "without it (e.g. 0.3,1,3,10)",
+    )
+    group.add_argument(
         "--seed", type=int, default=defaults.seed, help="maximiser seed, the same for all models"
     )
     group.add_argument(
@@ -167,11 +219,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--checkpoints", required=True, metavar="DIR", help="see 'inputs'")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="hf",
+        help="hf: Hugging Face checkpoint directories (default); model-soups: CLIP "
+        "state dicts (*.pt) of the model-soups release, with image folders",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=tuple(PROTOCOLS),
+        help="the paper's evaluation protocol, see 'protocols' (explicit flags override it)",
+    )
     parser.add_argument("--data", metavar="FILE", help="sharpness examples (default: --train)")
-    gaps = parser.add_argument_group("generalization gaps (--gaps, or --train and --test)")
+    gaps = parser.add_argument_group(
+        "generalization gaps (--gaps, or --train and --test; model-soups: --train-images "
+        "and --test-images)"
+    )
     gaps.add_argument("--gaps", metavar="FILE.csv", help="measured gaps, see 'inputs'")
     gaps.add_argument("--train", metavar="FILE", help="training data, to measure the gaps")
     gaps.add_argument("--test", metavar="FILE", help="test data, to measure the gaps")
+    gaps.add_argument(
+        "--train-images",
+        metavar="DIR",
+        help="(model-soups) training images, ImageFolder layout: the sharpness examples, "
+        "and the training error",
+    )
+    gaps.add_argument(
+        "--test-images", metavar="DIR", help="(model-soups) test images, for the test error"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int_at_least(0),
+        default=0,
+        metavar="N",
+        help="(model-soups) processes decoding images (default 0: the main process)",
+    )
     parser.add_argument(
         "--max-length",
         type=int_at_least(1),
@@ -188,6 +271,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
     add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())
+    # None: not given; filled from --protocol or the defaults by apply_protocol
+    parser.set_defaults(**dict.fromkeys(PROTOCOL_FLAGS))
     add_output_arguments(parser, "population-out", "population", ", data and weights")
     parser.set_defaults(handler=run, parser=parser)
 
@@ -236,6 +321,12 @@ def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label:
     figure = scatter_figure(document["models"], MEASURES, str(out / f"{stem}.png"), title)
     document["figure"] = figure
     document["figure_title"] = title
+    figures = [figure]
+    if "tau_by_rho" in document:
+        document["tau_by_rho_figure"] = _rho_figure(
+            document, label, str(out / f"{stem}-tau-by-rho.png")
+        )
+        figures.append(document["tau_by_rho_figure"])
     text = json.dumps(document, indent=1, default=float)
     json_path = out / f"{stem}.json"
     json_path.write_text(text + "\n")
@@ -248,12 +339,87 @@ def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label:
         models = len(document["models"])
         print(f"Kendall tau between sharpness and generalization gap, {models} models:")
         print(format_tau_table(document["tau"]))
-        written = [str(json_path), figure] + ([args.json] if args.json else [])
+        if "tau_by_rho" in document:
+            _print_by_rho(document)
+        written = [str(json_path), *figures] + ([args.json] if args.json else [])
         print("wrote " + ", ".join(written))
 
 
+#: Table 1's row drawn beside tau against the radius.
+REFERENCE = "ImageNet, 72 CLIP ViT-B/32"
+
+
+def _rho_figure(document: Dict[str, Any], label: str, path: str) -> str:
+    """Tau against the radius, the paper's ImageNet values as thin lines."""
+    title = f"{label}\ntau against the generalization gap; thin lines: {REFERENCE} (Table 1)"
+    if document.get("warning"):
+        title += f"\nwarning: {document['warning']}"
+    return tau_by_rho_figure(
+        document["tau_by_rho"], path, title=title, reference=PAPER_TAU[REFERENCE]
+    )
+
+
+def format_sharpness_to_clean_loss(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One row per measure, one column per scale: mean sharpness / mean clean loss."""
+    scales = sorted({r["scale"] for r in rows})
+    measures = list(dict.fromkeys(r["measure"] for r in rows))
+    ratio = {(r["measure"], r["scale"]): r["ratio"] for r in rows}
+    width = max(len("measure"), *map(len, measures)) + 2
+    head = f"{'measure':<{width}}" + "".join(f"{f'scale {s:g}':>12}" for s in scales)
+    lines = [head, "-" * len(head)]
+    for measure in measures:
+        cells = "".join(f"{ratio[measure, s]:>12.3g}" for s in scales)
+        lines.append(f"{measure:<{width}}{cells}")
+    return "\n".join(lines)
+
+
+def _print_by_rho(document: Dict[str, Any]) -> None:
+    print("\nKendall tau against the radius (radius = scale x the radius of each measure):")
+    print(format_tau_by_rho(document["tau_by_rho"], reference=PAPER_TAU[REFERENCE]))
+    mnli = ", ".join(f"{k} {v:+.2f}" for k, v in PAPER_TAU["MNLI, 35 BERT-base"].items())
+    print(f"reference: {REFERENCE} (Table 1); MNLI, 35 BERT-base: {mnli}")
+    print("\nmean sharpness / mean clean loss (which regime each scale is in):")
+    print(format_sharpness_to_clean_loss(document["sharpness_to_clean_loss"]))
+
+
+#: The options a --protocol sets (argparse destinations), unless given explicitly.
+PROTOCOL_FLAGS = ("max_examples", "batch_size", "iters")
+
+
+def apply_protocol(args: argparse.Namespace, defaults: StudySettings) -> None:
+    """Fill the protocol options not given on the command line: from ``--protocol``, else
+    from ``defaults``."""
+    protocol = PROTOCOLS.get(args.protocol or "", {})
+    for name in PROTOCOL_FLAGS:
+        if getattr(args, name) is None:
+            setattr(args, name, protocol.get(name, getattr(defaults, name)))
+
+
+def _image_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """Check the model-soups inputs; return the sharpness image folder."""
+    for flag in ("data", "train", "test"):
+        if getattr(args, flag):
+            parser.error(
+                f"--{flag} is for --format hf; with --format model-soups give "
+                "--train-images DIR (and --test-images DIR, or --gaps FILE.csv)"
+            )
+    if not args.train_images:
+        parser.error("--format model-soups needs --train-images DIR (the sharpness examples)")
+    if args.gaps and args.test_images:
+        parser.error("give either --gaps or --test-images, not both")
+    if not args.gaps and not args.test_images:
+        parser.error(
+            "the gaps are needed: --gaps FILE.csv, or --test-images DIR (with --train-images)"
+        )
+    return args.train_images
+
+
 def _gap_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
-    """Check the gap options; return the sharpness data file."""
+    """Check the gap options; return the sharpness data file (image folder for model-soups)."""
+    if args.format == "model-soups":
+        return _image_inputs(args, parser)
+    if args.train_images or args.test_images:
+        parser.error("--train-images and --test-images need --format model-soups")
     if args.gaps and (args.train or args.test):
         parser.error("give either --gaps or --train and --test, not both")
     if not args.gaps and not (args.train and args.test):
@@ -262,6 +428,20 @@ def _gap_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Op
     if data is None:
         parser.error("--data is required with --gaps")
     return data
+
+
+def _check_data(args: argparse.Namespace, data: str) -> None:
+    """Fail at once, before any model is loaded, on a data file or folder that cannot serve."""
+    if args.format == "model-soups":
+        from ..models.images import read_image_folder
+
+        for flag, root in (("--train-images", data), ("--test-images", args.test_images)):
+            if root is not None:
+                read_image_folder(root, where=f"{flag} {root}")
+        return
+    for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
+        if path is not None:
+            check_data_file(flag, path)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -273,16 +453,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """
     data = _gap_inputs(args, parser)
     device = parse_device(args.device, parser)
+    apply_protocol(args, StudySettings())
     try:
         settings = settings_from_args(args, StudySettings())
     except ValueError as error:
         parser.error(str(error))
-    checkpoints = find_checkpoints(args.checkpoints)
+    checkpoints = find_checkpoints(args.checkpoints, args.format)
     names = [os.path.basename(c) for c in checkpoints]
     gaps = read_gaps(args.gaps, names) if args.gaps else None
-    for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
-        if path is not None:
-            check_data_file(flag, path)
+    _check_data(args, data)
+    images = args.format == "model-soups"
+    train, test = (args.train_images, args.test_images) if images else (args.train, args.test)
+    if gaps is not None:
+        train = test = None
     rank, world = start_distributed(device)
     device = local_device(device, rank, world)
     silent = args.quiet or args.json == "-" or rank > 0
@@ -293,12 +476,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             data,
             settings,
             gaps=gaps,
-            train_data=args.train,
-            test_data=args.test,
+            train_data=train,
+            test_data=test,
             records=records,
             device=device,
             progress=not silent and sys.stderr.isatty(),
             resamples=args.bootstrap,
+            format=args.format,
+            workers=args.workers,
+            rho_scales=args.rho_scales,
         )
     if rank > 0:
         return 0

@@ -10,12 +10,27 @@ from .analytic import (
     mix_worst_case_clamped,
 )
 from .data import SparseRegression, make_sparse_regression, recovery_threshold
-from .experiment import MEASURES, PAPER_TAU, format_table, run_diagonal, summarize_runs
-from .train import TrainedPopulation, sample_hyperparameters, train_population
+from .experiment import (
+    MEASURES,
+    PAPER_TAU,
+    SETUPS,
+    format_table,
+    measure_names,
+    run_diagonal,
+    summarize_runs,
+)
+from .train import (
+    TrainedPopulation,
+    sample_hyperparameters,
+    sample_step_size_hyperparameters,
+    train_population,
+    train_schedule_population,
+)
 
 __all__ = [
     "MEASURES",
     "PAPER_TAU",
+    "SETUPS",
     "SparseRegression",
     "TrainedPopulation",
     "WorstCase",
@@ -24,12 +39,15 @@ __all__ = [
     "format_table",
     "inv_worst_case",
     "make_sparse_regression",
+    "measure_names",
     "mix_closed_form_valid",
     "mix_worst_case",
     "mix_worst_case_clamped",
     "recovery_threshold",
     "run_diagonal",
     "sample_hyperparameters",
+    "sample_step_size_hyperparameters",
     "summarize_runs",
     "train_population",
+    "train_schedule_population",
 ]

@@ -182,6 +182,7 @@ def make_sparse_regression(
     sparsity: float = DEFAULT_SPARSITY,
     noise_std: float = DEFAULT_NOISE_STD,
     seed: int = 0,
+    nonnegative: bool = False,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
 ) -> SparseRegression:
@@ -201,6 +202,10 @@ def make_sparse_regression(
         Label-noise standard deviation :math:`\sigma \ge 0`.
     seed : int
         Seed of the data.
+    nonnegative : bool
+        Take the absolute values of the non-zeros of :math:`\beta^*` (as in the public
+        diagonal-network notebook of Andriushchenko et al., 2023). The random draws are
+        the same either way, so only the signs change.
     dtype, device
         Of the returned tensors.
 
@@ -220,6 +225,8 @@ def make_sparse_regression(
     beta_star = np.zeros(dim)
     support = rng.choice(dim, size=s, replace=False)
     beta_star[support] = rng.standard_normal(s)
+    if nonnegative:
+        beta_star = np.abs(beta_star)
     beta_star /= np.linalg.norm(beta_star)
     x_train = rng.standard_normal((n_train, dim))
     y_train = x_train @ beta_star + noise_std * rng.standard_normal(n_train)

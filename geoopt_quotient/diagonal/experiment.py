@@ -28,13 +28,35 @@ hence the default of 100.
     boundary, :math:`\beta_0 \max(1 + 2B, 0)` (:func:`mix_geodesic_path`). Its
     sparse models have many :math:`\beta_{0,i} \approx 0`, so this matters.
 
-Diagnostics, not in the paper (:data:`DIAGNOSTICS`): ``mix_unclamped``, the mix
+Paths (``paths``, default both): the paper's Algorithm 1 perturbs along the
+second-order retraction :math:`(u, v)(1 + B - B^2/2)`, the measures above along the
+exact geodesic. ``inv_second_order`` and ``mix_second_order`` are inv and mix with the
+retraction (:meth:`DiagonalQuotient.retr`), on the same balls; the mix product
+:math:`\beta_0(1 + B - B^2/2)^2` grows like :math:`\rho^4 / (16\beta_{0,i}^3)` on
+coordinates with :math:`\beta_{0,i} \to 0` (the budget allows
+:math:`|B_i| \le \rho / (\sqrt2|\beta_{0,i}|)`).
+
+Diagnostic, not in the paper (:data:`DIAGNOSTICS`): ``mix_unclamped``, the mix
 geodesic continued through zero, i.e. the plain Euclidean ball of radius
-:math:`\sqrt2\rho_{\text{mix}}` in :math:`\beta`; ``mix_second_order``, the mix ball
-with the second-order retraction :math:`(u, v)(1 + B - B^2/2)` instead of the geodesic
-(``path="second_order"``), whose product :math:`\beta_0(1 + B - B^2/2)^2` grows like
-:math:`\rho^4 / (16\beta_{0,i}^3)` on coordinates with :math:`\beta_{0,i} \to 0`
-(the budget allows :math:`|B_i| \le \rho / (\sqrt2|\beta_{0,i}|)`).
+:math:`\sqrt2\rho_{\text{mix}}` in :math:`\beta`.
+
+Setups (:data:`SETUPS`): ``phase-transition`` (:mod:`.data`, :func:`.train.train_population`)
+and ``step-size`` (:func:`.train.train_schedule_population`), after the public notebook
+``diag_nets.ipynb`` of github.com/tml-epfl/sgd-sparse-features (Andriushchenko et al.,
+2023), read for its settings, not copied: from it come n = 80 and d = 200 (here
+n = 0.4 d), 20 non-zeros of :math:`|\mathcal N(0, 1)|` values scaled to unit norm, labels
+without noise, 1000 test samples, :math:`u_0 = 0.1\cdot\mathbf 1, v_0 = 0`, full-batch
+GD and SGD with one sample per step (its ``diag_nets.py``), the step sizes (its
+gradient-flow step 0.01, its constant SGD step 0.25, its largest scheduled GD step 2.72)
+and a step decay (÷4.8 after :math:`10^4` steps, its first schedule). What differs: the
+notebook trains one model per algorithm and schedule for a fixed :math:`10^5` steps; here
+each model has one step drawn log-uniformly in its algorithm's range, the support is
+random (not the first 20 coordinates), and every model stops at training loss
+:math:`10^{-5}` as the paper says.
+
+Radii at several scales (``rho_scales``): every measure at :math:`s\rho` (and
+:math:`s\rho_{\text{mix}}`) for each scale :math:`s`, on the same models; the
+``tau_by_rho`` records of :mod:`geoopt_quotient.population.rho_grid`.
 
 Radii: the inv and adaptive balls are dimensionless (relative perturbations of
 :math:`\beta` or of :math:`(u, v)`) and coincide to first order (see :mod:`.analytic`),
@@ -60,26 +82,37 @@ import torch
 from tqdm.auto import tqdm
 
 from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ..population.rho_grid import PATHS, STRAIGHT, RhoSeries, tau_by_rho
 from ..records import RecordFile, fingerprint
 from ..sharpness.apgd import BallGroup, maximize_in_ball
 from ..sharpness.stats import kendall_tau
 from .data import DEFAULT_NOISE_STD, DEFAULT_SPARSITY, SparseRegression, make_sparse_regression
 from .train import (
     DEFAULT_INIT_RANGE,
+    DEFAULT_LARGE_STEPS,
     DEFAULT_MAX_STEPS,
+    DEFAULT_STEP_DECAY,
     DEFAULT_STEP_FACTOR_RANGE,
     DEFAULT_TARGET_LOSS,
+    STEP_SIZE_INIT,
+    STEP_SIZE_RANGES,
     TrainedPopulation,
     sample_hyperparameters,
+    sample_step_size_hyperparameters,
     step_sizes_for,
     train_population,
+    train_schedule_population,
 )
 
 __all__ = [
     "DIAGNOSTICS",
     "MEASURES",
     "PAPER_TAU",
+    "PATHS",
+    "SETUPS",
     "format_table",
+    "measure_names",
+    "measure_path",
     "measure_population",
     "mix_geodesic_path",
     "run_diagonal",
@@ -88,9 +121,19 @@ __all__ = [
 
 PAPER_TAU: Dict[str, float] = {"adaptive": -0.68, "inv": -0.83, "mix": -0.86}
 MEASURES: Tuple[str, ...] = ("adaptive", "inv", "mix")
-DIAGNOSTICS: Tuple[str, ...] = ("mix_unclamped", "mix_second_order")
+DIAGNOSTICS: Tuple[str, ...] = ("mix_unclamped",)
+#: The populations: ``phase-transition`` (initialisation scales at the l1 recovery
+#: threshold, the default) and ``step-size`` (GD and SGD step sizes, after the public
+#: notebook of Andriushchenko et al., 2023).
+SETUPS: Tuple[str, ...] = ("phase-transition", "step-size")
 DEFAULT_RHO = 0.1
 DEFAULT_ITERS = 100
+#: Name suffix of a geodesic measure along each path: ``inv``, ``inv_second_order``.
+PATH_SUFFIX: Dict[str, str] = {"exact": "", "second_order": "_second_order"}
+#: Samples per feature of the ``step-size`` setup: n = 80 for d = 200, as in the notebook.
+STEP_SIZE_SAMPLES_PER_FEATURE = 0.4
+#: Bootstrap resamples of the ``tau_by_rho`` intervals.
+TAU_BY_RHO_RESAMPLES = 2000
 
 
 def mix_geodesic_path(
@@ -129,8 +172,38 @@ def _measure_groups(rho: float, rho_mix: float) -> Dict[str, Tuple[Any, float]]:
         "inv": (lambda p: BallGroup(p, inv, inv.expmap), rho),
         "mix": (lambda p: BallGroup(p, mix, mix_geodesic_path(clamp=True)), rho_mix),
         "mix_unclamped": (lambda p: BallGroup(p, mix, mix_geodesic_path(clamp=False)), rho_mix),
+        "inv_second_order": (lambda p: BallGroup(p, inv, inv.retr), rho),
         "mix_second_order": (lambda p: BallGroup(p, mix, mix.retr), rho_mix),
     }
+
+
+def measure_names(paths: Sequence[str] = PATHS) -> Tuple[str, ...]:
+    """The measures computed along ``paths``: adaptive, inv and mix along each path, and
+    the diagnostic ``mix_unclamped`` with the exact path.
+
+    ``measure_names()`` is ``("adaptive", "inv", "mix", "inv_second_order",
+    "mix_second_order", "mix_unclamped")``.
+    """
+    unknown = [p for p in paths if p not in PATH_SUFFIX]
+    if unknown or not paths:
+        raise ValueError(f"`paths` must be some of {list(PATH_SUFFIX)}, got {list(paths)}")
+    names = ["adaptive"]
+    for path in PATHS:
+        if path in paths:
+            names += [f"{m}{PATH_SUFFIX[path]}" for m in ("inv", "mix")]
+    return tuple(names) + (DIAGNOSTICS if "exact" in paths else ())
+
+
+def measure_path(name: str) -> Tuple[str, str]:
+    """``(measure, path)`` of a measure's name: ``"inv_second_order"`` ->
+    ``("inv", "second_order")``, ``"adaptive"`` -> ``("adaptive", "straight")``,
+    ``"mix_unclamped"`` -> ``("mix_unclamped", "exact")``."""
+    if name == "adaptive":
+        return name, STRAIGHT
+    suffix = PATH_SUFFIX["second_order"]
+    if name.endswith(suffix):
+        return name[: -len(suffix)], "second_order"
+    return name, "exact"
 
 
 def measure_population(
@@ -140,12 +213,13 @@ def measure_population(
     rho: float = DEFAULT_RHO,
     rho_mix: float | None = None,
     iters: int = DEFAULT_ITERS,
-    measures: Sequence[str] = MEASURES + DIAGNOSTICS,
+    measures: Sequence[str] = measure_names(),
+    scales: Sequence[float] = (1.0,),
     progress: bool = False,
-    done: Mapping[int, Mapping[str, float]] | None = None,
-    on_model: Callable[[int, Dict[str, float]], None] | None = None,
-) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
-    r"""Worst-case sharpness of every model on the training set.
+    done: Mapping[Tuple[int, float], Mapping[str, float]] | None = None,
+    on_model: Callable[[int, float, Dict[str, float]], None] | None = None,
+) -> Tuple[Dict[float, Dict[str, List[float]]], Dict[str, float]]:
+    r"""Worst-case sharpness of every model on the training set, at every scale of the radii.
 
     Parameters
     ----------
@@ -153,60 +227,68 @@ def measure_population(
     points : torch.Tensor
         ``(M, 2, d)`` trained models.
     rho, rho_mix : float
-        Radii (``rho_mix`` defaults to ``rho``).
+        Radii at scale 1 (``rho_mix`` defaults to ``rho``); at scale :math:`s` the balls
+        have radii :math:`s\rho` and :math:`s\rho_{\text{mix}}`.
     iters : int
         Auto-PGD iterations.
     measures : sequence of str
-        Names among :data:`MEASURES` and :data:`DIAGNOSTICS`.
+        Names from :func:`measure_names`.
+    scales : sequence of float
+        Multiples of the radii, each > 0.
     progress : bool
         Show a tqdm bar (on a terminal only).
     done : mapping, optional
-        ``model index -> {measure: value}`` already computed (a resumed run): skipped.
+        ``(model index, scale) -> {measure: value}`` already computed (a resumed run):
+        skipped.
     on_model : callable, optional
-        Called as ``on_model(index, {measure: value})`` when a model is finished.
+        Called as ``on_model(index, scale, {measure: value})`` when a model is finished
+        at a scale.
 
     Returns
     -------
     values : dict
-        ``name -> [sharpness of model m]``.
+        ``scale -> name -> [sharpness of model m]``.
     seconds : dict
-        ``name -> wall time``.
+        ``name -> wall time`` (all scales).
     """
     rho_mix = rho if rho_mix is None else rho_mix
-    table = _measure_groups(rho, rho_mix)
-    unknown = [m for m in measures if m not in table]
+    tables = {s: _measure_groups(rho * s, rho_mix * s) for s in scales}
+    unknown = [m for m in measures if m not in tables[scales[0]]]
     if unknown:
-        raise ValueError(f"unknown measures {unknown}; expected some of {list(table)}")
+        raise ValueError(f"unknown measures {unknown}; expected some of {list(tables[scales[0]])}")
 
     def objective(perturbed: List[torch.Tensor]) -> torch.Tensor:
         point = perturbed[0]
         return data.train_loss(point[0] * point[1])
 
     done = dict(done or {})
-    values: Dict[str, List[float]] = {m: [] for m in measures}
+    values = {s: {m: [] for m in measures} for s in scales}
     seconds: Dict[str, float] = {m: 0.0 for m in measures}
     bar = tqdm(
-        total=points.shape[0],
+        total=points.shape[0] * len(scales),
         desc="sharpness",
-        unit="model",
+        unit="ball set",
         disable=None if progress else True,
         leave=False,
     )
     for index, point in enumerate(points):
-        if index not in done:
-            record = {}
+        for scale in scales:
+            if (index, scale) not in done:
+                record = {}
+                for name in measures:
+                    make_group, radius = tables[scale][name]
+                    start = time.perf_counter()
+                    result = maximize_in_ball(
+                        [make_group(point)], objective, rho=radius, iters=iters
+                    )
+                    record[name] = result.value - result.initial_value
+                    seconds[name] += time.perf_counter() - start
+                done[index, scale] = record
+                if on_model is not None:
+                    on_model(index, scale, record)
             for name in measures:
-                make_group, radius = table[name]
-                start = time.perf_counter()
-                result = maximize_in_ball([make_group(point)], objective, rho=radius, iters=iters)
-                record[name] = result.value - result.initial_value
-                seconds[name] += time.perf_counter() - start
-            done[index] = record
-            if on_model is not None:
-                on_model(index, record)
-        for name in measures:
-            values[name].append(done[index][name])
-        bar.update()
+                values[scale][name].append(done[index, scale][name])
+            bar.update()
     bar.close()
     return values, seconds
 
@@ -239,6 +321,125 @@ def _check_args(models: int, dim: int, rho: float, rho_mix: float | None, iters:
             raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
 
 
+def _scales(rho_scales: Sequence[float]) -> Tuple[float, ...]:
+    """The scales to measure: those given and 1, sorted."""
+    for scale in rho_scales:
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
+    return tuple(sorted({float(s) for s in rho_scales} | {1.0}))
+
+
+def _train(
+    setup: str,
+    models: int,
+    dim: int,
+    seed: int,
+    device: torch.device,
+    progress: bool,
+    options: Mapping[str, Any],
+) -> Tuple[SparseRegression, TrainedPopulation, Dict[str, List[Any]]]:
+    """Draw the data and train the population of ``setup``; also the setup's own
+    per-model columns."""
+    common = dict(sparsity=options["sparsity"], seed=seed, device=device)
+    if setup == "phase-transition":
+        noise = DEFAULT_NOISE_STD if options["noise_std"] is None else options["noise_std"]
+        data = make_sparse_regression(dim, n_train=options["n_train"], noise_std=noise, **common)
+        scales, factors = sample_hyperparameters(
+            models,
+            seed=seed,
+            init_range=options["init_range"],
+            step_factor_range=options["step_factor_range"],
+        )
+        scales_t = torch.as_tensor(scales, dtype=data.x_train.dtype, device=device)
+        factors_t = torch.as_tensor(factors, dtype=data.x_train.dtype, device=device)
+        population = train_population(
+            data,
+            scales_t,
+            step_sizes_for(data, scales_t, factors_t),
+            target_loss=options["target_loss"],
+            max_steps=options["max_steps"],
+            progress=progress,
+        )
+        return data, population, {"step_factor": factors.tolist()}
+    if setup != "step-size":
+        raise ValueError(f"`setup` must be one of {list(SETUPS)}, got {setup!r}")
+    n_train = options["n_train"]
+    if n_train is None:
+        n_train = max(2, round(STEP_SIZE_SAMPLES_PER_FEATURE * dim))
+    noise = 0.0 if options["noise_std"] is None else options["noise_std"]
+    data = make_sparse_regression(dim, n_train=n_train, noise_std=noise, nonnegative=True, **common)
+    stochastic, steps = sample_step_size_hyperparameters(models, seed=seed)
+    population = train_schedule_population(
+        data,
+        torch.as_tensor(stochastic),
+        torch.as_tensor(steps),
+        target_loss=options["target_loss"],
+        max_steps=options["max_steps"],
+        seed=seed,
+        progress=progress,
+    )
+    algorithms = ["sgd" if s else "gd" for s in stochastic]
+    return data, population, {"algorithm": algorithms, "initial_step_size": steps.tolist()}
+
+
+def _setup_settings(setup: str, options: Mapping[str, Any]) -> Dict[str, Any]:
+    """How the population was trained, for the JSON document."""
+    if setup == "phase-transition":
+        return {
+            "init": "u = alpha * 1, v = 0",
+            "init_range": list(options["init_range"]),
+            "step_factor_range": list(options["step_factor_range"]),
+            "algorithm": "full-batch gradient descent",
+        }
+    return {
+        "init": f"u = {STEP_SIZE_INIT} * 1, v = 0",
+        "algorithm": "even models full-batch GD, odd models SGD with batch size 1",
+        "step_size_ranges": {k: list(v) for k, v in STEP_SIZE_RANGES.items()},
+        "step_decay": f"step / {DEFAULT_STEP_DECAY} after {DEFAULT_LARGE_STEPS} steps",
+    }
+
+
+def _taus(
+    values: Mapping[str, Sequence[float]], target: Sequence[float]
+) -> Dict[str, Dict[str, float]]:
+    taus = {}
+    for name, column in values.items():
+        t, p = kendall_tau(column, target)
+        taus[name] = {"tau": t, "p": p}
+    return taus
+
+
+def _tau_by_rho_records(
+    by_scale: Mapping[float, Mapping[str, Sequence[float]]],
+    rho: float,
+    rho_mix: float,
+    target: Sequence[float],
+) -> List[Dict[str, Any]]:
+    """The ``tau_by_rho`` records of the paper's measures (not the diagnostics)."""
+    series = []
+    for name in next(iter(by_scale.values())):
+        measure, path = measure_path(name)
+        if measure not in MEASURES:
+            continue
+        base = rho_mix if measure == "mix" else rho
+        for scale, values in by_scale.items():
+            series.append(RhoSeries(scale, base * scale, measure, path, values[name]))
+    return tau_by_rho(series, target, resamples=TAU_BY_RHO_RESAMPLES)
+
+
+_DESCRIPTIONS = {
+    "adaptive": "AdaptiveEuclidean(eps=0) on (u, v), straight line, radius rho",
+    "inv": "DiagonalQuotient('inv'), exact geodesic (expmap), radius rho",
+    "mix": "DiagonalQuotient('mix'), exact geodesic stopped at beta_i = 0, radius rho_mix",
+    "inv_second_order": "DiagonalQuotient('inv'), second-order retraction "
+    "(u, v)(1 + B - B^2/2), radius rho",
+    "mix_second_order": "DiagonalQuotient('mix'), second-order retraction "
+    "(u, v)(1 + B - B^2/2), radius rho_mix",
+    "mix_unclamped": "diagnostic: mix geodesic continued through beta_i = 0 "
+    "(Euclidean ball in beta), radius rho_mix",
+}
+
+
 def run_diagonal(
     models: int = 50,
     dim: int = 200,
@@ -248,9 +449,12 @@ def run_diagonal(
     device: str | torch.device = "cpu",
     progress: bool = True,
     *,
+    setup: str = "phase-transition",
+    paths: Sequence[str] = PATHS,
+    rho_scales: Sequence[float] | None = None,
     rho_mix: float | None = None,
     n_train: int | None = None,
-    noise_std: float = DEFAULT_NOISE_STD,
+    noise_std: float | None = None,
     sparsity: float = DEFAULT_SPARSITY,
     init_range: Tuple[float, float] = DEFAULT_INIT_RANGE,
     step_factor_range: Tuple[float, float] = DEFAULT_STEP_FACTOR_RANGE,
@@ -267,7 +471,7 @@ def run_diagonal(
     dim : int
         Number of features :math:`d \ge 2`.
     seed : int
-        Population seed (data and hyperparameters).
+        Population seed (data, hyperparameters and SGD samples).
     rho : float
         Radius of the adaptive and inv balls.
     iters : int
@@ -275,121 +479,113 @@ def run_diagonal(
     device : str or torch.device
     progress : bool
         tqdm bars for training and sharpness (on a terminal only).
+    setup : {"phase-transition", "step-size"}
+        The population (:data:`SETUPS`; the README and the modules :mod:`.data` and
+        :mod:`.train` describe both).
+    paths : sequence of {"exact", "second_order"}
+        The paths of the geodesic measures (:func:`measure_names`).
+    rho_scales : sequence of float, optional
+        Multiples of every radius at which every measure is computed; 1 is always
+        included. Given, the result has ``tau_by_rho`` records with bootstrap intervals
+        (:data:`TAU_BY_RHO_RESAMPLES` resamples); ``None`` measures scale 1 only and
+        leaves ``tau_by_rho`` ``None``.
     rho_mix : float, optional
         Radius of the mix ball, in units of :math:`|\beta^*| = 1`; default ``rho``.
     n_train, noise_std, sparsity
-        Data settings (:func:`~geoopt_quotient.diagonal.data.make_sparse_regression`).
+        Data settings (:func:`~geoopt_quotient.diagonal.data.make_sparse_regression`);
+        ``None`` takes the setup's default (phase-transition: n at the :math:`\ell_1`
+        recovery threshold, noise 0.1; step-size: n = 0.4 d, no noise).
     init_range, step_factor_range
-        Log-uniform ranges of :math:`\alpha` and :math:`f` (:mod:`.train`).
+        Log-uniform ranges of :math:`\alpha` and :math:`f` (:mod:`.train`), for the
+        phase-transition setup.
     target_loss, max_steps
-        Stopping rule of gradient descent.
+        Stopping rule of the training.
     records : RecordFile, optional
-        Each model's sharpness values are appended there as soon as they are computed,
-        and models already recorded for the same settings are not measured again.
+        Each model's sharpness values at each scale are appended there as soon as they
+        are computed, and (model, scale) pairs already recorded for the same settings are
+        not measured again.
 
     Returns
     -------
     dict
         ``settings``, ``data``, ``training`` (summary), ``per_model`` (columns: init
         scale, step size, steps, restarts, converged, train loss, test loss, population
-        risk, norms, and ``sharpness_<measure>``), ``tau`` (``measure -> {"tau", "p"}``
-        against the test loss), ``tau_population_risk``, ``paper_tau``, ``timings``
-        (seconds), ``versions``. Everything is JSON-serialisable.
+        risk, norms, the setup's own columns, and ``sharpness_<measure>`` at scale 1),
+        ``tau`` (``measure -> {"tau", "p"}`` against the test loss, scale 1),
+        ``tau_population_risk``, ``by_scale`` (per scale: radii, sharpness columns,
+        ``tau``), ``tau_by_rho`` (records of
+        :mod:`~geoopt_quotient.population.rho_grid` for adaptive, inv and mix against the
+        test loss), ``paper_tau``, ``timings`` (seconds), ``versions``. Everything is
+        JSON-serialisable.
     """
     _check_args(models, dim, rho, rho_mix, iters)
+    measures = measure_names(paths)
+    scales = _scales(rho_scales or ())
     rho_mix = float(rho if rho_mix is None else rho_mix)
     device = torch.device(device)
     start = time.perf_counter()
-    data = make_sparse_regression(
-        dim, n_train=n_train, noise_std=noise_std, sparsity=sparsity, seed=seed, device=device
-    )
-    scales, factors = sample_hyperparameters(
-        models, seed=seed, init_range=init_range, step_factor_range=step_factor_range
-    )
-    scales_t = torch.as_tensor(scales, dtype=data.x_train.dtype, device=device)
-    factors_t = torch.as_tensor(factors, dtype=data.x_train.dtype, device=device)
-    data_seconds = time.perf_counter() - start
-    population = train_population(
-        data,
-        scales_t,
-        step_sizes_for(data, scales_t, factors_t),
+    options = dict(
+        n_train=n_train,
+        noise_std=noise_std,
+        sparsity=sparsity,
+        init_range=init_range,
+        step_factor_range=step_factor_range,
         target_loss=target_loss,
         max_steps=max_steps,
-        progress=progress,
     )
+    data, population, setup_columns = _train(setup, models, dim, seed, device, progress, options)
     key = fingerprint(
-        dict(
-            models=models,
-            dim=dim,
-            seed=seed,
-            rho=rho,
-            rho_mix=rho_mix,
-            iters=iters,
-            n_train=n_train,
-            noise_std=noise_std,
-            sparsity=sparsity,
-            init_range=init_range,
-            step_factor_range=step_factor_range,
-            target_loss=target_loss,
-            max_steps=max_steps,
-        )
+        dict(options, setup=setup, models=models, dim=dim, seed=seed, rho=rho, rho_mix=rho_mix)
+        | dict(iters=iters, measures=list(measures))
     )
     done = {}
     if records is not None:
-        done = {r["model"]: r["sharpness"] for r in records.select(run=key, seed=seed)}
+        done = {
+            (r["model"], r["scale"]): r["sharpness"]
+            for r in records.select(run=key, seed=seed)
+            if r.get("scale") in scales
+        }
 
-    def save(index: int, values: Dict[str, float]) -> None:
+    def save(index: int, scale: float, values: Dict[str, float]) -> None:
         if records is not None:
-            records.append({"run": key, "seed": seed, "model": index, "sharpness": values})
+            record = {"run": key, "seed": seed, "model": index, "scale": scale}
+            records.append(record | {"sharpness": values})
 
-    values, sharpness_seconds = measure_population(
+    by_scale, sharpness_seconds = measure_population(
         data,
         population.points,
         rho=rho,
         rho_mix=rho_mix,
         iters=iters,
+        measures=measures,
+        scales=scales,
         progress=progress,
         done=done,
         on_model=save,
     )
-    per_model = _per_model(data, population, factors)
-    for name, column in values.items():
+    per_model = _per_model(data, population, setup_columns)
+    for name, column in by_scale[1.0].items():
         per_model[f"sharpness_{name}"] = column
     test_loss = per_model["test_loss"]
-    risk = per_model["population_risk"]
-    tau, tau_risk = {}, {}
-    for name, column in values.items():
-        t, p = kendall_tau(column, test_loss)
-        tau[name] = {"tau": t, "p": p}
-        t, p = kendall_tau(column, risk)
-        tau_risk[name] = {"tau": t, "p": p}
     return {
         "experiment": "diagonal",
         "settings": {
+            "setup": setup,
             "models": models,
             "dim": dim,
             "seed": seed,
             "rho": float(rho),
             "rho_mix": rho_mix,
+            "rho_scales": list(scales),
+            "paths": [p for p in PATHS if p in paths],
             "iters": iters,
             "device": str(device),
-            "measures": {
-                "adaptive": "AdaptiveEuclidean(eps=0) on (u, v), straight line, radius rho",
-                "inv": "DiagonalQuotient('inv'), exact geodesic (expmap), radius rho",
-                "mix": "DiagonalQuotient('mix'), exact geodesic stopped at beta_i = 0, "
-                "radius rho_mix",
-                "mix_unclamped": "diagnostic: mix geodesic continued through beta_i = 0 "
-                "(Euclidean ball in beta), radius rho_mix",
-                "mix_second_order": "diagnostic: mix ball with the second-order retraction "
-                "instead of the geodesic, radius rho_mix",
-            },
+            "measures": {name: _DESCRIPTIONS[name] for name in measures},
             "sharpness_on": "training set, one batch; S = max L(perturbed) - L(w)",
-            "init": "u = alpha * 1, v = 0",
-            "init_range": list(init_range),
-            "step_factor_range": list(step_factor_range),
+            **_setup_settings(setup, options),
             "target_loss": target_loss,
             "max_steps": max_steps,
-            "resumed_models": len(done),
+            "resumed_models": len(done),  # (model, scale) records reused
         },
         "data": data.describe(),
         "training": {
@@ -398,11 +594,23 @@ def run_diagonal(
             "restarts": int(population.restarts.sum()),
         },
         "per_model": per_model,
-        "tau": tau,
-        "tau_population_risk": tau_risk,
+        "tau": _taus(by_scale[1.0], test_loss),
+        "tau_population_risk": _taus(by_scale[1.0], per_model["population_risk"]),
+        "by_scale": [
+            {
+                "scale": scale,
+                "rho": rho * scale,
+                "rho_mix": rho_mix * scale,
+                "sharpness": values,
+                "tau": _taus(values, test_loss),
+            }
+            for scale, values in by_scale.items()
+        ],
+        "tau_by_rho": None
+        if rho_scales is None
+        else _tau_by_rho_records(by_scale, rho, rho_mix, test_loss),
         "paper_tau": dict(PAPER_TAU),
         "timings": {
-            "data": data_seconds,
             "train": population.seconds,
             "sharpness": sharpness_seconds,
             "total": time.perf_counter() - start,
@@ -412,7 +620,7 @@ def run_diagonal(
 
 
 def _per_model(
-    data: SparseRegression, population: TrainedPopulation, factors: np.ndarray
+    data: SparseRegression, population: TrainedPopulation, setup_columns: Mapping[str, List[Any]]
 ) -> Dict[str, List[Any]]:
     beta = population.beta
     support = torch.zeros(data.dim, dtype=torch.bool, device=beta.device)
@@ -420,7 +628,6 @@ def _per_model(
     off_support = beta[:, ~support].abs().sum(-1) / beta.abs().sum(-1).clamp_min(1e-300)
     columns = {
         "init_scale": population.init_scales,
-        "step_factor": torch.as_tensor(factors),
         "step_size": population.step_sizes,
         "steps": population.steps,
         "restarts": population.restarts,
@@ -433,7 +640,7 @@ def _per_model(
         "beta_error": (beta - data.beta_star).norm(dim=-1),
         "off_support_l1_fraction": off_support,
     }
-    return {k: v.detach().cpu().tolist() for k, v in columns.items()}
+    return {k: v.detach().cpu().tolist() for k, v in columns.items()} | dict(setup_columns)
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -454,28 +661,47 @@ def summarize_runs(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
             "per_seed": taus,
             "mean": float(np.mean(taus)),
             "std": std,
-            "paper": PAPER_TAU.get(name),
+            "paper": PAPER_TAU.get(measure_path(name)[0]),
         }
     return summary
 
 
 def format_table(summary: Mapping[str, Any]) -> str:
-    """A plain-text table of :math:`\\tau` beside the paper's values."""
+    """A plain-text table of :math:`\\tau` beside the paper's values, the paths side by side.
+
+    One row per measure, one column per path (exact geodesic, second-order retraction;
+    adaptive sharpness has only its straight line, in the first column); with several
+    seeds each cell is mean ± std and the per-seed values follow the table.
+    """
     seeds = summary["seeds"]
     many = len(seeds) > 1
-    labels = {n: n if n in PAPER_TAU else f"{n} *" for n in summary["measures"]}
-    width = max(len("measure"), *map(len, labels.values())) + 2
-    head = f"{'measure':<{width}}{'tau (ours)':>16}{'paper':>9}"
-    if many:
-        head += "   per seed (" + ", ".join(str(s) for s in seeds) + ")"
-    lines = [head, "-" * len(head)]
+    rows: Dict[str, Dict[str, Mapping[str, Any]]] = {}
     for name, row in summary["measures"].items():
-        ours = f"{row['mean']:+.3f}" + (f" ± {row['std']:.3f}" if many else "")
-        paper = "—" if row["paper"] is None else f"{row['paper']:+.2f}"
-        line = f"{labels[name]:<{width}}{ours:>16}{paper:>9}"
-        if many:
-            line += "   " + ", ".join(f"{t:+.3f}" for t in row["per_seed"])
-        lines.append(line)
-    if any(name not in PAPER_TAU for name in summary["measures"]):
+        measure, path = measure_path(name)
+        rows.setdefault(measure, {})["second_order" if path == "second_order" else "first"] = row
+    labels = {m: m if m in PAPER_TAU else f"{m} *" for m in rows}
+    labels = {m: f"{label} (straight)" if m == "adaptive" else label for m, label in labels.items()}
+    width = max(len("measure"), *map(len, labels.values())) + 2
+    cell = 17 if many else 10
+    head = f"{'measure':<{width}}{'exact':>{cell}}{'second order':>{cell + 4}}{'paper':>9}"
+    lines = [head, "-" * len(head)]
+    for measure, by_path in rows.items():
+        texts = []
+        for column in ("first", "second_order"):
+            row = by_path.get(column)
+            if row is None:
+                texts.append("—")
+            else:
+                texts.append(f"{row['mean']:+.3f}" + (f" ± {row['std']:.3f}" if many else ""))
+        paper = PAPER_TAU.get(measure)
+        paper_text = "—" if paper is None else f"{paper:+.2f}"
+        lines.append(
+            f"{labels[measure]:<{width}}{texts[0]:>{cell}}{texts[1]:>{cell + 4}}{paper_text:>9}"
+        )
+    if any(m not in PAPER_TAU for m in rows):
         lines.append("* diagnostic, not in the paper")
+    if many:
+        lines.append("per seed (" + ", ".join(str(s) for s in seeds) + "):")
+        for name, row in summary["measures"].items():
+            lines.append(f"  {name}: " + ", ".join(f"{t:+.3f}" for t in row["per_seed"]))
     return "\n".join(lines)

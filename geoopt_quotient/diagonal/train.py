@@ -49,6 +49,17 @@ so :math:`\eta\lambda_{\max} \lesssim f < 2` (stable) while the step, which also
 implicit bias (Even et al., 2023), varies five-fold between models. A model whose loss
 becomes non-finite or grows :math:`10^3`-fold restarts from its initialisation with half
 the step (counted in ``restarts``).
+
+The ``step-size`` population
+----------------------------
+:func:`train_schedule_population` trains the population of ``reproduce diagonal --setup
+step-size``: one initialisation :math:`u_0 = 0.1\cdot\mathbf 1`, :math:`v_0 = 0` for
+every model, models alternating between full-batch GD and SGD with one sample per step,
+each with its own step size (log-uniform on :data:`STEP_SIZE_RANGES`), divided by
+:data:`DEFAULT_STEP_DECAY` after :data:`DEFAULT_LARGE_STEPS` steps. Large SGD steps keep
+the iterates bouncing across the valley of the loss, which biases them towards sparse
+solutions (Andriushchenko et al., 2023); large GD steps do not: here generalization is
+set by the training dynamics, not by the initialisation.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 import torch
@@ -67,17 +78,29 @@ from .data import SparseRegression
 __all__ = [
     "DEFAULT_INIT_RANGE",
     "DEFAULT_STEP_FACTOR_RANGE",
+    "STEP_SIZE_RANGES",
     "TrainedPopulation",
     "initial_points",
     "sample_hyperparameters",
+    "sample_step_size_hyperparameters",
     "step_sizes_for",
     "train_population",
+    "train_schedule_population",
 ]
 
 DEFAULT_INIT_RANGE = (0.01, 1.0)
 DEFAULT_STEP_FACTOR_RANGE = (0.2, 1.0)
 DEFAULT_TARGET_LOSS = 1e-5
 DEFAULT_MAX_STEPS = 200_000
+#: Log-uniform step-size ranges of the ``step-size`` population, per algorithm: from the
+#: public notebook's gradient-flow step (0.01) to its largest scheduled steps for
+#: n = 80, d = 200 (full-batch GD 2.72) and its constant SGD step (0.25).
+STEP_SIZE_RANGES: Dict[str, Tuple[float, float]] = {"gd": (0.01, 2.72), "sgd": (0.01, 0.25)}
+#: Initialisation scale of the ``step-size`` population: u0 = 0.1 * 1, v0 = 0.
+STEP_SIZE_INIT = 0.1
+#: The step is divided by ``DEFAULT_STEP_DECAY`` after ``DEFAULT_LARGE_STEPS`` steps.
+DEFAULT_LARGE_STEPS = 10_000
+DEFAULT_STEP_DECAY = 4.8
 
 
 @dataclass
@@ -102,6 +125,9 @@ class TrainedPopulation:
     max_steps : int
     seconds : float
         Wall time of the training.
+    stochastic : torch.Tensor, optional
+        ``(M,)`` bool: trained by SGD with batch size 1 (``None``: every model by
+        full-batch gradient descent).
     """
 
     points: torch.Tensor
@@ -114,6 +140,7 @@ class TrainedPopulation:
     target_loss: float
     max_steps: int
     seconds: float
+    stochastic: torch.Tensor | None = None
 
     @property
     def beta(self) -> torch.Tensor:
@@ -160,6 +187,31 @@ def initial_points(init_scales: torch.Tensor, dim: int) -> torch.Tensor:
     r""":math:`u_0 = \alpha\mathbf 1`, :math:`v_0 = 0`: shape ``(M, 2, d)``."""
     u = init_scales[:, None].expand(-1, dim)
     return torch.stack((u, torch.zeros_like(u)), dim=1).clone()
+
+
+def _restart_diverged(
+    diverged: torch.Tensor,
+    eta: torch.Tensor,
+    restarts: torch.Tensor,
+    steps: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    init_scales: torch.Tensor,
+    max_restarts: int,
+) -> Tuple[torch.Tensor, ...]:
+    """Halve the step size of the ``diverged`` models and restart them from their
+    initialisation; a FloatingPointError after ``max_restarts`` restarts."""
+    if int(restarts[diverged].max()) >= max_restarts:
+        raise FloatingPointError(
+            f"{int(diverged.sum())} model(s) still diverge after {max_restarts} "
+            "restarts with halved step sizes"
+        )
+    eta = torch.where(diverged, eta / 2, eta)
+    restarts = restarts + diverged.long()
+    steps = torch.where(diverged, torch.zeros_like(steps), steps)
+    u = torch.where(diverged[:, None], init_scales[:, None].expand_as(u), u)
+    v = torch.where(diverged[:, None], torch.zeros_like(v), v)
+    return eta, restarts, steps, u, v
 
 
 def train_population(
@@ -224,16 +276,9 @@ def train_population(
         loss = residual.pow(2).sum(-1) / (2 * n)
         diverged = ~torch.isfinite(loss) | (loss > divergence_factor * initial_loss)
         if bool(diverged.any()):
-            if int(restarts[diverged].max()) >= max_restarts:
-                raise FloatingPointError(
-                    f"{int(diverged.sum())} model(s) still diverge after {max_restarts} "
-                    "restarts with halved step sizes"
-                )
-            eta = torch.where(diverged, eta / 2, eta)
-            restarts += diverged.long()
-            steps = torch.where(diverged, torch.zeros_like(steps), steps)
-            u = torch.where(diverged[:, None], init_scales[:, None].expand_as(u), u)
-            v = torch.where(diverged[:, None], torch.zeros_like(v), v)
+            eta, restarts, steps, u, v = _restart_diverged(
+                diverged, eta, restarts, steps, u, v, init_scales, max_restarts
+            )
             continue
         done = loss <= target_loss
         active = ~done & (steps < max_steps)
@@ -260,4 +305,163 @@ def train_population(
         target_loss=float(target_loss),
         max_steps=int(max_steps),
         seconds=time.perf_counter() - start,
+    )
+
+
+def sample_step_size_hyperparameters(
+    models: int,
+    *,
+    seed: int = 0,
+    ranges: Dict[str, Tuple[float, float]] = STEP_SIZE_RANGES,
+) -> Tuple[np.ndarray, np.ndarray]:
+    r"""The algorithm and the step size of every model of the ``step-size`` population.
+
+    Models alternate between full-batch gradient descent (even indices) and SGD with
+    batch size 1 (odd indices); each step size is log-uniform on its algorithm's range
+    in ``ranges``, drawn from :class:`numpy.random.Generator` seeded with ``(seed, 2)``.
+
+    Returns
+    -------
+    stochastic : numpy.ndarray
+        ``(M,)`` bool, ``True`` for SGD.
+    step_sizes : numpy.ndarray
+        ``(M,)``.
+    """
+    rng = np.random.default_rng([seed, 2])
+    stochastic = np.arange(models) % 2 == 1
+    unit = rng.uniform(0.0, 1.0, models)
+    low = np.where(stochastic, ranges["sgd"][0], ranges["gd"][0])
+    high = np.where(stochastic, ranges["sgd"][1], ranges["gd"][1])
+    if not (np.all(low > 0) and np.all(low <= high)):
+        raise ValueError(f"step-size ranges need 0 < low <= high, got {ranges}")
+    return stochastic, np.exp(np.log(low) + unit * (np.log(high) - np.log(low)))
+
+
+class _SampleStream:
+    """One training-sample index per model and step, from a seeded numpy stream."""
+
+    def __init__(self, n: int, models: int, seed: int, device: torch.device, block: int = 1024):
+        self._rng = np.random.default_rng([seed, 3])
+        self._shape = (block, models)
+        self._n, self._device = n, device
+        self._block = torch.empty(0)
+        self._next = block
+
+    def draw(self) -> torch.Tensor:
+        if self._next == self._shape[0]:
+            indices = self._rng.integers(0, self._n, size=self._shape)
+            self._block = torch.as_tensor(indices, device=self._device)
+            self._next = 0
+        self._next += 1
+        return self._block[self._next - 1]
+
+
+def train_schedule_population(
+    data: SparseRegression,
+    stochastic: torch.Tensor,
+    step_sizes: torch.Tensor,
+    *,
+    init_scale: float = STEP_SIZE_INIT,
+    large_steps: int = DEFAULT_LARGE_STEPS,
+    decay: float = DEFAULT_STEP_DECAY,
+    target_loss: float = DEFAULT_TARGET_LOSS,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    seed: int = 0,
+    divergence_factor: float = 1e3,
+    max_restarts: int = 10,
+    progress: bool = False,
+) -> TrainedPopulation:
+    r"""GD or SGD (batch size 1) with a step decay, every model until :math:`L \le` ``target_loss``.
+
+    Every model starts at :math:`u_0 = \alpha\mathbf 1`, :math:`v_0 = 0`
+    (:math:`\alpha` = ``init_scale``) and takes steps :math:`(u, v) \leftarrow (u - \eta_t
+    g \odot v, v - \eta_t g \odot u)` with :math:`\eta_t = \eta` for the first
+    ``large_steps`` steps and :math:`\eta / \text{decay}` after. Full-batch models use
+    :math:`g = X^\top r / n`, SGD models :math:`g = r_i x_i` for one sample :math:`i`
+    drawn uniformly (with replacement) per step, the gradient of
+    :math:`(x_i^\top\beta - y_i)^2 / 2` and an unbiased estimate of the full one
+    (:math:`r = X\beta - y`). The sample indices come from
+    :class:`numpy.random.Generator` seeded with ``(seed, 3)``. A model stops at the first
+    iterate whose full training loss is at most ``target_loss``; one whose loss is not
+    finite or exceeds ``divergence_factor`` times its initial loss restarts from its
+    initialisation with half the step.
+
+    Parameters
+    ----------
+    data : SparseRegression
+    stochastic : torch.Tensor
+        ``(M,)`` bool: SGD (``True``) or full-batch gradient descent.
+    step_sizes : torch.Tensor
+        ``(M,)`` initial steps :math:`\eta`.
+    init_scale, large_steps, decay
+        As above.
+    target_loss, max_steps, divergence_factor, max_restarts, progress
+        As in :func:`train_population`.
+    seed : int
+        Seed of the SGD samples.
+
+    Returns
+    -------
+    TrainedPopulation
+        ``step_sizes`` are the initial steps finally used (halved by restarts).
+    """
+    if not (target_loss > 0 and max_steps >= 1 and large_steps >= 0 and decay > 0):
+        raise ValueError(
+            "need target_loss > 0, max_steps >= 1, large_steps >= 0 and decay > 0, got "
+            f"{target_loss}, {max_steps}, {large_steps}, {decay}"
+        )
+    x, y, n = data.x_train, data.y_train, data.n_train
+    stochastic = stochastic.to(device=x.device, dtype=torch.bool)
+    eta = step_sizes.to(x).clone()
+    models = eta.shape[0]
+    init_scales = torch.full((models,), float(init_scale), dtype=x.dtype, device=x.device)
+    start = time.perf_counter()
+    u, v = initial_points(init_scales, data.dim).unbind(1)
+    steps = torch.zeros(models, dtype=torch.long, device=x.device)
+    restarts = torch.zeros_like(steps)
+    initial_loss = data.train_loss(u * v)
+    samples = _SampleStream(n, models, seed, x.device)
+    bar = tqdm(
+        total=max_steps,
+        desc="training",
+        unit="step",
+        disable=None if progress else True,
+        leave=False,
+        mininterval=0.5,
+    )
+    while True:
+        residual = (u * v) @ x.T - y
+        loss = residual.pow(2).sum(-1) / (2 * n)
+        diverged = ~torch.isfinite(loss) | (loss > divergence_factor * initial_loss)
+        if bool(diverged.any()):
+            eta, restarts, steps, u, v = _restart_diverged(
+                diverged, eta, restarts, steps, u, v, init_scales, max_restarts
+            )
+            continue
+        done = loss <= target_loss
+        active = ~done & (steps < max_steps)
+        if not bool(active.any()):
+            break
+        index = samples.draw()
+        single = residual.gather(1, index[:, None]) * x[index]
+        grad = torch.where(stochastic[:, None], single, residual @ x / n)
+        rate = torch.where(steps < large_steps, eta, eta / decay) * active
+        u, v = u - rate[:, None] * grad * v, v - rate[:, None] * grad * u
+        steps += active.long()
+        if int(steps.max()) % 1000 == 0:
+            bar.n = int(steps.max())
+            bar.set_postfix(converged=f"{int(done.sum())}/{models}", refresh=True)
+    bar.close()
+    return TrainedPopulation(
+        points=torch.stack((u, v), dim=1),
+        init_scales=init_scales,
+        step_sizes=eta,
+        steps=steps,
+        restarts=restarts,
+        converged=done,
+        train_loss=loss,
+        target_loss=float(target_loss),
+        max_steps=int(max_steps),
+        seconds=time.perf_counter() - start,
+        stochastic=stochastic,
     )

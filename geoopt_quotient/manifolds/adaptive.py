@@ -58,8 +58,8 @@ class AdaptiveEuclidean(Manifold):
         return f"eps={self.eps}, ndim={self.ndim}"
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The per-entry scale :math:`c = |w| + \\varepsilon`."""
-        return x.abs() + self.eps
+        """The per-entry scale :math:`c = |w| + \\varepsilon`, a new tensor."""
+        return x.abs().add_(self.eps) if self.eps else x.abs()
 
     def tangent_space(self, x: torch.Tensor):
         r"""The tangent space at ``x``; its weights :math:`c^{\pm 2}` are recomputed block by
@@ -99,6 +99,12 @@ class AdaptiveEuclidean(Manifold):
         v = u if v is None else v
         value = self._reduce(st.weighted_product(u, v), keepdim)
         return value.to(torch.promote_types(u.dtype, v.dtype))
+
+    def _inner_sum(self, st: _ScaleState, u: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`inner` summed over all entries, without a product of the point's size."""
+        return st.weighted_sum(u, u if v is None else v).to(
+            torch.promote_types(u.dtype, u.dtype if v is None else v.dtype)
+        )
 
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
@@ -205,6 +211,35 @@ class _ScaleState:
             return self.weight(self.x) * u.to(self.dtype) * v.to(self.dtype)
         return out
 
+    def weighted_sum(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r""":math:`\sum_i u_i v_i / c_i^2` of tangent vectors, block by block in the working
+        dtype: :math:`(u / c) \cdot (v / c)`, with :math:`c` clamped to the smallest normal
+        number so that frozen entries, where tangent vectors are zero, add nothing.
+
+        Three passes over the entries for a squared norm (scale, quotient, dot), where
+        :meth:`weighted_product` takes nine; the sum's rounding differs from that of the
+        summed product.
+        """
+        if v is u:
+            parts = _blockwise_sums(self._squared_block, self.x, u)
+        else:
+            parts = _blockwise_sums(self._dot_block, self.x, u, v)
+        if parts is None:
+            return self.weighted_product(u, v).sum()
+        return parts
+
+    def _over_scale(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        scale = self.manifold.scale(x.to(self.dtype)).clamp_min_(torch.finfo(self.dtype).tiny)
+        return u.to(self.dtype) / scale, scale
+
+    def _squared_block(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ratio, _ = self._over_scale(x, u)
+        return torch.dot(ratio, ratio)
+
+    def _dot_block(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ratio, scale = self._over_scale(x, u)
+        return torch.dot(ratio.div_(scale), v.to(self.dtype))
+
     def rescaled(self, u: torch.Tensor) -> torch.Tensor:
         r""":math:`c^2 \odot u` in ``u``'s dtype, computed in the working dtype."""
         out = None
@@ -229,6 +264,17 @@ class _ScaleState:
 BLOCK = 1 << 20
 
 
+def _splittable(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the operands split into matching blocks: same shape and device as ``x``,
+    contiguous, and no operation on them recorded by autograd."""
+    operands = (x, *others)
+    if any(t.shape != x.shape or t.device != x.device for t in others):
+        return False
+    if not all(t.is_contiguous() for t in operands):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in operands))
+
+
 def _blockwise(
     fn: Callable[..., torch.Tensor], dtype: torch.dtype, x: torch.Tensor, *others: torch.Tensor
 ) -> torch.Tensor | None:
@@ -240,16 +286,24 @@ def _blockwise(
     Exact for element-wise ``fn``: each entry sees the same operations as with whole
     tensors.
     """
-    operands = (x, *others)
-    if any(t.shape != x.shape or t.device != x.device for t in others):
-        return None
-    if not all(t.is_contiguous() for t in operands):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+    if not _splittable(x, *others):
         return None
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    flat = [t.reshape(-1) for t in (out, *operands)]
+    flat = [t.reshape(-1) for t in (out, x, *others)]
     for start in range(0, x.numel(), BLOCK):
         block, *inputs = (f[start : start + BLOCK] for f in flat)
         block.copy_(fn(*inputs))
     return out
+
+
+def _blockwise_sums(fn: Callable[..., torch.Tensor], x: torch.Tensor, *others: torch.Tensor):
+    """The sum of the scalars ``fn`` returns on :data:`BLOCK`-sized blocks of the flattened
+    operands (nothing of the point's size is written); ``None`` where :func:`_blockwise`
+    would not split them."""
+    if not _splittable(x, *others):
+        return None
+    flat = [t.reshape(-1) for t in (x, *others)]
+    if x.numel() <= BLOCK:
+        return fn(*flat)
+    starts = range(0, x.numel(), BLOCK)
+    return torch.stack([fn(*(f[start : start + BLOCK] for f in flat)) for start in starts]).sum()

@@ -70,6 +70,9 @@ class CachedTangentSpace(TangentSpace):
         self.state = state
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        summed = getattr(self.manifold, "_inner_sum", None)
+        if summed is not None:
+            return summed(self.state, u, v)
         return self.manifold._inner(self.state, u, v, False).sum()
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:

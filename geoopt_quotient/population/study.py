@@ -14,6 +14,12 @@ between sharpness :math:`s` and generalization gap :math:`g` (test error minus t
 error) over the :math:`M` models, with a percentile bootstrap confidence interval over
 models. Below :data:`MIN_MODELS` models that interval is unreliable, and the table, the
 JSON document and the figure say so (:func:`few_models_warning`).
+
+With ``rho_scales`` (:func:`run_population`), every measure is also computed at each
+multiple :math:`s` of its radius, on the same batches with the same seed, and
+:math:`\tau` is reported per (scale, measure, path) in the records of
+:mod:`geoopt_quotient.population.rho_grid`; a scale's values at :math:`s\rho` are
+exactly those of a study run with the radii :math:`s\rho` (:func:`scaled_settings`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -43,20 +49,28 @@ from ..models import find_symmetries
 from ..records import RecordFile, fingerprint
 from ..sharpness import adaptive_sharpness, geodesic_sharpness
 from ..sharpness.stats import kendall_tau, kendall_tau_bootstrap, sharpness_scatter
+from .rho_grid import STRAIGHT, RhoSeries, tau_by_rho
 
 __all__ = [
     "ABLATIONS",
+    "FORMATS",
     "MEASURES",
     "MIN_MODELS",
     "PAPER_TAU",
+    "PROTOCOLS",
     "StudySettings",
     "few_models_warning",
     "find_checkpoints",
     "format_tau_table",
     "measure_model",
+    "measure_path",
+    "measure_radius",
     "read_gaps",
     "run_population",
+    "scaled_settings",
     "scatter_figure",
+    "sharpness_to_clean_loss",
+    "study_scales",
     "tau_table",
 ]
 
@@ -71,6 +85,13 @@ ABLATIONS = (
 PAPER_TAU = {
     "ImageNet, 72 CLIP ViT-B/32": {"adaptive": -0.41, "geodesic_inv": -0.71, "geodesic_mix": -0.70},
     "MNLI, 35 BERT-base": {"adaptive": 0.06, "geodesic_inv": 0.28, "geodesic_mix": 0.38},
+}
+#: Checkpoint formats: Hugging Face directories, or model-soups CLIP state dicts (``*.pt``).
+FORMATS = ("hf", "model-soups")
+#: The paper's evaluation protocols: sharpness examples, batch size, Auto-PGD iterations.
+PROTOCOLS = {
+    "imagenet": {"max_examples": 2048, "batch_size": 256, "iters": 20},
+    "mnli": {"max_examples": 1024, "batch_size": 128, "iters": 20},
 }
 #: Populations smaller than this get a warning beside tau. A bootstrap resample of M
 #: models holds about 0.63 M distinct ones (4 of 6), so its tau takes only a few values,
@@ -145,12 +166,65 @@ class StudySettings:
         return MEASURES + (ABLATIONS if self.ablations else ())
 
 
+def scaled_settings(settings: StudySettings, scale: float) -> StudySettings:
+    r"""``settings`` with every radius multiplied by ``scale``: :math:`\rho \to s\rho`.
+
+    Scale 1 returns ``settings`` itself, so that its records and fingerprint are those of
+    a study without scales.
+    """
+    if scale == 1:
+        return settings
+    return replace(
+        settings,
+        rho_adaptive=scale * settings.rho_adaptive,
+        rho_inv=scale * settings.rho_inv,
+        rho_mix=scale * settings.rho_mix,
+    )
+
+
+def measure_radius(settings: StudySettings, measure: str) -> float:
+    """The radius of ``measure``'s ball: the adaptive one for adaptive sharpness and the
+    no-norm ablations, the quotient ball of the metric otherwise."""
+    if measure == "adaptive" or measure.endswith("_no_norm"):
+        return settings.rho_adaptive
+    return getattr(settings, f"rho_{_metric_and_ablation(measure)[0]}")
+
+
+def measure_path(settings: StudySettings, measure: str) -> str:
+    """How ``measure`` perturbs the weights, as :mod:`~geoopt_quotient.population.rho_grid`
+    names it: the straight line for adaptive sharpness and the no-curvature ablations,
+    the study's ``path`` for the geodesic measures."""
+    if measure == "adaptive" or measure.endswith("_no_curvature"):
+        return STRAIGHT
+    return settings.path
+
+
+def study_scales(rho_scales: Optional[Sequence[float]]) -> Tuple[float, ...]:
+    """The scales a study measures: 1 (the study's own radii) and those given, sorted."""
+    for scale in rho_scales or ():
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
+    return tuple(sorted({float(s) for s in rho_scales or ()} | {1.0}))
+
+
 # ---------------------------------------------------------------- inputs
-def find_checkpoints(root: str) -> List[str]:
-    """The checkpoint directories directly under ``root`` (those with a config.json), sorted."""
+def find_checkpoints(root: str, format: str = "hf") -> List[str]:
+    """The checkpoints directly under ``root``, sorted: the directories with a config.json
+    (``format="hf"``), or the ``*.pt`` files (``format="model-soups"``)."""
+    check_choice(format, FORMATS, "format")
     path = Path(root)
     if not path.is_dir():
         raise InputError(f"--checkpoints {root}: not a directory")
+    if format == "model-soups":
+        from ..models.model_soups import checkpoint_files
+
+        files = [str(p) for p in checkpoint_files(root)]
+        if len(files) < 3:
+            raise InputError(
+                f"--checkpoints {root}: found {len(files)} model-soups checkpoints (*.pt); "
+                "a population study needs at least 3"
+            )
+        return files
     if (path / "config.json").exists():
         raise InputError(
             f"--checkpoints {root}: this is one checkpoint; give the directory that holds "
@@ -218,8 +292,13 @@ def file_digest(path: str) -> str:
 
 
 def checkpoint_signature(directory: str) -> Dict[str, Any]:
-    """What identifies a checkpoint's weights without reading them: config digest, sizes, times."""
+    """What identifies a checkpoint's weights without reading them: config digest, sizes, times.
+
+    For a single-file checkpoint (model-soups ``*.pt``): its name, size and time.
+    """
     root = Path(directory)
+    if root.is_file():
+        return {"weights": [[root.name, root.stat().st_size, root.stat().st_mtime_ns]]}
     weights = sorted(root.glob("model*.safetensors"))
     return {
         "config": file_digest(str(root / "config.json")),
@@ -277,12 +356,11 @@ def measure_model(
             )
         else:
             metric, norm, curvature = _metric_and_ablation(measure)
-            rho = getattr(settings, f"rho_{metric}") if norm else settings.rho_adaptive
             result = geodesic_sharpness(
                 model,
                 loss_fn,
                 batches,
-                rho=rho,
+                rho=measure_radius(settings, measure),
                 symmetries=plan_for(metric),
                 metric=metric,
                 path=settings.path,
@@ -305,17 +383,20 @@ def measure_model(
     return results
 
 
-def _measure_checkpoint(
-    directory: str,
-    settings: StudySettings,
-    data: str,
-    train_data: Optional[str],
-    test_data: Optional[str],
-    device: torch.device,
-    on_measure: Callable[[str], None],
-) -> Dict[str, Any]:
-    """Load one checkpoint, measure its sharpness (and its gap when train/test are given)."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class _LoadedCheckpoint:
+    """A model with its sharpness batches and a way to measure its error on a data source."""
+
+    model: torch.nn.Module
+    batches: List[Batch]
+    regression: bool
+    error_on: Callable[[str], float]
+
+
+def _load_hf(
+    directory: str, settings: StudySettings, data: str, device: torch.device
+) -> _LoadedCheckpoint:
+    """A Hugging Face checkpoint directory; data files are ``.jsonl`` text or ``.npz`` arrays."""
     model, tokenizer = load_checkpoint(directory, device)
     batch_args = dict(max_length=settings.max_length, device=device)
     batches: List[Batch] = load_batches(
@@ -326,39 +407,124 @@ def _measure_checkpoint(
         max_examples=settings.max_examples,
         **batch_args,
     )
-    regression = is_regression(model.config)
+
+    def error_on(path: str) -> float:
+        split = load_batches(path, model, tokenizer, batch_size=settings.batch_size, **batch_args)
+        return error_rate(model, split)
+
+    return _LoadedCheckpoint(model, batches, is_regression(model.config), error_on)
+
+
+def _load_model_soups(
+    path: str, settings: StudySettings, data: str, device: torch.device, workers: int
+) -> _LoadedCheckpoint:
+    """A model-soups CLIP ``*.pt``; data are ``ImageFolder`` trees, preprocessed as CLIP's.
+
+    The sharpness examples are ``settings.max_examples`` images of ``data`` drawn with a
+    fixed seed; error rates are over every image of a folder.
+    """
+    from ..models.images import image_batches, iter_image_batches, read_image_folder
+    from ..models.model_soups import load_model_soups_checkpoint
+
+    model = load_model_soups_checkpoint(path, device)
+    size, classes = model.architecture.image_size, model.architecture.num_classes
+
+    def folder(root: str):
+        found = read_image_folder(root)
+        if len(found.classes) != classes:
+            raise InputError(
+                f"images {root}: {len(found.classes)} class directories, but checkpoint "
+                f"{path} has {classes} classes (labels are the sorted class directories: "
+                "every class needs its directory, an empty one is fine)"
+            )
+        return found
+
+    folder(data)
+    batches = image_batches(
+        data,
+        size,
+        batch_size=settings.batch_size,
+        max_examples=settings.max_examples,
+        device=device,
+        workers=workers,
+    )
+
+    def error_on(root: str) -> float:
+        split = iter_image_batches(
+            folder(root), size, batch_size=settings.batch_size, device=device, workers=workers
+        )
+        return error_rate(model, split)
+
+    return _LoadedCheckpoint(model, batches, False, error_on)
+
+
+def _measure_checkpoint(
+    checkpoint: str,
+    settings: StudySettings,
+    data: str,
+    train_data: Optional[str],
+    test_data: Optional[str],
+    device: torch.device,
+    on_measure: Callable[[str], None],
+    format: str = "hf",
+    workers: int = 0,
+    scales: Sequence[Tuple[float, str]] = ((1.0, ""),),
+    on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
+) -> List[Dict[str, Any]]:
+    """Load one checkpoint, measure its sharpness (and its gap when train/test are given).
+
+    ``scales``: ``(scale, fingerprint)`` pairs; one record per pair, in that order, each
+    with the measures at ``scale`` times the radii of ``settings`` on the same batches.
+    Records at a scale other than 1 have a ``scale`` key; those at scale 1 are the records
+    of a study without scales. ``on_record`` receives each record as soon as it is
+    finished.
+    """
+    start = time.perf_counter()
+    if format == "model-soups":
+        loaded = _load_model_soups(checkpoint, settings, data, device, workers)
+    else:
+        loaded = _load_hf(checkpoint, settings, data, device)
+    model = loaded.model
     record: Dict[str, Any] = {
-        "checkpoint": Path(directory).name,
+        "checkpoint": Path(checkpoint).name,
         "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "signature": checkpoint_signature(directory),
+        "signature": checkpoint_signature(checkpoint),
     }
     if train_data is not None and test_data is not None:
-        if regression:
-            raise InputError(f"checkpoint {directory}: error rates need a classifier")
-        errors = {}
-        for split, path in (("train", train_data), ("test", test_data)):
-            split_batches = load_batches(
-                path, model, tokenizer, batch_size=settings.batch_size, **batch_args
-            )
-            errors[split] = error_rate(model, split_batches)
+        if loaded.regression:
+            raise InputError(f"checkpoint {checkpoint}: error rates need a classifier")
+        splits = (("train", train_data), ("test", test_data))
+        errors = {split: loaded.error_on(path) for split, path in splits}
         record.update(
             train_error=errors["train"],
             test_error=errors["test"],
             gap=errors["test"] - errors["train"],
         )
-    measures = measure_model(
-        model,
-        classification_loss(regression),
-        batches,
-        settings,
-        probe_inputs=batches[0][0],
-        on_measure=on_measure,
-    )
-    record["plan"] = measures.pop("_plan", {})
-    record["measures"] = measures
-    record["seconds"] = time.perf_counter() - start
-    return record
+    records = []
+    for scale, study in scales:
+        measures = measure_model(
+            model,
+            classification_loss(loaded.regression),
+            loaded.batches,
+            scaled_settings(settings, scale),
+            probe_inputs=loaded.batches[0][0],
+            on_measure=on_measure if len(scales) == 1 else _with_scale(on_measure, scale),
+        )
+        finished = dict(record, plan=measures.pop("_plan", {}), measures=measures)
+        finished["seconds"] = time.perf_counter() - start
+        finished["fingerprint"] = study
+        if scale != 1:
+            finished["scale"] = scale
+        if on_record is not None:
+            on_record(finished)
+        records.append(finished)
+        start = time.perf_counter()
+    return records
+
+
+def _with_scale(on_measure: Callable[[str], None], scale: float) -> Callable[[str], None]:
+    return lambda measure: on_measure(f"{measure} at {scale:g}ρ")
 
 
 # ---------------------------------------------------------------- statistics
@@ -460,12 +626,28 @@ def _gather(record: Optional[Dict[str, Any]], world: int) -> List[Optional[Dict[
     return shards
 
 
+def _input_digest(path: str) -> str:
+    """:func:`file_digest` of a data file, or the digest of an image folder's listing."""
+    if Path(path).is_dir():
+        from ..models.images import folder_digest
+
+        return folder_digest(path)
+    return file_digest(path)
+
+
 def _study_fingerprint(
-    settings: StudySettings, data: str, train_data: Optional[str], test_data: Optional[str]
+    settings: StudySettings,
+    data: str,
+    train_data: Optional[str],
+    test_data: Optional[str],
+    format: str = "hf",
 ) -> str:
     files = {"data": data, "train": train_data, "test": test_data}
-    digests = {k: file_digest(v) for k, v in files.items() if v is not None}
-    return fingerprint({"settings": asdict(settings), "files": digests})
+    digests = {k: _input_digest(v) for k, v in files.items() if v is not None}
+    study = {"settings": asdict(settings), "files": digests}
+    if format != "hf":  # fingerprints of Hugging Face runs stay as they were
+        study["format"] = format
+    return fingerprint(study)
 
 
 def run_population(
@@ -480,15 +662,20 @@ def run_population(
     device: torch.device | str = "cpu",
     progress: bool = False,
     resamples: int = 2000,
+    format: str = "hf",
+    workers: int = 0,
+    rho_scales: Optional[Sequence[float]] = None,
 ) -> Dict[str, Any]:
     """Measure every checkpoint and correlate each measure with the generalization gap.
 
     Parameters
     ----------
     checkpoints : sequence of str
-        Checkpoint directories (see :func:`find_checkpoints`); names must be unique.
+        Checkpoints (see :func:`find_checkpoints`); names must be unique.
     data : str
-        The sharpness examples (``.jsonl`` text or ``.npz`` arrays), the same for all.
+        The sharpness examples, the same for all: ``.jsonl`` text or ``.npz`` arrays
+        (``format="hf"``), or an ``ImageFolder`` directory (``format="model-soups"``:
+        ``settings.max_examples`` of its images, drawn with a fixed seed).
     settings : StudySettings
     gaps : mapping, optional
         Checkpoint name -> generalization gap. Without it, ``train_data`` and
@@ -501,6 +688,17 @@ def run_population(
         A progress bar over models (the current measure in its postfix).
     resamples : int
         Bootstrap resamples of the tau confidence intervals.
+    format : {"hf", "model-soups"}
+        Hugging Face checkpoint directories with data files, or model-soups CLIP state
+        dicts (:mod:`geoopt_quotient.models.model_soups`) with ``ImageFolder`` directories
+        for ``data``, ``train_data`` and ``test_data``.
+    workers : int
+        Processes decoding images (``format="model-soups"``; 0: the main process).
+    rho_scales : sequence of float, optional
+        Also measure every model at these multiples :math:`s` of every radius
+        (:func:`scaled_settings`; scale 1 is always measured), on the same batches. Each
+        (model, scale) is a record of its own, appended as it finishes: a resumed run
+        recomputes no finished scale.
 
     Raises
     ------
@@ -516,28 +714,34 @@ def run_population(
         (:func:`few_models_warning`, None from :data:`MIN_MODELS` models on),
         ``paper_tau``, ``timings``, ``processes``. With ``torch.distributed``
         initialised the models are sharded over the ranks (model ``i`` of each round of
-        ``world_size`` on rank ``i``) and every rank returns the same document.
+        ``world_size`` on rank ``i``) and every rank returns the same document. With
+        ``rho_scales`` also: ``rho_scales`` (the scales measured, 1 included), per model
+        ``by_scale`` (scale as text, e.g. ``"3"`` -> that scale's ``measures``),
+        ``tau_by_rho`` (the records of :func:`~geoopt_quotient.population.rho_grid.tau_by_rho`,
+        one per (scale, measure, path)) and ``sharpness_to_clean_loss``
+        (:func:`sharpness_to_clean_loss`). Everything else is the study at scale 1.
     """
     start = time.perf_counter()
+    check_choice(format, FORMATS, "format")
     names = [Path(c).name for c in checkpoints]
     if len(set(names)) != len(names):
-        raise InputError("checkpoint directory names must be unique")
+        raise InputError("checkpoint names must be unique")
     if gaps is None and (train_data is None or test_data is None):
         raise InputError("give the gaps (a CSV), or train and test data to measure them")
     device = torch.device(device)
-    study = _study_fingerprint(settings, data, train_data, test_data)
-    done: Dict[str, Dict[str, Any]] = {}
-    if records is not None:
-        for record in records.select(fingerprint=study):
-            directory = (
-                checkpoints[names.index(record["checkpoint"])]
-                if (record.get("checkpoint") in names)
-                else None
-            )
-            if directory and record.get("signature") == checkpoint_signature(directory):
-                done[record["checkpoint"]] = record
+    scales = study_scales(rho_scales)
+    studies = {
+        scale: _study_fingerprint(
+            scaled_settings(settings, scale), data, train_data, test_data, format
+        )
+        for scale in scales
+    }
+    done = _finished_records(records, checkpoints, studies)
     world, rank = _process_grid()
-    todo = [c for c, n in zip(checkpoints, names) if n not in done]
+    todo = [
+        c for c, n in zip(checkpoints, names) if any((n, scale) not in done for scale in scales)
+    ]
+    append_now = records is not None and world == 1
     bar = tqdm(
         total=len(checkpoints),
         initial=len(done),
@@ -552,6 +756,7 @@ def run_population(
             record = None
             if mine is not None:
                 name = Path(mine).name
+                missing = [(s, studies[s]) for s in scales if (name, s) not in done]
                 try:
                     record = _measure_checkpoint(
                         mine,
@@ -561,35 +766,129 @@ def run_population(
                         test_data,
                         device,
                         lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
+                        format=format,
+                        workers=workers,
+                        scales=tuple(missing),
+                        on_record=records.append if append_now else None,
                     )
                 except Exception as error:
                     if hasattr(error, "add_note"):  # Python >= 3.11
                         error.add_note(f"while measuring model {name!r}")
                     raise
-                record["fingerprint"] = study
             for finished in _gather(record, world):
                 if finished is None:
                     continue
-                done[finished["checkpoint"]] = finished
-                if records is not None and rank == 0:
-                    records.append(finished)
+                for one in finished:
+                    done[one["checkpoint"], float(one.get("scale", 1.0))] = one
+                    if records is not None and rank == 0 and not append_now:
+                        records.append(one)
                 bar.update(1)
     models = []
     for name in names:
-        model = dict(done[name])
+        model = dict(done[name, 1.0])
+        model.pop("scale", None)
         if gaps is not None:
             model["gap"] = float(gaps[name])
+        if rho_scales is not None:
+            model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
         models.append(model)
     gap_values = [m["gap"] for m in models]
     values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
+    by_rho = {}
+    if rho_scales is not None:
+        by_rho = {
+            "rho_scales": list(scales),
+            "tau_by_rho": _tau_by_rho_records(models, settings, scales, gap_values, resamples),
+            "sharpness_to_clean_loss": sharpness_to_clean_loss(models, settings, scales),
+        }
     return {
         "settings": asdict(settings),
         "data": {"sharpness": data, "train": train_data, "test": test_data},
         "gap_source": "measured" if gaps is None else "given",
+        "format": format,
         "models": models,
         "tau": tau_table(values, gap_values, resamples=resamples, seed=settings.seed),
         "warning": few_models_warning(len(models)),
         "paper_tau": PAPER_TAU,
         "timings": {"total": time.perf_counter() - start},
         "processes": world,
+        **by_rho,
     }
+
+
+def _finished_records(
+    records: Optional[RecordFile], checkpoints: Sequence[str], studies: Mapping[float, str]
+) -> Dict[Tuple[str, float], Dict[str, Any]]:
+    """(name, scale) -> the record of a finished model at that scale: same settings (radii
+    scaled), same data, same checkpoint weights."""
+    done: Dict[Tuple[str, float], Dict[str, Any]] = {}
+    if records is None:
+        return done
+    directories = {Path(c).name: c for c in checkpoints}
+    signatures: Dict[str, Any] = {}
+    for scale, study in studies.items():
+        for record in records.select(fingerprint=study):
+            name = record.get("checkpoint")
+            if name not in directories:
+                continue
+            if name not in signatures:
+                signatures[name] = checkpoint_signature(directories[name])
+            if record.get("signature") == signatures[name]:
+                done[name, scale] = record
+    return done
+
+
+def _tau_by_rho_records(
+    models: Sequence[Mapping[str, Any]],
+    settings: StudySettings,
+    scales: Sequence[float],
+    gaps: Sequence[float],
+    resamples: int,
+) -> List[Dict[str, Any]]:
+    """The ``tau_by_rho`` records: one per (scale, measure, path), against the gaps."""
+    series = [
+        RhoSeries(
+            scale,
+            measure_radius(scaled_settings(settings, scale), measure),
+            measure,
+            measure_path(settings, measure),
+            [m["by_scale"][f"{scale:g}"][measure]["value"] for m in models],
+        )
+        for measure in settings.measures
+        for scale in scales
+    ]
+    return tau_by_rho(series, gaps, resamples=resamples, seed=settings.seed)
+
+
+def sharpness_to_clean_loss(
+    models: Sequence[Mapping[str, Any]], settings: StudySettings, scales: Sequence[float]
+) -> List[Dict[str, Any]]:
+    r"""Which regime each scale is in: mean sharpness over mean clean loss, per measure.
+
+    For every (scale, measure): :math:`\bar s / \bar L`, the mean over models of the
+    sharpness value over the mean over models of the clean loss on the sharpness batches
+    (the same batches for every measure). Well below 1 the perturbation is a small change
+    of the loss; well above 1 it dominates it.
+
+    Returns
+    -------
+    list of dict
+        ``{"scale", "rho", "measure", "mean_sharpness", "mean_clean_loss", "ratio"}``.
+    """
+    rows = []
+    for scale in scales:
+        for measure in settings.measures:
+            entries = [m["by_scale"][f"{scale:g}"][measure] for m in models]
+            sharpness = float(np.mean([e["value"] for e in entries]))
+            clean = float(np.mean([e["clean_loss"] for e in entries]))
+            rows.append(
+                {
+                    "scale": scale,
+                    "rho": measure_radius(scaled_settings(settings, scale), measure),
+                    "measure": measure,
+                    "mean_sharpness": sharpness,
+                    "mean_clean_loss": clean,
+                    "ratio": sharpness / clean if clean > 0 else math.inf,
+                }
+            )
+    return rows

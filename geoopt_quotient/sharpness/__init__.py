@@ -1,6 +1,7 @@
 """The sharpness engine: a worst-case ball maximiser on manifolds, and sharpness of models."""
 
 from .apgd import BallGroup, BallMaxResult, NonFiniteError, average_in_ball, maximize_in_ball
+from .calibrate import CalibrationError, RhoEvaluation, calibrate_rho
 from .functional import IndependentLossError, LossFnError, StaleParameterError
 from .hessian import HessianResult, hessian_top_eigenvalue, hessian_trace, riemannian_hvp
 from .measure import (
@@ -16,11 +17,13 @@ __all__ = [
     "BallGroup",
     "BallMaxResult",
     "BoundPlan",
+    "CalibrationError",
     "HessianResult",
     "IndependentLossError",
     "LossFnError",
     "NonFiniteError",
     "PlanError",
+    "RhoEvaluation",
     "SharpnessResult",
     "StaleParameterError",
     "SymmetryGroup",
@@ -28,6 +31,7 @@ __all__ = [
     "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
+    "calibrate_rho",
     "geodesic_sharpness",
     "hessian_top_eigenvalue",
     "hessian_trace",

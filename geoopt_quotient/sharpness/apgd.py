@@ -41,6 +41,11 @@ Path = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 
 
+#: ``keep_best_gradient=None`` keeps the best gradient up to this size (64 MiB): one
+#: more vector of the ball, small next to a training step's memory at that size.
+KEEP_GRADIENT_MAX_BYTES = 1 << 26
+
+
 class NonFiniteError(FloatingPointError):
     """The objective or its gradient became NaN/Inf during the maximisation."""
 
@@ -131,6 +136,10 @@ class _Ball:
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         self.rho = rho
+
+    def vector_bytes(self) -> int:
+        """Memory of one vector of the ball."""
+        return sum(x.numel() * d.itemsize for x, d in zip(self.points, self.dtypes))
 
     def zeros(self) -> List[torch.Tensor]:
         """The zero vector, in one :func:`_joint_buffer`."""
@@ -297,6 +306,7 @@ def maximize_in_ball(
     init: str = "zero",
     momentum: float = 0.75,
     check_finite: bool = True,
+    keep_best_gradient: bool | None = None,
 ) -> BallMaxResult:
     r"""Maximise ``objective`` over the horizontal metric ball of radius ``rho`` with Auto-PGD.
 
@@ -323,6 +333,11 @@ def maximize_in_ball(
         :math:`\alpha` of Auto-PGD's update
         :math:`\xi_{k+1} = P(\xi_k + \alpha(z_k - \xi_k) + (1 - \alpha)(\xi_k - \xi_{k-1}))`
         (1 on the first step).
+    keep_best_gradient : bool or None
+        Keep a copy of the best iterate's gradient, so that a restart from it costs no
+        pass, at the price of one more vector of the ball's size alive throughout.
+        ``None``: keep it when that vector takes at most
+        :data:`KEEP_GRADIENT_MAX_BYTES`.
 
     Returns
     -------
@@ -332,13 +347,14 @@ def maximize_in_ball(
     -----
     Besides the base points, the state kept across an evaluation of the objective is
     :math:`\xi_{k+1}`, :math:`\xi_k` and the best :math:`\xi` (often one of them): no
-    gradient. The update is computed in place in the buffers of the gradient it uses.
-    When Auto-PGD restarts from an earlier best iterate (after halving the step), that
-    iterate's gradient is recomputed, one more forward and backward pass, instead of
-    being kept all along; :attr:`BallMaxResult.evaluations` and
+    gradient, unless ``keep_best_gradient``. The update is computed in place in the
+    buffers of the gradient it uses. When Auto-PGD restarts from an earlier best iterate
+    (after halving the step), that iterate's gradient is the kept copy, or is recomputed:
+    one more forward and backward pass; :attr:`BallMaxResult.evaluations` and
     :attr:`BallMaxResult.gradients` count the passes. So ``iters`` costs ``iters``
-    forward and backward passes, one forward pass, and one forward and backward pass per
-    restart.
+    forward and backward passes and one forward pass, plus, without the kept gradient,
+    one forward and backward pass per restart (up to one per checkpoint
+    :func:`apgd_checkpoints`: 7 for 20 iterations). Both give the same iterates.
 
     The loop reads one scalar pair from the device per iteration (the new value and the
     gradient's norm), its only host synchronisation. Under ``torch.autocast`` the
@@ -358,6 +374,7 @@ def maximize_in_ball(
             init=init,
             momentum=momentum,
             check_finite=check_finite,
+            keep_best_gradient=keep_best_gradient,
         )
 
 
@@ -373,8 +390,11 @@ def _maximize(
     init: str,
     momentum: float,
     check_finite: bool,
+    keep_best_gradient: bool | None = None,
 ) -> BallMaxResult:
     ball, paths = _prepare(groups, rho, path)
+    keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
+    keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
     check_choice(init, ("zero", "random"), "init")
     if init == "zero":
@@ -390,6 +410,7 @@ def _maximize(
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
     best_xi = xi_prev = xi
+    best_grads = _copy(grads) if keep else None
     history, steps, evaluations, gradients = [value], [], 1, 1
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
@@ -412,6 +433,8 @@ def _maximize(
         value = new_value
         if new_value > best_value:
             best_value, best_xi = new_value, xi
+            if keep and need_grad:
+                best_grads = _copy(grads)
         if k + 1 in checkpoints and need_grad:
             since = k + 1 - last_mark
             too_few_increases = increases < 0.75 * since
@@ -421,8 +444,11 @@ def _maximize(
                 step /= 2.0
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
                     xi, value, grads = best_xi, best_value, None  # current ones released first
-                    grads = evaluate(xi, grad=True)[1]
-                    evaluations, gradients = evaluations + 1, gradients + 1
+                    if keep:
+                        grads = _copy(best_grads)
+                    else:
+                        grads = evaluate(xi, grad=True)[1]
+                        evaluations, gradients = evaluations + 1, gradients + 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return BallMaxResult(
         value=best_value,
@@ -461,6 +487,13 @@ def _apgd_update(
         o.add_((a - b).mul_(1 - alpha))
         z[i] = None
     return ball.clip_(out), grad_norm
+
+
+def _copy(vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """A copy of ``vectors`` in one :func:`_joint_buffer`."""
+    out = _joint_buffer(vectors)
+    torch._foreach_copy_(out, list(vectors))
+    return out
 
 
 def _joint_buffer(

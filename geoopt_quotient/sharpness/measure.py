@@ -42,6 +42,7 @@ from .functional import (
     preserved_model_state,
     trainable_parameters,
 )
+from .fusion import fuse_elementwise
 from .plan import BoundPlan, SymmetryGroup, SymmetryPlan, discover_symmetries
 from .precision import AutocastState
 
@@ -154,6 +155,7 @@ def _measure(
     progress: bool | None,
     settings: Dict[str, Any],
     distributed: bool | None = None,
+    keep_best_gradient: bool | None = None,
 ) -> SharpnessResult:
     rho = _check_rho(rho)
     iters = check_positive_int(iters, "iters")
@@ -171,9 +173,16 @@ def _measure(
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
+        # the worst case's deterministic iterates allow it; average-case samples are
+        # drawn group by group, and stay as they were
+        ball = fuse_elementwise(groups) if kind == "worst" else None
+        if ball is not None:
+            groups = ball.groups
 
         def objective_for(batch):
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
+                if ball is not None:
+                    perturbed_points = ball.unfuse(perturbed_points)
                 return perturbed_loss(plan.scatter(_drain(perturbed_points), base), batch)
 
             return objective
@@ -199,6 +208,7 @@ def _measure(
                     path=path,
                     seed=seed + index,
                     check_dependence=not records,
+                    keep_best_gradient=keep_best_gradient,
                 )
             records.append(
                 dict(
@@ -253,6 +263,7 @@ def _measure_batch(
     path: str,
     seed: int,
     check_dependence: bool,
+    keep_best_gradient: bool | None = None,
 ) -> Tuple[float, float, List[float], Tuple[int, int]]:
     """(clean loss, worst or mean perturbed loss, history, (forward, backward passes)) of
     one batch.
@@ -263,7 +274,15 @@ def _measure_batch(
     checks that on its clean loss when ``check_dependence``.
     """
     if kind == "worst":
-        result = maximize_in_ball(groups, objective, rho=rho, iters=iters, path=path, seed=seed)
+        result = maximize_in_ball(
+            groups,
+            objective,
+            rho=rho,
+            iters=iters,
+            path=path,
+            seed=seed,
+            keep_best_gradient=keep_best_gradient,
+        )
         passes = (result.evaluations, result.gradients)
         return result.initial_value, result.value, result.history, passes
     if check_dependence:  # new tensors: the stale-parameter check tells them from the model's
@@ -396,6 +415,7 @@ def geodesic_sharpness(
     eps: float = 0.0,
     progress: bool | None = None,
     distributed: bool | None = None,
+    keep_best_gradient: bool | None = None,
 ) -> SharpnessResult:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -444,6 +464,12 @@ def geodesic_sharpness(
         group (batch ``i`` on rank ``i % world_size``) and gather the per-batch results,
         so every rank returns the single-process result. ``None``: when a process group
         is initialised. Every rank must see the same ``batches``.
+    keep_best_gradient : bool or None
+        Worst case: keep the best iterate's gradient, so that Auto-PGD's restarts from it
+        cost no pass, at the price of one more parameter-sized vector alive throughout.
+        ``None``: kept when that vector takes at most 64 MiB
+        (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 16M
+        float32 parameters). The values are the same either way.
 
     Warns
     -----
@@ -452,9 +478,14 @@ def geodesic_sharpness(
 
     Notes
     -----
-    Cost: the worst case makes ``iters`` forward and backward passes per batch, one more
-    forward pass, and one forward and backward pass per Auto-PGD restart (see
-    :func:`maximize_in_ball`); the average case makes ``iters + 1`` forward passes.
+    Cost: the worst case makes ``iters`` forward and backward passes per batch and one
+    more forward pass; without the kept best gradient, also one forward and backward pass
+    per Auto-PGD restart (up to 7 for 20 iterations; see :func:`maximize_in_ball`). The
+    average case makes ``iters + 1`` forward passes. :class:`SharpnessResult` reports the
+    passes made per batch. Between passes the geometry works on few, large tensors: the
+    small parameters left to the adaptive metric are fused into one flat vector
+    (:mod:`~geoopt_quotient.sharpness.fusion`), and discovery stacks the attention heads
+    of all layers into one group per kind.
 
     Devices and precision: the model, its batches and ``loss_fn`` may live on any device;
     the perturbations are made on the parameters' device. Called under
@@ -493,6 +524,7 @@ def geodesic_sharpness(
         progress=progress,
         settings=settings,
         distributed=distributed,
+        keep_best_gradient=keep_best_gradient,
     )
 
 
@@ -508,6 +540,7 @@ def adaptive_sharpness(
     eps: float = 0.0,
     progress: bool | None = None,
     distributed: bool | None = None,
+    keep_best_gradient: bool | None = None,
 ) -> SharpnessResult:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -534,4 +567,5 @@ def adaptive_sharpness(
         progress=progress,
         settings=settings,
         distributed=distributed,
+        keep_best_gradient=keep_best_gradient,
     )

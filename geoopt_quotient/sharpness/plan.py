@@ -426,23 +426,39 @@ def _manifold_label(manifold: Manifold) -> str:
 #: ``discovery(model, metric=..., eps=...) -> SymmetryPlan``, used for ``symmetries=None``.
 _discovery: Callable[..., SymmetryPlan] | None = None
 
+#: Entry-point group through which an installed package provides the discovery.
+DISCOVERY_ENTRY_POINTS = "geoopt_quotient.discovery"
+
 
 def install_discovery(discovery: Callable[..., SymmetryPlan]) -> None:
     """Install the function that finds a model's symmetries when none are given.
 
     The engine knows no architectures: :mod:`geoopt_quotient.models` installs
-    :func:`~geoopt_quotient.models.find_symmetries` here when it is imported (which
-    ``import geoopt_quotient`` does).
+    :func:`~geoopt_quotient.models.find_symmetries` here when it is imported. An engine
+    used on its own (``from geoopt_quotient.sharpness import ...``) loads it on first
+    need from the :data:`DISCOVERY_ENTRY_POINTS` entry point that the installed package
+    declares.
     """
     global _discovery
     _discovery = discovery
 
 
+def _discovery_from_entry_points() -> Callable[..., SymmetryPlan] | None:
+    from importlib.metadata import entry_points
+
+    for entry_point in entry_points(group=DISCOVERY_ENTRY_POINTS):
+        return entry_point.load()
+    return None
+
+
 def discover_symmetries(model: torch.nn.Module, *, metric: str, eps: float) -> SymmetryPlan:
     """The installed discovery's plan for ``model``; a :class:`PlanError` if none is."""
     if _discovery is None:
-        raise PlanError(
-            "`symmetries=None` needs a symmetry discovery: import geoopt_quotient (or "
-            "geoopt_quotient.models), or pass `symmetries` explicitly"
-        )
+        discovery = _discovery_from_entry_points()
+        if discovery is None:
+            raise PlanError(
+                "`symmetries=None` needs a symmetry discovery: import geoopt_quotient.models "
+                "(or use geoopt_quotient.geodesic_sharpness), or pass `symmetries` explicitly"
+            )
+        install_discovery(discovery)
     return _discovery(model, metric=metric, eps=eps)

@@ -19,9 +19,17 @@ from ..population import add_study_arguments, report, settings_from_args
 
 __all__ = ["DEFAULTS", "QUICK", "register", "run"]
 
-#: The study's settings, fixed before any tau was computed. The radii are round values
-#: at which the worst-case loss increase of a pilot model (trained outside the
-#: population) was of the order of its clean loss: a local measure, not a saturated one.
+#: The study's settings, fixed before any tau was computed. The radii are round values,
+#: chosen on a pilot model trained outside the population. In the terms of
+#: :func:`geoopt_quotient.calibrate_rho` (the radius at which worst-case sharpness is
+#: ``target`` x the mean clean loss) they correspond to about target 0.3, with a wide
+#: spread: on 3 population models (``python benchmarks/calibrate_transformers.py``, 1
+#: thread) sharpness / clean loss at these radii was 0.14 / 0.26 / 0.37 for adaptive,
+#: 0.07 / 0.48 / 0.29 for inv and 0.32 / 0.11 / 0.50 for mix (medians 0.26, 0.29, 0.32).
+#: The radii that calibrate_rho returns there (median of the 3) for target 0.1 / 1 / 10
+#: are adaptive 0.082 / 0.52 / 1.6, inv 0.033 / 0.077 / 0.25, mix 0.0067 / 0.016 / 0.022:
+#: a local measure at the defaults, a loss increase well above the clean loss from about
+#: 5 times them (adaptive, inv) and 2 times (mix), which ``--rho-scales`` reaches.
 DEFAULTS = StudySettings(
     rho_adaptive=0.2,
     rho_inv=0.05,
@@ -53,7 +61,10 @@ output:
   files    OUT/data/{{train,test}}.npz, OUT/checkpoints/model-XX/ (safetensors and
            training.json: hyper-parameters, errors), OUT/gaps.csv,
            OUT/transformers-records.jsonl, OUT/transformers.json, OUT/transformers.png
-           (its title gives the radii, and marks --quick runs)
+           (its title gives the radii, and marks --quick runs); with --rho-scales
+           also OUT/transformers-tau-by-rho.png (tau against the radius, 95% bands),
+           two more tables on stdout and 'tau_by_rho' in the JSON (see 'population
+           --help')
   With fewer than {MIN_MODELS} models (--quick has {QUICK["models"]}), tau is coarse and \
 its bootstrap interval
   unreliable: the table marks tau with '!', the JSON has a 'warning', and the
@@ -64,11 +75,16 @@ its bootstrap interval
 
 defaults: {DEFAULT_MODELS} models; radii adaptive {DEFAULTS.rho_adaptive}, inv \
 {DEFAULTS.rho_inv}, mix {DEFAULTS.rho_mix}, fixed for this
-study (the balls live on different scales; 'population' defaults to 0.05 for all);
+study (the balls live on different scales; 'population' defaults to 0.05 for all).
+In calibrate_rho's terms (sharpness = target x mean clean loss) they are about target
+0.3, spread 0.07-0.5 over models and measures (python benchmarks/calibrate_transformers.py):
+a local measure. Target 10 is about 5 times them for adaptive and inv, 2 times for mix;
 {DEFAULTS.iters} Auto-PGD iterations; {DEFAULTS.max_examples} training images in batches \
 of {DEFAULTS.batch_size}. About 13-18 minutes on
 2 CPU cores with --threads 1 (the default), half training, half sharpness; --ablations
-makes the sharpness part about 2.5 times longer.
+makes the sharpness part about 2.5 times longer; --rho-scales adds about one
+sharpness part (7-9 minutes) per scale other than 1: '--rho-scales 1,3,10' took
+GRID_MINUTES minutes.
 --quick: {QUICK["models"]} models trained for 2-4 epochs, {QUICK["iters"]} iterations on \
 {QUICK["max_examples"]} images (about 30 s; for tests).
 
@@ -76,6 +92,7 @@ examples:
   geoopt-quotient reproduce transformers
   geoopt-quotient reproduce transformers --models 32 --ablations --out runs/vit
   geoopt-quotient reproduce transformers --quick --json - > quick.json
+  geoopt-quotient reproduce transformers --rho-scales 1,3,10 --out transformers-grid-out
 """
 
 
@@ -171,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         records=RecordFile(out / "transformers-records.jsonl", resume=args.resume),
         progress=progress,
         resamples=args.bootstrap,
+        rho_scales=args.rho_scales,
     )
     for model, record in zip(document["models"], trained):
         model.update(

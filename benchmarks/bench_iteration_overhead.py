@@ -1,0 +1,253 @@
+"""Cost of an Auto-PGD iteration relative to a plain forward and backward pass.
+
+The physical limit of worst-case sharpness is one forward and backward pass of the model
+per iteration. For each model this times, interleaved and repeated so that all see the
+same machine load:
+
+- ``plain``: forward and backward over the batches, parameter gradients (a training
+  step without the optimizer);
+- ``adaptive``, ``inv``, ``mix``: a worst-case sharpness run of ``--iters`` Auto-PGD
+  iterations over the same batches.
+
+It reports per-iteration times (run time / (iters x batches)), their ratio to ``plain``
+(medians over ``--repeats``), the passes each run made per batch, and the run time per
+backward pass made relative to ``plain`` (``per_pass_ratio`` in the JSON), so that the
+overhead splits into extra passes and the rest (geometry, parameter swapping).
+
+Models: ``tiny-vit`` (the 18k-parameter ViT of ``reproduce transformers`` on 8x8 digits,
+512 images in batches of 128), ``bert-11m`` (BERT with hidden size 256 and 4 layers,
+random tokens) and ``bert-base`` (BERT-base sizes, random weights from its config);
+nothing is downloaded.
+
+    python benchmarks/bench_iteration_overhead.py --json overhead.json
+    python benchmarks/bench_iteration_overhead.py --models tiny-vit --repeats 7
+    python benchmarks/bench_iteration_overhead.py --quick      # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+from bench_sharpness_iteration import build_model
+
+import geoopt_quotient as gq
+
+MODELS = ("tiny-vit", "bert-11m", "bert-base")
+MEASURES = ("adaptive", "inv", "mix")
+
+
+def vit_setup(quick: bool, batch_size: int, examples: int):
+    from geoopt_quotient.population.digits import Hyperparameters, build_vit, load_digits_split
+
+    hp = Hyperparameters(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        dropout=0.0,
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        batch_size=batch_size,
+        epochs=1,
+        label_smoothing=0.0,
+        seed=0,
+    )
+    model = build_vit(hp).eval()
+    split = load_digits_split()
+    examples = 32 if quick else examples
+    images = torch.from_numpy(split.train_images[:examples])
+    labels = torch.from_numpy(split.train_labels[:examples])
+    size = min(batch_size, examples)
+    batches = [(images[i : i + size], labels[i : i + size]) for i in range(0, examples, size)]
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(pixel_values=batch[0]).logits, batch[1])
+
+    return model, batches, loss_fn
+
+
+def bert_setup(name: str, quick: bool, batch_size: int, seq_len: int, n_batches: int):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    if quick:
+        model, config = build_model(True, "cpu", torch.float32)
+        batch_size, seq_len, n_batches = 4, 16, 1
+    elif name == "bert-11m":
+        config = BertConfig(
+            hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024
+        )
+        config.num_labels = 3
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config).eval()
+    else:  # BERT-base sizes
+        model, config = build_model(False, "cpu", torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (
+            torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator),
+            torch.randint(0, config.num_labels, (batch_size,), generator=generator),
+        )
+        for _ in range(n_batches)
+    ]
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(input_ids=batch[0]).logits, batch[1])
+
+    return model, batches, loss_fn
+
+
+def plain_pass(model, batches, loss_fn) -> None:
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+
+
+KEEP = {"auto": None, "yes": True, "no": False}
+
+
+def sharpness_run(
+    model, batches, loss_fn, measure: str, plans, args, iters: int | None = None
+) -> gq.SharpnessResult:
+    common = dict(
+        rho=args.rho,
+        iters=iters or args.iters,
+        progress=False,
+        keep_best_gradient=KEEP[args.keep_best_gradient],
+    )
+    if measure == "adaptive":
+        return gq.adaptive_sharpness(model, loss_fn, batches, **common)
+    return gq.geodesic_sharpness(
+        model, loss_fn, batches, metric=measure, symmetries=plans[measure], **common
+    )
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def bench_model(name: str, args) -> Dict[str, Any]:
+    if name == "tiny-vit":
+        model, batches, loss_fn = vit_setup(args.quick, args.vit_batch_size, args.vit_examples)
+    else:
+        model, batches, loss_fn = bert_setup(
+            name, args.quick, args.bert_batch_size, args.seq_len, args.bert_batches
+        )
+    plans = {m: gq.find_symmetries(model, metric=m).bind(model) for m in ("inv", "mix")}
+    runs = {"plain": lambda: plain_pass(model, batches, loss_fn)}
+    for measure in MEASURES:
+        runs[measure] = lambda m=measure: sharpness_run(model, batches, loss_fn, m, plans, args)
+    runs["plain"]()  # warm-up: allocator, one-time initialisation
+    for measure in MEASURES:
+        sharpness_run(model, batches, loss_fn, measure, plans, args, iters=2)
+    seconds: Dict[str, List[float]] = {k: [] for k in runs}
+    results: Dict[str, gq.SharpnessResult] = {}
+    order = list(runs)
+    for repeat in range(args.repeats):
+        for key in order[repeat % len(order) :] + order[: repeat % len(order)]:
+            elapsed, out = timed(runs[key])
+            seconds[key].append(elapsed)
+            if key != "plain":
+                results[key] = out
+    per_iteration = len(batches) * args.iters
+    plain = statistics.median(seconds["plain"]) / len(batches)
+    row: Dict[str, Any] = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "batches": len(batches),
+        "batch_shape": list(batches[0][0].shape),
+        "plain_ms": 1e3 * plain,
+        "plain_seconds": seconds["plain"],
+    }
+    for measure in MEASURES:
+        iteration = statistics.median(seconds[measure]) / per_iteration
+        result = results[measure]
+        row[measure] = {
+            "iteration_ms": 1e3 * iteration,
+            "ratio": iteration / plain,
+            "forward_passes_per_batch": statistics.mean(result.forward_passes),
+            "backward_passes_per_batch": statistics.mean(result.backward_passes),
+            "per_pass_ratio": statistics.median(seconds[measure])
+            / (len(batches) * statistics.mean(result.backward_passes))
+            / plain,
+            "value": result.value,
+            "seconds": seconds[measure],
+        }
+    return row
+
+
+def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
+    lines = [
+        f"per-iteration cost relative to a plain forward+backward ({threads} thread(s), "
+        "medians of interleaved repeats)",
+        f"{'model':<10}{'params':>12}{'plain':>11}  "
+        + "".join(f"{m + ' (ratio, passes)':>30}" for m in MEASURES),
+    ]
+    for name, row in rows.items():
+        cells = "".join(
+            f"{row[m]['iteration_ms']:>10.1f} ms {row[m]['ratio']:>5.2f}x "
+            f"{row[m]['forward_passes_per_batch']:>4.0f}f/{row[m]['backward_passes_per_batch']:.0f}b"
+            for m in MEASURES
+        )
+        lines.append(f"{name:<10}{row['parameters']:>12,}{row['plain_ms']:>8.1f} ms  {cells}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="The ratio is (sharpness run time / (iters x batches)) / (plain time / batches).",
+    )
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS)
+    )
+    parser.add_argument("--iters", type=int, default=20, help="Auto-PGD iterations (default 20)")
+    parser.add_argument("--rho", type=float, default=0.1, help="ball radius (default 0.1)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--vit-examples", type=int, default=512)
+    parser.add_argument("--vit-batch-size", type=int, default=128)
+    parser.add_argument("--bert-batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--bert-batches", type=int, default=1)
+    parser.add_argument(
+        "--keep-best-gradient",
+        choices=tuple(KEEP),
+        default="auto",
+        help="keep the best iterate's gradient (auto: up to 64 MiB; default auto)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
+    parser.add_argument("--json", help="write the measurements to this file")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    if args.quick:
+        args.iters, args.repeats = 2, 1
+        names = [n for n in names if n != "bert-base"]
+    torch.set_num_threads(args.threads)
+    rows = {name: bench_model(name, args) for name in names}
+    print(format_rows(rows, args.threads))
+    document = {
+        "benchmark": "iteration_overhead",
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "models": rows,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=1)
+    return document
+
+
+if __name__ == "__main__":
+    main()

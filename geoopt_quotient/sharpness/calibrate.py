@@ -1,0 +1,413 @@
+r"""Choosing a sharpness radius by a stated rule instead of by hand.
+
+:func:`calibrate_rho` finds the radius :math:`\rho^\star` at which a measure's
+worst-case sharpness is a given multiple of the mean clean loss,
+
+.. math::
+
+    S_{\max}(\rho^\star) = t\,\bar L, \qquad
+    \bar L = \frac1B \sum_b L_b(w),
+
+by bracketing :math:`\rho^\star` geometrically and bisecting in :math:`\log\rho`. Radii of
+different balls (adaptive, geodesic ``inv``, geodesic ``mix``) live on different scales;
+the same target :math:`t` puts them on a common footing: "the radius at which the
+worst-case loss increase equals the clean loss" (:math:`t = 1`) means the same thing for
+every measure and every model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from ..manifolds._validation import check_choice, check_positive_int
+from .measure import (
+    LossFn,
+    SharpnessResult,
+    _show_progress,
+    adaptive_sharpness,
+    geodesic_sharpness,
+    resolve_plan,
+)
+
+__all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_rho"]
+
+#: The measures a radius can be calibrated for: adaptive sharpness, and geodesic
+#: sharpness in the ``inv`` and ``mix`` metrics.
+MEASURES = ("adaptive", "inv", "mix")
+
+#: Factor by which the radius grows or shrinks while the target is being bracketed.
+GROWTH = 2.0
+
+#: Bisection stops when the bracket is narrower than this, in :math:`\log\rho`: the
+#: Auto-PGD estimate then jumps across the target between two indistinguishable radii.
+LOG_RHO_RESOLUTION = 1e-4
+
+#: Options the calibration sets itself, never passed by the user.
+_RESERVED = ("rho", "metric", "progress")
+
+
+class CalibrationError(ValueError):
+    """The target cannot be bracketed (or the rule is undefined) for this model and data."""
+
+
+@dataclass(frozen=True)
+class RhoEvaluation:
+    """One evaluation of the worst-case sharpness during a calibration.
+
+    Attributes
+    ----------
+    rho : float
+        The radius.
+    value : float
+        The worst-case sharpness at ``rho`` (:attr:`SharpnessResult.value`).
+    clean_loss : float
+        The mean clean loss over the batches.
+    """
+
+    rho: float
+    value: float
+    clean_loss: float
+
+    @property
+    def ratio(self) -> float:
+        """``value / clean_loss``: the quantity that is matched to the target."""
+        return self.value / self.clean_loss
+
+
+def calibrate_rho(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    *,
+    target: float,
+    measure: str,
+    rtol: float = 0.01,
+    rho_start: float = 0.05,
+    rho_bounds: Tuple[float, float] = (1e-6, 1e3),
+    max_evals: int = 40,
+    progress: bool | None = None,
+    return_history: bool = False,
+    **options: Any,
+) -> Union[float, Tuple[float, List[RhoEvaluation]]]:
+    r"""The radius at which worst-case sharpness equals ``target`` times the mean clean loss.
+
+    Solves :math:`S_{\max}(\rho) = t\,\bar L` for :math:`\rho`, with :math:`S_{\max}` the
+    worst-case sharpness of ``measure`` (:func:`adaptive_sharpness`, or
+    :func:`geodesic_sharpness` with ``metric=measure``) and :math:`\bar L` the mean clean
+    loss over ``batches``. From ``rho_start`` the radius is multiplied (or divided) by 2
+    until :math:`S_{\max} - t\bar L` changes sign, then the bracket
+    :math:`[\rho_-, \rho_+]` is bisected in :math:`\log\rho` (next radius
+    :math:`\sqrt{\rho_-\rho_+}`) until
+
+    .. math::
+
+        |S_{\max}(\rho) - t\,\bar L| \le \mathrm{rtol}\cdot t\,\bar L.
+
+    Parameters
+    ----------
+    model, loss_fn, batches
+        As for :func:`geodesic_sharpness`. ``batches`` is iterated once per evaluation
+        and must give the same batches every time (a list, or a loader that does not
+        shuffle); a one-shot iterator is turned into a list first.
+    target : float
+        :math:`t > 0`: the worst-case loss increase as a multiple of the clean loss
+        (1: the increase equals the clean loss).
+    measure : {"adaptive", "inv", "mix"}
+        Adaptive sharpness, or geodesic sharpness in that metric.
+    rtol : float
+        Relative tolerance on the sharpness, in (0, 1); default 0.01, so the returned
+        radius gives a sharpness within 1% of :math:`t\bar L` (as estimated by
+        Auto-PGD with these options).
+    rho_start : float
+        First radius tried; the closer to the answer, the fewer evaluations.
+    rho_bounds : (float, float)
+        The radii searched; a target not bracketed inside them raises
+        :class:`CalibrationError`.
+    max_evals : int
+        Most sharpness evaluations in all (bracketing and bisection). Reached before
+        bracketing: :class:`CalibrationError`; during bisection: a warning, and the
+        evaluated radius closest to the target is returned.
+    progress : bool or None
+        A progress bar over the evaluations (default: when stderr is a terminal).
+    return_history : bool
+        Also return every evaluation, in order, as :class:`RhoEvaluation`.
+    **options
+        Options of the sharpness function: ``iters``, ``seed``, ``eps``,
+        ``distributed``, ``kind`` (only ``"worst"``), and for ``inv``/``mix`` also
+        ``symmetries``, ``path``, ``norm``, ``curvature``. The same options, the same
+        seed included, are used at every evaluation, so the sharpness is a
+        deterministic function of :math:`\rho`. With ``symmetries=None`` the
+        symmetries are discovered once, not at every evaluation.
+
+    Returns
+    -------
+    float
+        The radius :math:`\rho^\star`: the evaluated radius whose sharpness is closest
+        to the target (relative error at most ``rtol`` unless a warning said
+        otherwise). With ``return_history``, ``(rho, evaluations)``.
+
+    Raises
+    ------
+    CalibrationError
+        The clean loss is not positive (the rule is undefined), the sharpness is still
+        below the target at the largest radius (it saturates, or Auto-PGD overshoots
+        every step), or already above it at the smallest.
+
+    Notes
+    -----
+    Auto-PGD finds a lower bound of the true maximum over the ball, and its estimate is
+    monotone in :math:`\rho` only approximately (a larger ball can lead it to a worse
+    local maximum within ``iters`` iterations). So :math:`\rho^\star` is where the
+    *estimate* crosses the target: the true worst-case sharpness there is at least the
+    target, and the radius at which the true maximum equals the target is at most
+    :math:`\rho^\star`. Where the estimate is not monotone it can cross the target more
+    than once; bisection returns one crossing inside the first bracket found, which
+    may depend on ``rho_start``. Calibrate with the options (``iters``, ``seed``,
+    ``path``, batches) the radius will be used with.
+
+    Cost: each evaluation is one call of the sharpness function; bisection needs about
+    :math:`\log_2(\log 2 / \log(1 + \mathrm{rtol}/p))` of them for a sharpness growing
+    like :math:`\rho^p` (some 7-8 for ``rtol=0.01``), after the bracketing steps.
+    """
+    target = _check_positive_float(target, "target")
+    check_choice(measure, MEASURES, "measure")
+    rtol = _check_rtol(rtol)
+    low, high = _check_bounds(rho_bounds)
+    rho_start = _check_positive_float(rho_start, "rho_start")
+    if not low <= rho_start <= high:
+        raise ValueError(f"`rho_start` {rho_start} is outside `rho_bounds` ({low}, {high})")
+    max_evals = check_positive_int(max_evals, "max_evals")
+    options = _check_options(measure, options)
+    if iter(batches) is batches:  # a one-shot iterator: keep its batches for every call
+        batches = list(batches)
+    sharpness = _sharpness_of_rho(model, loss_fn, batches, measure, options)
+    search = _Search(sharpness, target, rtol, max_evals, progress, measure)
+    with search:
+        best = search.run(rho_start, low, high)
+    return (best.rho, list(search.history)) if return_history else best.rho
+
+
+def _check_positive_float(value: float, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be finite and > 0, got {value}")
+    return float(value)
+
+
+def _check_rtol(rtol: float) -> float:
+    rtol = _check_positive_float(rtol, "rtol")
+    if rtol >= 1:
+        raise ValueError(f"`rtol` must be in (0, 1), got {rtol}")
+    return rtol
+
+
+def _check_bounds(bounds: Tuple[float, float]) -> Tuple[float, float]:
+    try:
+        low, high = bounds
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"`rho_bounds` must be a pair (low, high), got {bounds!r}") from error
+    low = _check_positive_float(low, "rho_bounds[0]")
+    high = _check_positive_float(high, "rho_bounds[1]")
+    if low >= high:
+        raise ValueError(f"`rho_bounds` must have low < high, got ({low}, {high})")
+    return low, high
+
+
+def _function_for(measure: str) -> Callable[..., SharpnessResult]:
+    return adaptive_sharpness if measure == "adaptive" else geodesic_sharpness
+
+
+def _check_options(measure: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """The sharpness function's keyword options, without those the calibration sets."""
+    function = _function_for(measure)
+    parameters = inspect.signature(function).parameters
+    allowed = sorted(
+        name
+        for name, p in parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _RESERVED
+    )
+    for name in options:
+        if name in _RESERVED:
+            raise TypeError(f"`{name}` is set by calibrate_rho; do not pass it as an option")
+        if name not in allowed:
+            raise TypeError(
+                f"unknown option {name!r} for measure {measure!r} ({function.__name__}); "
+                f"expected some of {allowed}"
+            )
+    kind = options.get("kind", "worst")
+    if kind != "worst":
+        raise ValueError(
+            f"`kind` must be 'worst' for calibrate_rho, got {kind!r}: the rule is stated "
+            "for worst-case sharpness"
+        )
+    return dict(options)
+
+
+def _sharpness_of_rho(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    measure: str,
+    options: Dict[str, Any],
+) -> Callable[[float], RhoEvaluation]:
+    """``rho -> RhoEvaluation`` with fixed options; the symmetries bound once."""
+    function = _function_for(measure)
+    if measure != "adaptive":
+        eps = options.get("eps", 0.0)
+        options = dict(
+            options,
+            metric=measure,
+            symmetries=resolve_plan(model, options.get("symmetries"), measure, eps),
+        )
+
+    def evaluate(rho: float) -> RhoEvaluation:
+        result = function(model, loss_fn, batches, rho=rho, progress=False, **options)
+        clean = sum(result.clean_losses) / len(result.clean_losses)
+        return RhoEvaluation(rho=rho, value=result.value, clean_loss=clean)
+
+    return evaluate
+
+
+class _Search:
+    """Bracketing then bisection in log rho, keeping every evaluation."""
+
+    def __init__(
+        self,
+        sharpness: Callable[[float], RhoEvaluation],
+        target: float,
+        rtol: float,
+        max_evals: int,
+        progress: bool | None,
+        measure: str,
+    ) -> None:
+        self.sharpness = sharpness
+        self.target = target
+        self.rtol = rtol
+        self.max_evals = max_evals
+        self.history: List[RhoEvaluation] = []
+        self.bar = tqdm(
+            desc=f"calibrating rho ({measure}, target {target:g})",
+            unit="eval",
+            total=max_evals,
+            disable=not _show_progress(progress),
+            leave=False,
+        )
+
+    def __enter__(self) -> _Search:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.bar.close()
+
+    # ------------------------------------------------------------ evaluations
+    def evaluate(self, rho: float) -> RhoEvaluation:
+        point = self.sharpness(rho)
+        if not point.clean_loss > 0:
+            raise CalibrationError(
+                f"the mean clean loss is {point.clean_loss:.6g}: the rule 'sharpness = target "
+                "x clean loss' needs a positive clean loss"
+            )
+        self.history.append(point)
+        self.bar.update(1)
+        self.bar.set_postfix(rho=f"{rho:.4g}", ratio=f"{point.ratio:.4g}")
+        return point
+
+    def error(self, point: RhoEvaluation) -> float:
+        """Relative error of the sharpness with respect to the target."""
+        return point.ratio / self.target - 1
+
+    def converged(self, point: RhoEvaluation) -> bool:
+        return abs(self.error(point)) <= self.rtol
+
+    def budget_left(self) -> bool:
+        return len(self.history) < self.max_evals
+
+    def best(self) -> RhoEvaluation:
+        return min(self.history, key=lambda p: abs(self.error(p)))
+
+    # ------------------------------------------------------------ the search
+    def run(self, rho_start: float, low: float, high: float) -> RhoEvaluation:
+        point = self.evaluate(rho_start)
+        if self.converged(point):
+            return point
+        below, above = self.bracket(point, low, high)
+        if self.converged(below):
+            return below
+        if self.converged(above):
+            return above
+        return self.bisect(below, above)
+
+    def bracket(
+        self, point: RhoEvaluation, low: float, high: float
+    ) -> Tuple[RhoEvaluation, RhoEvaluation]:
+        """(a radius below the target, a radius above it), adjacent in the search."""
+        growing = self.error(point) < 0
+        while (self.error(point) < 0) == growing:
+            if self.converged(point):
+                return point, point
+            edge = high if growing else low
+            if point.rho == edge:
+                raise self.unbracketed(point, growing)
+            if not self.budget_left():
+                raise CalibrationError(
+                    f"the target was not bracketed in `max_evals`={self.max_evals} "
+                    f"evaluations (last: rho={point.rho:.4g}, sharpness/clean loss "
+                    f"{point.ratio:.4g}, target {self.target:g}); raise `max_evals` or start "
+                    "closer with `rho_start`"
+                )
+            previous = point
+            rho = min(point.rho * GROWTH, high) if growing else max(point.rho / GROWTH, low)
+            point = self.evaluate(rho)
+        return (previous, point) if growing else (point, previous)
+
+    def unbracketed(self, point: RhoEvaluation, growing: bool) -> CalibrationError:
+        ratio = f"sharpness/clean loss is {point.ratio:.4g} at rho={point.rho:.4g}"
+        if growing:
+            return CalibrationError(
+                f"{ratio}, the largest radius of `rho_bounds`, still below the target "
+                f"{self.target:g}: the worst-case sharpness saturates below it (a bounded "
+                "loss), or Auto-PGD overshoots at such radii (try more `iters`); choose a "
+                "smaller target or raise `rho_bounds`"
+            )
+        return CalibrationError(
+            f"{ratio}, the smallest radius of `rho_bounds`, already above the target "
+            f"{self.target:g}: the loss is not smooth at the model (or its clean loss is "
+            "nearly 0); choose a larger target or lower `rho_bounds`"
+        )
+
+    def bisect(self, below: RhoEvaluation, above: RhoEvaluation) -> RhoEvaluation:
+        """Halve ``[below.rho, above.rho]`` in log rho until the target is met."""
+        while self.budget_left():
+            if abs(math.log(above.rho / below.rho)) < LOG_RHO_RESOLUTION:
+                self.warn_unconverged(
+                    "the Auto-PGD estimate jumps across the target between radii that "
+                    f"differ by less than {LOG_RHO_RESOLUTION:g} in log rho"
+                )
+                return self.best()
+            point = self.evaluate(math.sqrt(below.rho * above.rho))
+            if self.converged(point):
+                return point
+            if self.error(point) < 0:
+                below = point
+            else:
+                above = point
+        self.warn_unconverged(f"`max_evals`={self.max_evals} evaluations were used up")
+        return self.best()
+
+    def warn_unconverged(self, reason: str) -> None:
+        best = self.best()
+        warnings.warn(
+            f"calibrate_rho did not reach `rtol`={self.rtol:g}: {reason}; returning "
+            f"rho={best.rho:.6g}, whose sharpness/clean loss {best.ratio:.6g} is "
+            f"{100 * abs(self.error(best)):.3g}% from the target {self.target:g}",
+            RuntimeWarning,
+            stacklevel=4,
+        )

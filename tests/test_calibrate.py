@@ -1,0 +1,252 @@
+"""calibrate_rho: the radius at which worst-case sharpness is a multiple of the clean loss."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import cross_entropy_loss
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import geoopt_quotient as gq
+import geoopt_quotient.sharpness.plan as plan_module
+from geoopt_quotient.sharpness import CalibrationError, RhoEvaluation, calibrate_rho
+
+#: Agreement asked of a calibration with the default ``rtol`` (0.01).
+TOLERANCE = 0.02
+
+
+class Ones(torch.nn.Module):
+    """One float64 parameter vector of ``n`` ones."""
+
+    def __init__(self, n: int = 1) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(n, dtype=torch.float64))
+
+
+def quadratic_loss(model: Ones, curvature: float) -> torch.Tensor:
+    """:math:`a |w|^2 / 2`, the batch being the curvature :math:`a`."""
+    return curvature * model.w.square().sum() / 2
+
+
+def quadratic_answer(target: float, n: int) -> float:
+    r"""Radius solving adaptive worst case = target x clean loss for :func:`quadratic_loss`.
+
+    At :math:`w = \mathbf 1 \in \mathbb R^n` the adaptive ball is the Euclidean ball of
+    radius :math:`\rho`; the worst increase :math:`a(\mathbf 1\cdot\delta + |\delta|^2/2)`
+    is reached at :math:`\delta = \rho \mathbf 1/\sqrt n`: :math:`a(\rho\sqrt n + \rho^2/2)`.
+    With the clean loss :math:`a n / 2` (any mix of curvatures over batches),
+    :math:`2\rho/\sqrt n + \rho^2/n = t`, so :math:`\rho^\star = \sqrt n(\sqrt{1+t} - 1)`.
+    """
+    return math.sqrt(n) * (math.sqrt(1 + target) - 1)
+
+
+def sharpness_ratio(model, loss_fn, batches, measure: str, rho: float, **options) -> float:
+    """Worst-case sharpness / mean clean loss, measured independently of the calibration."""
+    if measure == "adaptive":
+        result = gq.adaptive_sharpness(model, loss_fn, batches, rho=rho, **options)
+    else:
+        result = gq.geodesic_sharpness(model, loss_fn, batches, rho=rho, metric=measure, **options)
+    return result.value / (sum(result.clean_losses) / len(result.clean_losses))
+
+
+# ---------------------------------------------------------------- a known answer
+@settings(max_examples=15, deadline=None)
+@given(
+    target=st.floats(0.01, 100.0),
+    n=st.integers(1, 4),
+    curvatures=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=3),
+)
+def test_quadratic_radius_matches_the_closed_form(single_thread, target, n, curvatures):
+    model = Ones(n)
+    rho = calibrate_rho(
+        model, quadratic_loss, curvatures, target=target, measure="adaptive", iters=5
+    )
+    expected = quadratic_answer(target, n)
+    assert abs(rho / expected - 1) <= TOLERANCE, (rho, expected)
+    ratio = sharpness_ratio(model, quadratic_loss, curvatures, "adaptive", rho, iters=5)
+    assert abs(ratio / target - 1) <= TOLERANCE, (ratio, target)
+
+
+def test_history_records_every_evaluation_and_ends_at_the_answer(single_thread):
+    rho, history = calibrate_rho(
+        Ones(), quadratic_loss, [2.0], target=1.0, measure="adaptive", return_history=True
+    )
+    assert all(isinstance(h, RhoEvaluation) for h in history)
+    assert history[-1].rho == rho
+    assert abs(history[-1].ratio - 1.0) <= 0.01
+    # bracketing doubles from rho_start=0.05 until the target (rho* = 0.414) is passed
+    assert [h.rho for h in history[:5]] == [0.05, 0.1, 0.2, 0.4, 0.8]
+    for h in history:  # the closed form at every evaluated radius
+        assert math.isclose(h.value, 2.0 * (h.rho + h.rho**2 / 2), rel_tol=1e-12)
+        assert h.clean_loss == 1.0
+
+
+def test_bracketing_shrinks_from_a_large_start(single_thread):
+    rho = calibrate_rho(Ones(), quadratic_loss, [1.0], target=0.1, measure="adaptive", rho_start=50)
+    assert abs(rho / quadratic_answer(0.1, 1) - 1) <= TOLERANCE
+
+
+def test_a_one_shot_iterator_gives_the_same_radius_as_a_list(single_thread):
+    batches = [1.0, 3.0]
+    from_list = calibrate_rho(Ones(2), quadratic_loss, batches, target=2.0, measure="adaptive")
+    from_iterator = calibrate_rho(
+        Ones(2), quadratic_loss, iter(batches), target=2.0, measure="adaptive"
+    )
+    assert from_list == from_iterator
+
+
+def test_unconverged_search_warns_and_returns_the_closest_evaluation(single_thread):
+    with pytest.warns(RuntimeWarning, match="did not reach"):
+        rho, history = calibrate_rho(
+            Ones(),
+            quadratic_loss,
+            [1.0],
+            target=1.0,
+            measure="adaptive",
+            rtol=1e-9,
+            max_evals=7,
+            return_history=True,
+        )
+    assert len(history) == 7
+    closest = min(history, key=lambda h: abs(h.ratio - 1.0))
+    assert rho == closest.rho
+
+
+# ---------------------------------------------------------------- a tiny transformer
+@pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])
+def test_tiny_transformer_hits_its_target(single_thread, tiny_transformer, token_batches, measure):
+    target = 0.5
+    rho, history = calibrate_rho(
+        tiny_transformer,
+        cross_entropy_loss,
+        token_batches,
+        target=target,
+        measure=measure,
+        iters=5,
+        rho_start=0.2,
+        return_history=True,
+    )
+    assert len(history) >= 2  # not hit by the first guess: the search did work
+    ratio = sharpness_ratio(
+        tiny_transformer, cross_entropy_loss, token_batches, measure, rho, iters=5
+    )
+    assert abs(ratio / target - 1) <= TOLERANCE, (measure, rho, ratio)
+
+
+def test_symmetries_are_discovered_once(
+    single_thread, tiny_transformer, token_batches, monkeypatch
+):
+    calls = []
+    discovery = plan_module._discovery
+    assert discovery is not None  # installed by geoopt_quotient.models
+
+    def counting(model, **kwargs):
+        calls.append(kwargs)
+        return discovery(model, **kwargs)
+
+    monkeypatch.setattr(plan_module, "_discovery", counting)
+    _, history = calibrate_rho(
+        tiny_transformer,
+        cross_entropy_loss,
+        token_batches,
+        target=0.5,
+        measure="mix",
+        iters=3,
+        rho_start=0.2,
+        return_history=True,
+    )
+    assert len(history) > 1
+    assert calls == [{"metric": "mix", "eps": 0.0}]
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(target=0.0), ValueError, "`target` must be finite and > 0"),
+        (dict(target=-1.0), ValueError, "`target` must be finite and > 0"),
+        (dict(target=math.nan), ValueError, "`target` must be finite and > 0"),
+        (dict(target=True), TypeError, "`target` must be a real number"),
+        (dict(measure="geodesic"), ValueError, "unknown `measure`"),
+        (dict(kind="average"), ValueError, "`kind` must be 'worst'"),
+        (dict(rho=0.1), TypeError, "`rho` is set by calibrate_rho"),
+        (dict(symmetries=None), TypeError, "unknown option 'symmetries' for measure 'adaptive'"),
+        (dict(rtol=1.0), ValueError, "`rtol` must be in"),
+        (dict(rho_bounds=(1.0, 0.1)), ValueError, "low < high"),
+        (dict(rho_start=1e4), ValueError, "outside `rho_bounds`"),
+        (dict(max_evals=0), ValueError, "`max_evals` must be >= 1"),
+    ],
+)
+def test_invalid_arguments_are_refused_before_any_evaluation(kwargs, error, match):
+    evaluated = []
+
+    def loss(model, batch):
+        evaluated.append(batch)
+        return quadratic_loss(model, batch)
+
+    arguments = {"target": 1.0, "measure": "adaptive", **kwargs}
+    with pytest.raises(error, match=match):
+        calibrate_rho(Ones(), loss, [1.0], **arguments)
+    assert evaluated == []
+
+
+def test_saturating_sharpness_cannot_be_bracketed(single_thread):
+    def bounded_loss(model, batch):  # increase at most 1 - tanh(1) = 0.24 over clean 2.76
+        return 2 + torch.tanh(model.w).sum()
+
+    with pytest.raises(CalibrationError, match="saturates below"):
+        calibrate_rho(
+            Ones(), bounded_loss, [None], target=1.0, measure="adaptive", rho_bounds=(1e-3, 10.0)
+        )
+
+
+def test_target_above_at_the_smallest_radius(single_thread):
+    with pytest.raises(CalibrationError, match="already above the target"):
+        calibrate_rho(
+            Ones(),
+            quadratic_loss,
+            [1.0],
+            target=0.1,  # rho* = 0.049, below the bounds
+            measure="adaptive",
+            rho_start=1.0,
+            rho_bounds=(0.5, 10.0),
+        )
+
+
+def test_bracketing_budget_is_enforced(single_thread):
+    with pytest.raises(CalibrationError, match="not bracketed in `max_evals`=3"):
+        calibrate_rho(Ones(), quadratic_loss, [1.0], target=1.0, measure="adaptive", max_evals=3)
+
+
+def test_zero_clean_loss_makes_the_rule_undefined(single_thread):
+    def zero_at_w(model, batch):
+        return (model.w - 1).square().sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gq.ZeroSharpnessWarning)
+        with pytest.raises(CalibrationError, match="positive clean loss"):
+            calibrate_rho(Ones(), zero_at_w, [None], target=1.0, measure="adaptive")
+
+
+# ---------------------------------------------------------------- the benchmark script
+def test_transformers_benchmark_runs_in_quick_mode(single_thread, tmp_path, monkeypatch):
+    import json
+    import pathlib
+
+    benchmarks = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import calibrate_transformers
+
+    out = tmp_path / "calibrate.json"
+    report = calibrate_transformers.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    for measure in ("adaptive", "inv", "mix"):
+        row = report["models"][0]["measures"][measure]
+        calibrated = row["calibrated"]["0.1"]
+        assert calibrated["rho"] > 0 and isinstance(calibrated["within_rtol"], bool)
+        assert (calibrated["rho"], calibrated["ratio"]) in map(tuple, calibrated["evaluations"])
+        assert row["default_rho"] == report["settings"]["default_radii"][measure]
