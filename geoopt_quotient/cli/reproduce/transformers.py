@@ -82,9 +82,9 @@ a local measure. Target 10 is about 5 times them for adaptive and inv, 2 times f
 {DEFAULTS.iters} Auto-PGD iterations; {DEFAULTS.max_examples} training images in batches \
 of {DEFAULTS.batch_size}. About 13-18 minutes on
 2 CPU cores with --threads 1 (the default), half training, half sharpness; --ablations
-makes the sharpness part about 2.5 times longer; --rho-scales adds about one
-sharpness part (7-9 minutes) per scale other than 1: '--rho-scales 1,3,10' took
-GRID_MINUTES minutes.
+makes the sharpness part about 2.5 times longer. --rho-scales adds one sharpness part
+per scale other than 1 (about 4 minutes each): '--rho-scales 0.3,1,3,10,30' took 29
+minutes (9 training, 19 sharpness; the README's grid).
 --quick: {QUICK["models"]} models trained for 2-4 epochs, {QUICK["iters"]} iterations on \
 {QUICK["max_examples"]} images (about 30 s; for tests).
 
@@ -92,7 +92,8 @@ examples:
   geoopt-quotient reproduce transformers
   geoopt-quotient reproduce transformers --models 32 --ablations --out runs/vit
   geoopt-quotient reproduce transformers --quick --json - > quick.json
-  geoopt-quotient reproduce transformers --rho-scales 1,3,10 --out transformers-grid-out
+  geoopt-quotient reproduce transformers --rho-scales 0.3,1,3,10,30 \\
+      --out transformers-grid-out    # tau against the radius (about 30 minutes)
 """
 
 
