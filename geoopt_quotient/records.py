@@ -48,8 +48,15 @@ class RecordFile:
                     yield record
 
     def append(self, record: Mapping[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+        """Append one line; after a line cut off by a kill, start a new line first, so that
+        the cut line alone is lost (and recomputed), not this record too."""
+        with open(self.path, "a+b") as f:
+            cut = False
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            line = json.dumps(record, default=float) + "\n"
+            f.write((("\n" if cut else "") + line).encode())
             f.flush()
             os.fsync(f.fileno())
 

@@ -70,6 +70,18 @@ def test_record_file_skips_a_line_cut_off_by_a_kill(tmp_path):
     assert list(RecordFile(path, resume=False)) == []
 
 
+def test_record_appended_after_a_cut_line_is_kept(tmp_path):
+    path = tmp_path / "r.jsonl"
+    records = RecordFile(path)
+    records.append({"model": 0, "value": 1.5})
+    with open(path, "a") as f:
+        f.write('{"model": 1, "val')  # killed mid-line
+    resumed = RecordFile(path, resume=True)
+    resumed.append({"model": 1, "value": 2.5})
+    resumed.append({"model": 2, "value": 3.5})
+    assert [r["model"] for r in RecordFile(path, resume=True)] == [0, 1, 2]
+
+
 def test_resume_with_another_thread_count_reuses_the_records(tmp_path):
     """``--threads`` is how a run is executed, not what it computes: a run resumed with
     another thread count reuses every model already measured."""
