@@ -22,6 +22,10 @@ nothing is downloaded.
     python benchmarks/bench_iteration_overhead.py --json overhead.json
     python benchmarks/bench_iteration_overhead.py --models tiny-vit --repeats 7
     python benchmarks/bench_iteration_overhead.py --quick      # seconds, for CI
+
+``--breakdown`` also times, on vectors as large as each model, the element-wise work of
+one adaptive iteration outside the pass (see ``update_breakdown``), next to a copy of
+such a vector (the memory bandwidth's yardstick), interleaved, medians.
 """
 
 from __future__ import annotations
@@ -182,6 +186,58 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     return row
 
 
+def update_breakdown(model, repeats: int) -> Dict[str, float]:
+    """Median seconds of the adaptive update's element-wise steps on the model's size,
+    with its small tensors fused into one group as in the engine's ball.
+
+    ``riemannian gradient``: c² ⊙ g written into g (at a point of ones, where repeated
+    calls keep the values; the work is the same at any point); ``gram``: the 3 × 3 Gram
+    matrix of (ξ, g, ξ_prev); ``combination``: ξ_next = w₁ξ + w₂g + w₃ξ_prev into
+    ξ_prev's buffer; ``perturbed point``: θ + ξ into the perturbed point's buffer;
+    ``copy``: one vector copied, the yardstick.
+    """
+    from geoopt_quotient.sharpness import apgd
+    from geoopt_quotient.sharpness.fusion import fuse_elementwise
+
+    manifold = gq.AdaptiveEuclidean()
+    groups = [apgd.BallGroup(p.detach(), manifold) for p in model.parameters()]
+    points = [g.point for g in fuse_elementwise(groups).groups]  # as the engine's ball
+    ball, _ = apgd._prepare([(p, manifold) for p in points], 0.1, "straight")
+    unit, _ = apgd._prepare([(torch.ones_like(p), manifold) for p in points], 0.1, "straight")
+    generator = torch.Generator().manual_seed(0)
+    xi, xi_prev, grads = (ball.clip(ball.random(generator, 1.0)) for _ in range(3))
+    weights = torch.tensor([0.5, 0.25, -0.25]).unbind()
+    copies = [torch.empty_like(p) for p in points]
+    steps: Dict[str, Callable[[], Any]] = {
+        "riemannian gradient": lambda: unit.riemannian_gradient_(grads),
+        "gram": lambda: ball.gram((xi, grads, xi_prev)),
+        "combination": lambda: [
+            apgd._combine_(p, (a, g, p), weights) for a, g, p in zip(xi, grads, xi_prev)
+        ],
+        "perturbed point": lambda: [
+            torch.add(x, v, out=ball.perturbed_buffer(i))
+            for i, (x, v) in enumerate(zip(points, xi))
+        ],
+        "copy": lambda: torch._foreach_copy_(copies, xi),
+    }
+    seconds: Dict[str, List[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            seconds[key].append(timed(step)[0])
+    return {k: statistics.median(v) for k, v in seconds.items()}
+
+
+def format_breakdown(rows: Dict[str, Dict[str, Any]]) -> str:
+    lines = ["element-wise work of one adaptive iteration outside the pass (medians)"]
+    for name, row in rows.items():
+        plain = row["plain_ms"] / 1e3
+        cells = ", ".join(
+            f"{k} {1e3 * v:.1f} ms ({100 * v / plain:.1f}%)" for k, v in row["breakdown"].items()
+        )
+        lines.append(f"{name}: {cells} of a {row['plain_ms']:.0f} ms pass")
+    return "\n".join(lines)
+
+
 def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
     lines = [
         f"per-iteration cost relative to a plain forward+backward ({threads} thread(s), "
@@ -222,6 +278,11 @@ def main(argv=None) -> Dict[str, Any]:
         default="auto",
         help="keep the best iterate's gradient (auto: up to 64 MiB; default auto)",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the adaptive update's element-wise steps on each model's size",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
@@ -235,8 +296,21 @@ def main(argv=None) -> Dict[str, Any]:
     torch.set_num_threads(args.threads)
     rows = {name: bench_model(name, args) for name in names}
     print(format_rows(rows, args.threads))
+    if args.breakdown:
+        for name, row in rows.items():
+            model = vit_setup(True, 1, 1)[0] if name == "tiny-vit" else None
+            if model is None:
+                model = bert_setup(name, args.quick, 1, 1, 1)[0]
+            row["breakdown"] = update_breakdown(model, max(args.repeats, 3))
+        print(format_breakdown(rows))
+    return write_document("iteration_overhead", args, rows)
+
+
+def write_document(benchmark: str, args, rows: Dict[str, Any]) -> Dict[str, Any]:
+    """The benchmark's JSON document (settings, rows, threads, versions), written to
+    ``args.json`` when given."""
     document = {
-        "benchmark": "iteration_overhead",
+        "benchmark": benchmark,
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "models": rows,
         "threads": torch.get_num_threads(),

@@ -34,6 +34,7 @@ QUICK = [
     "bench_memory",
     "bench_cuda",
     "bench_sam",
+    "profile_cpu_iteration",
 ]
 
 
@@ -54,6 +55,10 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert report["projection"]["max_abs_difference"] < 1e-8
     if name == "bench_memory":
         assert report["peak_ratio_to_training_step"]["train"] == 1.0
+    if name == "profile_cpu_iteration":
+        row = report["models"]["tiny-vit"]
+        assert {"plain", "adaptive", "inv", "mix"} <= set(row)
+        assert all(row[k]["wall_s"] > 0 and len(row[k]["operators"]) == 3 for k in ("plain", "mix"))
     if name == "bench_cuda":  # on CPU: no memory statistics, no compiling in quick mode
         assert report["status"] == "complete" and keys_named(report, "error") == []
         for model in ("bert-base", "vit-b32"):

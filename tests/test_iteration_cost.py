@@ -184,3 +184,196 @@ def test_sharpness_reports_one_backward_pass_per_iteration(name):
     recomputed = measure(model, batches, name, keep_best_gradient=False)
     assert recomputed.per_batch == result.per_batch
     assert all(b >= 12 for b in recomputed.backward_passes)
+
+
+# ---------------------------------------------------------------- the update in one combination
+def random_ball_vector(ball, generator, radius):
+    return ball.clip([v * radius for v in ball.random(generator, 1.0)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    metric=st.sampled_from(["inv", "mix"]),
+    alpha=st.sampled_from([1.0, 0.75, 0.3]),
+    step_over_rho=st.floats(0.01, 3.0),
+    radii=st.tuples(st.floats(0.0, 1.5), st.floats(0.0, 1.5)),
+    seed=st.integers(0, 2**16),
+)
+def test_update_as_one_combination_is_the_formulas_up_to_rounding(
+    dtype, metric, alpha, step_over_rho, radii, seed
+):
+    """ξ_next = w₁ξ + w₂g + w₃ξ_prev with weights from the Gram matrix equals the step by
+    step update (ascent step, clip, momentum, clip) to the dtype's rounding, on a joint
+    ball of an element-wise group, with frozen entries, and a GL(h) quotient group."""
+    from test_sharpness import formula_update
+
+    generator = torch.Generator().manual_seed(seed)
+    gl = gq.GLQuotient(5, 4, metric)
+    weights = torch.randn(7, 3, generator=generator, dtype=dtype)
+    weights[0, 0] = 0.0  # a frozen entry
+    groups = [
+        BallGroup(weights, gq.AdaptiveEuclidean()),
+        BallGroup(gl.random(2, 9, 2, dtype=dtype), gl),
+    ]
+    rho = 0.7
+    ball, _ = apgd._prepare(groups, rho, "second_order")
+    xi = random_ball_vector(ball, generator, radii[0] * rho)
+    xi_prev = random_ball_vector(ball, generator, radii[1] * rho)
+    rgrads = ball.random(generator, 3.0)  # horizontal, zero where frozen
+    step = step_over_rho * rho
+    expected = formula_update(ball, xi, xi_prev, rgrads, step, alpha)
+    out = [torch.empty_like(v) for v in xi]
+    got, grad_norm = apgd._apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
+    assert got is out
+    tol = 64 * torch.finfo(dtype).eps * rho
+    for a, b in zip(got, expected):
+        assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()) / rho)
+    assert float(ball.norm(got)) <= rho * (1 + 64 * torch.finfo(dtype).eps)
+    assert math.isclose(float(grad_norm), float(ball.norm(rgrads)), rel_tol=64 * 1e-7)
+    # in place into the previous iterate, as the loop does when nothing else holds it
+    in_place = [v.clone() for v in xi_prev]
+    apgd._apgd_update(ball, xi, in_place, rgrads, step, alpha, in_place)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, got))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(1, 700),
+    block=st.sampled_from([7, 64, 1 << 16]),
+    eps=st.sampled_from([0.0, 0.1]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_adaptive_gram_is_the_matrix_of_inner_products(size, block, eps, dtype, seed):
+    from geoopt_quotient.manifolds import adaptive
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=generator, dtype=dtype)
+    x[::5] = 0.0  # frozen where eps = 0
+    manifold = gq.AdaptiveEuclidean(eps=eps)
+    space = manifold.tangent_space(x)
+    vectors = [space.random(generator) for _ in range(3)]
+    old_block, adaptive.GRAM_BLOCK = adaptive.GRAM_BLOCK, block
+    try:
+        gram = space.gram(vectors)
+    finally:
+        adaptive.GRAM_BLOCK = old_block
+    assert gram.dtype == torch.float64 and gram.shape == (3, 3)
+    expected = torch.tensor(
+        [[float(manifold.inner(x, u, v).sum()) for v in vectors] for u in vectors],
+        dtype=torch.float64,
+    )
+    scale = float(expected.diagonal().max())
+    tol = 8 * (size + 8) * torch.finfo(dtype).eps * scale  # sums of size terms
+    assert torch.allclose(gram, expected, rtol=0, atol=tol)
+
+
+def test_riemannian_gradient_in_place_has_the_same_values_and_copies_what_it_cannot_own():
+    x = torch.randn(40, 30, dtype=torch.float64)
+    space = gq.AdaptiveEuclidean().tangent_space(x)
+    egrad = torch.randn(40, 30, dtype=torch.float64)
+    expected = space.egrad2rgrad(egrad)
+    buffer = egrad.clone()
+    assert space.egrad2rgrad_(buffer) is buffer and torch.equal(buffer, expected)
+    transposed = egrad.t().contiguous().t()  # not contiguous: a new tensor, input unchanged
+    before = transposed.clone()
+    result = space.egrad2rgrad_(transposed)
+    assert result is not transposed and torch.equal(transposed, before)
+    assert torch.equal(result, expected)
+
+
+def shared_gradient_objective(points):
+    """Autograd hands the same gradient tensor to both points (the backward of a sum)."""
+    return torch.sin(points[0] + points[1]).pow(2).sum()
+
+
+def test_gradients_autograd_shares_between_points_are_not_overwritten():
+    """The Riemannian gradient is written into the gradient's buffer: where autograd
+    gives two leaves one tensor, the second gets a copy, and the iterates are those of
+    the out-of-place loop."""
+    from test_sharpness import gram_update, textbook_apgd
+
+    torch.manual_seed(0)
+    groups = [
+        (torch.randn(6, 5, dtype=torch.float64), gq.AdaptiveEuclidean()),
+        (torch.randn(6, 5, dtype=torch.float64), gq.AdaptiveEuclidean()),
+    ]
+    kwargs = dict(rho=0.5, iters=15)
+    value, xi, history = textbook_apgd(
+        groups, shared_gradient_objective, update=gram_update, **kwargs
+    )
+    result = maximize_in_ball(groups, shared_gradient_objective, **kwargs)
+    assert (result.value, result.history) == (value, history)
+    assert all(torch.equal(a, b) for a, b in zip(result.xi, xi))
+
+
+def test_straight_path_gradient_and_value_are_those_of_x_plus_xi():
+    """The perturbed point written into the ball's buffer and differentiated there gives
+    the value and gradient of x + ξ differentiated in ξ, bit for bit, at every call."""
+    torch.manual_seed(0)
+    point = torch.randn(8, 5, dtype=torch.float64)
+    a = torch.randn(5, dtype=torch.float64)
+
+    def objective(points):
+        return torch.tanh(points[0] @ a).pow(3).sum()
+
+    ball, paths = apgd._prepare([(point, gq.AdaptiveEuclidean())], 1.0, "second_order")
+    assert paths[0] is apgd._straight
+    autocast = apgd.AutocastState.capture()
+    for seed in range(3):
+        xi = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        value, (grad,) = apgd._evaluate(ball, paths, objective, [xi], True, autocast)
+        leaf = xi.clone().requires_grad_()
+        expected_value = objective([point + leaf])
+        (expected_grad,) = torch.autograd.grad(expected_value, leaf)
+        assert torch.equal(value, expected_value.detach()) and torch.equal(grad, expected_grad)
+
+
+@pytest.mark.parametrize("keep, most", [(False, 3), (True, 6)])
+def test_iterates_reuse_their_buffers(keep, most):
+    """Over 40 iterations Auto-PGD allocates the zero start, the perturbed point and few
+    more vectors of the ball: the next iterate is written over the previous one or over
+    the gradient, and only where the best iterate holds both is a buffer allocated."""
+    objective, _ = restarting_objective()
+    allocations = []
+    original = apgd._joint_buffer
+
+    def counted(*args, **kwargs):
+        allocations.append(1)
+        return original(*args, **kwargs)
+
+    point = torch.ones(3, dtype=torch.float64)
+    try:
+        apgd._joint_buffer = counted
+        result = maximize_in_ball(
+            [(point, gq.AdaptiveEuclidean())],
+            objective,
+            rho=1.0,
+            iters=40,
+            keep_best_gradient=keep,
+        )
+    finally:
+        apgd._joint_buffer = original
+    assert result.gradients >= 40
+    assert len(allocations) <= most
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    metric=st.sampled_from(["inv", "mix"]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_gl_quotient_gram_is_the_matrix_of_inner_products(metric, dtype, seed):
+    from geoopt_quotient.manifolds.tangent import TangentSpace
+
+    generator = torch.Generator().manual_seed(seed)
+    manifold = gq.GLQuotient(6, 5, metric)
+    space = manifold.tangent_space(manifold.random(3, 11, 2, dtype=dtype))
+    vectors = [space.random(generator) for _ in range(3)]
+    gram, pairwise = space.gram(vectors), TangentSpace.gram(space, vectors)
+    scale = float(pairwise.diagonal().max())
+    assert gram.dtype == torch.float64
+    assert torch.allclose(gram, pairwise, rtol=0, atol=256 * torch.finfo(dtype).eps * scale)
+    assert torch.equal(gram, gram.mT)

@@ -27,7 +27,13 @@ from geoopt_quotient import (
     hessian_trace,
     maximize_in_ball,
 )
-from geoopt_quotient.sharpness.apgd import _evaluate, _prepare, apgd_checkpoints, random_tangent
+from geoopt_quotient.sharpness.apgd import (
+    _evaluate,
+    _prepare,
+    _update_weights,
+    apgd_checkpoints,
+    random_tangent,
+)
 from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.sharpness.precision import AutocastState
 
@@ -136,7 +142,29 @@ def test_maximiser_perturbation_is_horizontal_and_in_the_ball():
     assert float(m.inner(x, xi).sum().sqrt()) <= 0.5 + 1e-12
 
 
-def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentum=0.75):
+def formula_update(ball, xi, xi_prev, rgrads, step, alpha):
+    """Auto-PGD's update as its formulas read, one operation after the other."""
+    norm = ball.norm(rgrads).clamp_min(1e-300)
+    direction = [r / norm.to(r.dtype) for r in rgrads]
+    z = ball.clip([a + step * d for a, d in zip(xi, direction)])
+    return ball.clip(
+        [a + alpha * (c - a) + (1 - alpha) * (a - b) for a, c, b in zip(xi, z, xi_prev)]
+    )
+
+
+def gram_update(ball, xi, xi_prev, rgrads, step, alpha):
+    """The same update as one combination, out of place, in the engine's arithmetic."""
+    weights, _ = _update_weights(ball.gram((xi, rgrads, xi_prev)), step, alpha, ball.rho)
+    wa, wb, wc = weights.unbind()
+    return [
+        (c * wc.to(c.dtype)).addcmul(a, wa.to(a.dtype)).addcmul(g, wb.to(g.dtype))
+        for a, g, c in zip(xi, rgrads, xi_prev)
+    ]
+
+
+def textbook_apgd(
+    groups, objective, *, rho, iters, init="zero", seed=0, momentum=0.75, update=gram_update
+):
     """Auto-PGD written out plainly: out-of-place updates, the best gradient kept."""
     ball, paths = _prepare(groups, rho, "second_order")
     if init == "zero":
@@ -152,13 +180,8 @@ def textbook_apgd(groups, objective, *, rho, iters, init="zero", seed=0, momentu
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
     for k in range(iters):
         rgrads = [space.egrad2rgrad(g) for space, g in zip(ball.spaces, grads)]
-        norm = ball.norm(rgrads).clamp_min(1e-300)
-        direction = [r / norm.to(r.dtype) for r in rgrads]
-        z = ball.clip([a + step * d for a, d in zip(xi, direction)])
         alpha = 1.0 if k == 0 else momentum
-        xi_next = ball.clip(
-            [a + alpha * (c - a) + (1 - alpha) * (a - b) for a, c, b in zip(xi, z, xi_prev)]
-        )
+        xi_next = update(ball, xi, xi_prev, rgrads, step, alpha)
         need_grad = k + 1 < iters
         value_t, new_grads = _evaluate(ball, paths, objective, xi_next, need_grad, autocast)
         new_value = float(value_t)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Tuple, Union
+from typing import Callable, Sequence, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -46,6 +46,8 @@ class AdaptiveEuclidean(Manifold):
     name = "AdaptiveEuclidean"
     ndim = 0
     reversible = True
+    #: :meth:`retr` is :math:`w + \xi`.
+    straight_retraction = True
 
     def __init__(self, eps: float = 0.0, ndim: int = 0):
         super().__init__()
@@ -106,6 +108,16 @@ class AdaptiveEuclidean(Manifold):
             torch.promote_types(u.dtype, u.dtype if v is None else v.dtype)
         )
 
+    def _gram(self, st: _ScaleState, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle_w` of tangent vectors,
+        summed over all entries, in float64: one read of the point and the vectors."""
+        gram = st.gram(vectors)
+        if gram is None:
+            return torch.stack(
+                [torch.stack([st.weighted_sum(u, v) for v in vectors]) for u in vectors]
+            ).double()
+        return gram
+
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -132,6 +144,11 @@ class AdaptiveEuclidean(Manifold):
 
     def _egrad2rgrad(self, st: _ScaleState, u: torch.Tensor) -> torch.Tensor:
         return st.rescaled(u)
+
+    def _egrad2rgrad_(self, st: _ScaleState, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`egrad2rgrad` written into ``u`` where it splits into blocks (the same
+        values); a new tensor otherwise."""
+        return st.rescaled_(u)
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Straight line :math:`w + \\xi`."""
@@ -249,6 +266,47 @@ class _ScaleState:
             return (u.to(compute_dtype(u.dtype)) * self.scale_squared(self.x)).to(u.dtype)
         return out
 
+    def rescaled_(self, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`rescaled` in place in ``u`` where it splits into blocks of the point's
+        shape in the working dtype; otherwise (and without changing ``u``) a new tensor."""
+        if u.dtype != self.dtype or not _splittable(self.x, u):
+            return self.rescaled(u)
+        flat_x, flat_u = self.x.reshape(-1), u.view(-1)
+        for start in range(0, u.numel(), BLOCK):
+            block = slice(start, start + BLOCK)
+            flat_u[block].mul_(self.scale_squared(flat_x[block]))
+        return u
+
+    def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        r"""The Gram matrix :math:`\sum_i u_i v_i / c_i^2` of ``vectors``, in float64.
+
+        Block by block: per block of :data:`GRAM_BLOCK` entries (:data:`DEVICE_GRAM_BLOCK`
+        off the CPU), :math:`c` is formed once,
+        the quotients :math:`u / c` of all vectors are written to a buffer that stays in
+        cache, and their products come from one matrix product; the block sums are added
+        in float64. Frozen entries add nothing (as in :meth:`weighted_sum`). ``None``
+        where the operands do not split into blocks.
+        """
+        if not vectors or not _splittable(self.x, *vectors):
+            return None
+        if any(u.dtype != vectors[0].dtype for u in vectors):
+            return None
+        flat_x = self.x.reshape(-1)
+        flats = [u.reshape(-1) for u in vectors]
+        step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
+        size = min(step, flat_x.numel())
+        ratios = torch.empty(len(flats), size, dtype=self.dtype, device=flat_x.device)
+        total = torch.zeros(len(flats), len(flats), dtype=torch.float64, device=flat_x.device)
+        tiny = torch.finfo(self.dtype).tiny
+        for start in range(0, flat_x.numel(), step):
+            block = slice(start, start + step)
+            scale = self.manifold.scale(flat_x[block].to(self.dtype)).clamp_min_(tiny)
+            rows = ratios[:, : scale.numel()]
+            for row, flat in zip(rows, flats):
+                torch.div(flat[block], scale, out=row)
+            total += (rows @ rows.mT).double()
+        return total
+
     @property
     def frozen(self) -> torch.Tensor:
         return self.x == 0
@@ -262,6 +320,11 @@ class _ScaleState:
 
 #: Entries per block of :class:`_ScaleState`'s element-wise kernels.
 BLOCK = 1 << 20
+#: Entries per block of :meth:`_ScaleState.gram` on the CPU: its quotients (a few vectors'
+#: worth of blocks) stay in a core's cache.
+GRAM_BLOCK = 1 << 16
+#: The same on an accelerator, where each block costs kernel launches, not cache misses.
+DEVICE_GRAM_BLOCK = 1 << 22
 
 
 def _splittable(x: torch.Tensor, *others: torch.Tensor) -> bool:

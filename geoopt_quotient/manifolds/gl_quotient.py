@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -312,6 +312,19 @@ class GLQuotient(Manifold):
         value = ((u_g @ w_g) * v_g).sum(dims, keepdim=keepdim)
         value = value + ((u_h @ w_h) * v_h).sum(dims, keepdim=keepdim)
         return value.to(out_dtype)
+
+    def _gram(self, st: PointState, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle` of tangent vectors, summed
+        over batch dimensions, in float64: the vectors stacked, weighted by the metric's
+        blocks in one batched product, and paired in one matrix product per factor.
+        Assumes the metric's blocks are symmetric (they are Gram matrices or their
+        inverses)."""
+        w_g, w_h = self._blocks(st)
+        u_g, u_h = self.factors(torch.stack([u.to(st.dtype) for u in vectors]))
+        size = len(vectors)
+        gram = (u_g @ w_g).reshape(size, -1) @ u_g.reshape(size, -1).mT
+        gram = (gram + (u_h @ w_h).reshape(size, -1) @ u_h.reshape(size, -1).mT).double()
+        return (gram + gram.mT) / 2  # symmetric to the last bit
 
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None

@@ -9,7 +9,7 @@ metric's weights are recomputed block by block when used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -33,11 +33,30 @@ class TangentSpace:
         """The inner product, summed over batch dimensions (a scalar)."""
         return self.manifold.inner(self.x, u, v).sum()
 
+    def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle` of tangent vectors, each
+        summed over batch dimensions, in float64 (of shape ``(k, k)``)."""
+        rows = [[None] * len(vectors) for _ in vectors]
+        for i, u in enumerate(vectors):
+            for j in range(i, len(vectors)):
+                rows[i][j] = rows[j][i] = self.inner(u, vectors[j]).double()
+        return torch.stack([torch.stack(row) for row in rows])
+
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.proju(self.x, u)
 
     def egrad2rgrad(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.egrad2rgrad(self.x, u)
+
+    def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`egrad2rgrad`, written into ``u`` where the manifold can (the same values);
+        ``u`` must then belong to the caller alone."""
+        return self.egrad2rgrad(u)
+
+    @property
+    def straight_retraction(self) -> bool:
+        """Whether :meth:`retr` is the straight line :math:`x + u`."""
+        return bool(getattr(self.manifold, "straight_retraction", False))
 
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.retr(self.x, u)
@@ -80,6 +99,14 @@ class CachedTangentSpace(TangentSpace):
 
     def egrad2rgrad(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold._egrad2rgrad(self.state, u)
+
+    def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
+        in_place = getattr(self.manifold, "_egrad2rgrad_", None)
+        return self.egrad2rgrad(u) if in_place is None else in_place(self.state, u)
+
+    def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        fused = getattr(self.manifold, "_gram", None)
+        return super().gram(vectors) if fused is None else fused(self.state, vectors)
 
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         retract = getattr(self.manifold, "_retr", None)

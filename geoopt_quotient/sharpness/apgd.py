@@ -136,6 +136,7 @@ class _Ball:
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         self.rho = rho
+        self._perturbed: List[torch.Tensor] | None = None
 
     def vector_bytes(self) -> int:
         """Memory of one vector of the ball."""
@@ -161,35 +162,32 @@ class _Ball:
         Auto-PGD's iterates are linear combinations of horizontal vectors at the fixed
         base point, so they stay horizontal and need only this part of the projection.
         """
-        scale = self._clip_scale(horizontal)
+        scale = (self.rho / self.norm(horizontal).clamp_min(1e-300)).clamp(max=1.0)
         return [h * scale.to(h.dtype) for h in horizontal]
 
-    def clip_(self, owned: List[torch.Tensor]) -> List[torch.Tensor]:
-        """:meth:`clip` in place, for buffers nothing else refers to; returns ``owned``."""
-        scale = self._clip_scale(owned)
-        for h in owned:
-            h.mul_(scale.to(h.dtype))
-        return owned
+    def gram(self, vectors: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle` of ``k`` vectors of the ball,
+        summed over the groups, in float64 (``(k, k)``, on the first point's device)."""
+        device = self.points[0].device
+        per_group = (
+            space.gram([u[i] for u in vectors]).to(device) for i, space in enumerate(self.spaces)
+        )
+        return torch.stack(list(per_group)).sum(0)
 
-    def _clip_scale(self, horizontal: Sequence[torch.Tensor]) -> torch.Tensor:
-        return (self.rho / self.norm(horizontal).clamp_min(1e-300)).clamp(max=1.0)
-
-    def ascent_direction_(self, egrads: List[torch.Tensor]) -> torch.Tensor:
-        """Turn ``egrads`` into the unit-norm steepest-ascent direction; return the
-        Riemannian gradient's norm.
-
-        The list's entries are replaced group by group (Euclidean gradient, then
-        Riemannian gradient, then direction), so beyond one vector in the ball only one
-        group's worth of memory is ever added. The directions are new tensors, which the
-        caller may update in place. ``egrad2rgrad`` returns a tangent (for the
-        quotients: horizontal) vector.
-        """
+    def riemannian_gradient_(self, egrads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Replace the Euclidean gradients in ``egrads`` by Riemannian ones (horizontal for
+        the quotients), group by group, written into their buffers where the manifold can;
+        the buffers must belong to the caller alone. Returns ``egrads``."""
         for i, (space, g) in enumerate(zip(self.spaces, egrads)):
-            egrads[i] = space.egrad2rgrad(g)
-        norm = self.norm(egrads)
-        for i, r in enumerate(egrads):
-            egrads[i] = r / norm.clamp_min(1e-300).to(r.dtype)
-        return norm
+            egrads[i] = space.egrad2rgrad_(g)
+        return egrads
+
+    def perturbed_buffer(self, index: int) -> torch.Tensor:
+        """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
+        same at every call: the straight paths write into it instead of allocating anew."""
+        if self._perturbed is None:
+            self._perturbed = _joint_buffer(self.points)
+        return self._perturbed[index]
 
     def random(self, generator: torch.Generator, scale: float) -> List[torch.Tensor]:
         return [
@@ -226,7 +224,7 @@ def _space_path(space, path: str) -> Path:
     """The path at the ball's fixed base point, reusing its cached tangent space."""
     if path == "exact":
         return lambda x, u: space.expmap(u)
-    if path == "second_order":
+    if path == "second_order" and not space.straight_retraction:
         return lambda x, u: space.retr(u)
     return _straight
 
@@ -243,19 +241,37 @@ def _evaluate(
     grad: bool,
     autocast: AutocastState,
 ) -> Tuple[torch.Tensor, List[torch.Tensor] | None]:
-    """The objective at the perturbed points, and its gradient with respect to ``xi``.
+    r"""The objective at the perturbed points, and its gradient with respect to ``xi``.
 
-    The paths run in full precision, the objective under the caller's ``autocast``.
+    The paths run in full precision, the objective under the caller's ``autocast``. A
+    straight path :math:`x + \xi` in the point's own dtype is written into the ball's
+    :meth:`~_Ball.perturbed_buffer` and differentiated there (its gradient is that of
+    :math:`\xi`, bit for bit). The gradients are the leaves' ``.grad``, which autograd
+    copies where it cannot hand over a buffer of its own: they belong to the caller.
     """
-    leaves = [v.detach().requires_grad_(grad) for v in xi]
+    leaves, moved = [], []
+    for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
+        if p is _straight and v.dtype == x.dtype:
+            with torch.no_grad():
+                point = torch.add(x, v, out=ball.perturbed_buffer(index))
+            leaf = point.detach().requires_grad_(grad)
+            leaves.append(leaf)
+            moved.append(leaf)
+        else:
+            leaves.append(v.detach().requires_grad_(grad))
+            moved.append(None)
     with torch.enable_grad() if grad else torch.no_grad():
-        moved = [p(x, v).to(x.dtype) for p, x, v in zip(paths, ball.points, leaves)]
+        moved = [
+            m if m is not None else p(x, v).to(x.dtype)
+            for m, p, x, v in zip(moved, paths, ball.points, leaves)
+        ]
         with autocast.restored():
             value = as_scalar(objective(moved))
         if not grad:
             return value.detach().reshape(()), None
         check_depends_on_perturbation(value, grads_found=True)
-        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+        torch.autograd.backward(value, inputs=leaves)
+    grads = [leaf.grad for leaf in leaves]
     check_depends_on_perturbation(value, any(g is not None for g in grads))
     grads = [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads)]
     return value.detach().reshape(()), grads
@@ -346,10 +362,14 @@ def maximize_in_ball(
     Notes
     -----
     Besides the base points, the state kept across an evaluation of the objective is
-    :math:`\xi_{k+1}`, :math:`\xi_k` and the best :math:`\xi` (often one of them): no
-    gradient, unless ``keep_best_gradient``. The update is computed in place in the
-    buffers of the gradient it uses. When Auto-PGD restarts from an earlier best iterate
-    (after halving the step), that iterate's gradient is the kept copy, or is recomputed:
+    :math:`\xi_{k+1}`, :math:`\xi_k` and the best :math:`\xi` (often one of them), and
+    the perturbed point of a straight path (one buffer, rewritten at every evaluation):
+    no gradient, unless ``keep_best_gradient``. Each update is one linear combination
+    of :math:`\xi_k`, the Riemannian gradient and :math:`\xi_{k-1}` (see
+    :func:`_apgd_update`), written into a freed iterate's buffer; the Riemannian gradient
+    is written into the Euclidean gradient's. Kept, the best gradient is a reference, not
+    a copy. When Auto-PGD restarts from an earlier best iterate
+    (after halving the step), that iterate's gradient is the kept one, or is recomputed:
     one more forward and backward pass; :attr:`BallMaxResult.evaluations` and
     :attr:`BallMaxResult.gradients` count the passes. So ``iters`` costs ``iters``
     forward and backward passes and one forward pass, plus, without the kept gradient,
@@ -410,18 +430,29 @@ def _maximize(
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
     best_xi = xi_prev = xi
-    best_grads = _copy(grads) if keep else None
+    rgrads = ball.riemannian_gradient_(grads)
+    best_rgrads = rgrads if keep else None
     history, steps, evaluations, gradients = [value], [], 1, 1
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
     best_at_last_mark, step_halved_at_last_mark = value, True
     for k in range(iters):
         alpha = 1.0 if k == 0 else momentum
-        xi_next, grad_norm = _apgd_update(ball, xi, xi_prev, grads, step, alpha)
+        # written over an input the update reads each entry of before writing it: the
+        # previous iterate, else the gradient, unless the best iterate holds them
+        if _is_free(xi_prev, (xi, best_xi)):
+            out = xi_prev
+        elif rgrads is not best_rgrads:
+            out = rgrads
+        else:
+            out = _joint_buffer(xi)
+        xi_next, grad_norm = _apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
         # alive while the objective runs: xi, the previous xi and the best xi
-        xi_prev, xi, grads = xi, xi_next, None
+        xi_prev, xi, rgrads = xi, xi_next, None
         need_grad = k + 1 < iters
         new_value_t, grads = evaluate(xi, grad=need_grad)
+        if need_grad:
+            rgrads, grads = ball.riemannian_gradient_(grads), None
         evaluations, gradients = evaluations + 1, gradients + int(need_grad)
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
@@ -434,7 +465,7 @@ def _maximize(
         if new_value > best_value:
             best_value, best_xi = new_value, xi
             if keep and need_grad:
-                best_grads = _copy(grads)
+                best_rgrads = rgrads
         if k + 1 in checkpoints and need_grad:
             since = k + 1 - last_mark
             too_few_increases = increases < 0.75 * since
@@ -443,11 +474,12 @@ def _maximize(
             if step_halved_at_last_mark:
                 step /= 2.0
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
-                    xi, value, grads = best_xi, best_value, None  # current ones released first
+                    xi, value, rgrads = best_xi, best_value, None
                     if keep:
-                        grads = _copy(best_grads)
+                        rgrads = best_rgrads
                     else:
                         grads = evaluate(xi, grad=True)[1]
+                        rgrads, grads = ball.riemannian_gradient_(grads), None
                         evaluations, gradients = evaluations + 1, gradients + 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return BallMaxResult(
@@ -461,39 +493,103 @@ def _maximize(
     )
 
 
+def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -> bool:
+    return all(vector is not other for other in in_use)
+
+
 def _apgd_update(
     ball: _Ball,
     xi: Sequence[torch.Tensor],
     xi_prev: Sequence[torch.Tensor],
-    grads: List[torch.Tensor],
+    rgrads: Sequence[torch.Tensor],
     step: float,
     alpha: float,
+    out: List[torch.Tensor],
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    r"""Auto-PGD's next iterate and the norm of the Riemannian gradient at ``xi``.
+    r"""Auto-PGD's next iterate, written into ``out``, and the norm of the Riemannian
+    gradient ``rgrads`` at ``xi``.
 
-    :math:`z = P(\xi + \eta d)`, then
-    :math:`P(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))`, with the same
-    floating-point operations as these formulas (so bitwise the same result). ``z`` is
-    computed in place in the buffers of ``grads``, which this consumes and releases group
-    by group; the iterate is written to a new :func:`_joint_buffer`. ``xi`` and ``xi_prev``
-    are only read.
+    With :math:`g` the Riemannian gradient, :math:`P` the radial scaling into the ball and
+    :math:`\eta` the step,
+
+    .. math::
+
+        z = P\Big(\xi + \frac{\eta}{|g|} g\Big), \qquad
+        \xi_{next} = P\big(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev})\big).
+
+    Both are linear combinations of :math:`\xi`, :math:`g` and :math:`\xi_{prev}`, and
+    radial scaling multiplies by :math:`\min(1, \rho / |v|)`, so the whole update is
+    :math:`\xi_{next} = w_1 \xi + w_2 g + w_3 \xi_{prev}` with weights from the 3 × 3
+    Gram matrix of the three vectors (:func:`_update_weights`): one read of the vectors
+    for the Gram matrix and one for the combination, instead of a pass per operation.
+    ``out`` may be ``xi_prev`` itself; the other inputs are only read.
     """
-    grad_norm = ball.ascent_direction_(grads)
-    z = ball.clip_([d.mul_(step).add_(a) for d, a in zip(grads, xi)])
-    grads.clear()
-    out = _joint_buffer(xi)
-    for i, (o, a, b) in enumerate(zip(out, xi, xi_prev)):
-        torch.sub(z[i], a, out=o).mul_(alpha).add_(a)
-        o.add_((a - b).mul_(1 - alpha))
-        z[i] = None
-    return ball.clip_(out), grad_norm
+    vectors = (xi, rgrads, xi_prev)
+    weights, grad_norm = _update_weights(ball.gram(vectors), step, alpha, ball.rho)
+    per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
+    for o, x, g, p in zip(out, xi, rgrads, xi_prev):
+        key = (o.dtype, o.device)
+        if key not in per_dtype:
+            per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
+        _combine_(o, (x, g, p), per_dtype[key])
+    return out, grad_norm
 
 
-def _copy(vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """A copy of ``vectors`` in one :func:`_joint_buffer`."""
-    out = _joint_buffer(vectors)
-    torch._foreach_copy_(out, list(vectors))
-    return out
+def _update_weights(
+    gram: torch.Tensor, step: float, alpha: float, rho: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`_apgd_update` from their
+    Gram matrix (float64), and :math:`|g|`."""
+    xx, xg, gg = gram[0, 0], gram[0, 1], gram[1, 1]
+    grad_norm = gg.clamp_min(0).sqrt()
+    length = torch.where(grad_norm > 0, step / grad_norm.clamp_min(1e-300), 0.0)
+    z_norm = (xx + 2 * length * xg + length * length * gg).clamp_min(0).sqrt()
+    z_scale = _clip_scale(z_norm, rho)
+    weights = torch.stack(
+        (2 * (1 - alpha) + alpha * z_scale, alpha * z_scale * length, -(1 - alpha) + 0 * z_scale)
+    )
+    out_norm = (weights @ gram @ weights).clamp_min(0).sqrt()
+    return weights * _clip_scale(out_norm, rho), grad_norm
+
+
+def _clip_scale(norm: torch.Tensor, rho: float) -> torch.Tensor:
+    r""":math:`\min(1, \rho / |v|)`, the radial scaling into the ball."""
+    return (rho / norm.clamp_min(1e-300)).clamp(max=1.0)
+
+
+#: Entries per block of :func:`_combine_` on the CPU: the block of the output stays in
+#: cache across its three operations (elsewhere whole tensors: a block costs launches).
+COMBINE_BLOCK = 1 << 16
+
+
+def _combine_(
+    out: torch.Tensor, vectors: Tuple[torch.Tensor, ...], weights: Tuple[torch.Tensor, ...]
+) -> None:
+    """``out = w_2 v_2 + w_0 v_0 + w_1 v_1`` in this order, block by block on the CPU.
+
+    ``out`` may be one of the ``v_i``: ``v_2`` is overwritten after it is read, any other
+    is summed into a block-sized buffer first, so that the rounding does not depend on
+    which buffer receives the result.
+    """
+    (a, b, c), (wa, wb, wc) = vectors, weights
+    staged = out is a or out is b
+    operands = (out, a, b, c)
+    if out.device.type == "cpu" and all(
+        t.is_contiguous() and t.shape == out.shape for t in operands
+    ):
+        flats = [t.view(-1) for t in operands]
+        blocks = [
+            [f[start : start + COMBINE_BLOCK] for f in flats]
+            for start in range(0, out.numel(), COMBINE_BLOCK)
+        ]
+    else:
+        blocks = [operands]
+    stage = torch.empty_like(blocks[0][0]) if staged else None
+    for o, a_, b_, c_ in blocks:
+        target = stage[: o.numel()].view(o.shape) if staged else o
+        torch.mul(c_, wc, out=target).addcmul_(a_, wa).addcmul_(b_, wb)
+        if staged:
+            o.copy_(target)
 
 
 def _joint_buffer(
@@ -507,22 +603,30 @@ def _joint_buffer(
     A vector of the ball lives for several iterations, next to per-parameter buffers that
     come and go in every forward and backward pass. In one allocation of its own, as large
     as the model, it stays out of the allocator's pool of small blocks, and is returned
-    whole when freed, instead of pinning that pool at its high-water mark.
+    whole when freed, instead of pinning that pool at its high-water mark. Each view
+    starts at a multiple of :data:`ALIGNMENT` bytes, as a tensor of its own would: a
+    weight matrix perturbed in a view that starts mid-cache-line slows the model's
+    matrix products.
     """
     dtypes = [t.dtype for t in like] if dtypes is None else dtypes
     keys = [(dtype, t.device) for dtype, t in zip(dtypes, like)]
-    sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    starts, sizes = [], {}
     for key, t in zip(keys, like):
-        sizes[key] = sizes.get(key, 0) + t.numel()
+        step = max(ALIGNMENT // key[0].itemsize, 1)
+        start = -(-sizes.get(key, 0) // step) * step
+        starts.append(start)
+        sizes[key] = start + t.numel()
     make = torch.zeros if zero else torch.empty
     flat = {key: make(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    offsets = dict.fromkeys(sizes, 0)
-    views = []
-    for key, t in zip(keys, like):
-        start = offsets[key]
-        views.append(flat[key][start : start + t.numel()].view(t.shape))
-        offsets[key] = start + t.numel()
-    return views
+    return [
+        flat[key][start : start + t.numel()].view(t.shape)
+        for key, start, t in zip(keys, starts, like)
+    ]
+
+
+#: Alignment in bytes of the views of :func:`_joint_buffer` (a cache line, and what
+#: PyTorch's CPU allocator gives each tensor).
+ALIGNMENT = 64
 
 
 def average_in_ball(
