@@ -125,7 +125,12 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument(
         "--measures", default=",".join(MEASURES), help="comma-separated, of " + ", ".join(MEASURES)
     )
-    parser.add_argument("--iters", type=int, default=10, help="Auto-PGD iterations (default 10)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20,
+        help="Auto-PGD iterations (default 20; the run's setup is spread over them)",
+    )
     parser.add_argument("--rho", type=float, default=0.1, help="ball radius (default 0.1)")
     parser.add_argument("--batch-size", type=int, default=8, help="BERT batch size (default 8)")
     parser.add_argument(
