@@ -8,9 +8,11 @@ one):
 - wall, user and system time and minor page faults (``resource.getrusage``): memory
   that a pass writes into fresh allocations is faulted in from the kernel page by page,
   which shows as system time;
-- with ``--operators N``, the ``N`` operators with the most self CPU time in
-  ``torch.profiler`` (in a second, profiled run), so that an operator slower in the
-  sharpness run than in the plain pass stands out.
+- with ``--operators N``, the number of operator calls (views included; on small
+  models each costs about a microsecond of dispatch whatever its size) and the ``N``
+  operators with the most self CPU time in ``torch.profiler`` (in a second, profiled
+  run), so that an operator slower in the sharpness run than in the plain pass stands
+  out.
 
     python benchmarks/profile_cpu_iteration.py --models bert-base --measures adaptive,inv
     python benchmarks/profile_cpu_iteration.py --quick            # seconds, for CI
@@ -24,7 +26,7 @@ import argparse
 import resource
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from bench_iteration_overhead import (
@@ -56,12 +58,17 @@ def usage(fn: Callable[[], Any], count: int) -> Dict[str, float]:
     }
 
 
-def top_operators(fn: Callable[[], Any], count: int, rows: int) -> List[Dict[str, Any]]:
-    """The ``rows`` operators with the most self CPU time, per call of ``fn``."""
+def top_operators(
+    fn: Callable[[], Any], count: int, rows: int
+) -> Tuple[float, List[Dict[str, Any]]]:
+    """The number of operator calls (every operator the profiler records, views
+    included) and the ``rows`` operators with the most self CPU time, per ``count``-th
+    of a call of ``fn``."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [
+    calls = sum(e.count for e in events) / count
+    return calls, [
         {
             "name": e.key,
             "self_ms": e.self_cpu_time_total / 1e3 / count,
@@ -94,7 +101,8 @@ def profile_model(name: str, args) -> Dict[str, Any]:
     for key, run in runs.items():
         row[key] = usage(run, count)
         if args.operators:
-            row[key]["operators"] = top_operators(run, count, args.operators)
+            calls, operators = top_operators(run, count, args.operators)
+            row[key]["operator_calls"], row[key]["operators"] = calls, operators
     return row
 
 
@@ -110,6 +118,10 @@ def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
                 f"{1e3 * cell['user_s']:8.1f} ms  system {1e3 * cell['system_s']:7.1f} ms  "
                 f"minor page faults {cell['minor_page_faults']:9,.0f}"
             )
+            if "operator_calls" in cell:
+                lines.append(
+                    f"      {cell['operator_calls']:,.0f} operator calls, the most costly:"
+                )
             for op in cell.get("operators", []):
                 lines.append(
                     f"      {op['name'][:48]:<48} {op['self_ms']:9.2f} ms {op['calls']:8.1f} calls"

@@ -59,6 +59,10 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         row = report["models"]["tiny-vit"]
         assert {"plain", "adaptive", "inv", "mix"} <= set(row)
         assert all(row[k]["wall_s"] > 0 and len(row[k]["operators"]) == 3 for k in ("plain", "mix"))
+        assert all(
+            row[k]["operator_calls"] >= sum(op["calls"] for op in row[k]["operators"]) > 0
+            for k in ("plain", "mix")
+        )
     if name == "bench_cuda":  # on CPU: no memory statistics, no compiling in quick mode
         assert report["status"] == "complete" and keys_named(report, "error") == []
         for model in ("bert-base", "vit-b32"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Sequence, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -34,6 +34,15 @@ METRICS = ("inv", "mix")
 RETRACTIONS = ("second_order", "first_order")
 
 
+#: Bytes of the slice of a batch of points that the fused operations of a sharpness
+#: loop (:meth:`GLQuotient._retr_vjp`, :meth:`GLQuotient._egrad2rgrad_`,
+#: :meth:`GLQuotient._gram`) handle at once on the CPU: the slice's temporaries stay in
+#: cache, and nothing as large as the point is allocated.
+CHUNK_BYTES = 1 << 21
+#: The same on an accelerator, where each slice costs kernel launches, not cache misses.
+DEVICE_CHUNK_BYTES = 1 << 28
+
+
 class PointState:
     """What the geometry at one point needs, each piece computed once, on first use.
 
@@ -52,6 +61,25 @@ class PointState:
         self.dtype = compute_dtype(x.dtype)
         g, h = manifold.factors(x)
         self.g, self.h = g.to(self.dtype), h.to(self.dtype)
+
+    def batch_slice(self, start: int, stop: int) -> PointState:
+        """This state for the points ``start:stop`` of its flattened batch: every piece
+        computed so far sliced, none recomputed (a single point is a batch of one). Kept:
+        the next call for the same slice returns the same state."""
+        kept = self.__dict__.setdefault("_batch_slices", {})
+        part = kept.get((start, stop))
+        if part is None:
+            part = object.__new__(PointState)
+            dims = self.x.dim() - 2
+            part.__dict__.update(
+                {
+                    k: _batch_slice(v, dims, start, stop)
+                    for k, v in self.__dict__.items()
+                    if k != "_batch_slices"
+                }
+            )
+            kept[(start, stop)] = part
+        return part
 
     @functools.cached_property
     def high(self) -> torch.dtype:
@@ -111,6 +139,23 @@ class PointState:
         if not self.eps:
             return left, left
         return left, eigenbasis_spd_product(s_h, gtg).transpose()
+
+
+def _eye_like(a: torch.Tensor) -> torch.Tensor:
+    """The identity of ``a``'s trailing size, dtype and device."""
+    return torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+
+
+def _batch_slice(value, dims: int, start: int, stop: int):
+    """``value`` (a tensor with ``dims`` batch dimensions, or tuples of them; anything
+    else is returned as is) with the batch flattened and sliced."""
+    if isinstance(value, torch.Tensor):
+        flat = value.flatten(0, dims - 1) if dims else value.unsqueeze(0)
+        return flat[start:stop]
+    if isinstance(value, tuple):
+        parts = [_batch_slice(v, dims, start, stop) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
+    return value
 
 
 class GLQuotient(Manifold):
@@ -315,16 +360,59 @@ class GLQuotient(Manifold):
 
     def _gram(self, st: PointState, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
         r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle` of tangent vectors, summed
-        over batch dimensions, in float64: the vectors stacked, weighted by the metric's
-        blocks in one batched product, and paired in one matrix product per factor.
-        Assumes the metric's blocks are symmetric (they are Gram matrices or their
-        inverses)."""
-        w_g, w_h = self._blocks(st)
-        u_g, u_h = self.factors(torch.stack([u.to(st.dtype) for u in vectors]))
+        over batch dimensions, in float64. Per slice of the batch (:meth:`_slices`): the
+        vectors stacked, weighted by the metric's blocks in one batched product, and
+        paired in one matrix product per factor. Assumes the metric's blocks are
+        symmetric (they are Gram matrices or their inverses)."""
         size = len(vectors)
-        gram = (u_g @ w_g).reshape(size, -1) @ u_g.reshape(size, -1).mT
-        gram = (gram + (u_h @ w_h).reshape(size, -1) @ u_h.reshape(size, -1).mT).double()
-        return (gram + gram.mT) / 2  # symmetric to the last bit
+        total = torch.zeros(size, size, dtype=torch.float64, device=st.x.device)
+        whole = any(u.shape != st.x.shape for u in vectors)
+        for part, pieces in [(st, vectors)] if whole else self._slices(st, *vectors):
+            w_g, w_h = self._blocks(part)
+            u_g, u_h = self.factors(torch.stack([u.to(part.dtype) for u in pieces]))
+            gram = (u_g @ w_g).reshape(size, -1) @ u_g.reshape(size, -1).mT
+            total += (gram + (u_h @ w_h).reshape(size, -1) @ u_h.reshape(size, -1).mT).double()
+        return (total + total.mT) / 2  # symmetric to the last bit
+
+    def _slices(
+        self, st: PointState, *tensors: torch.Tensor
+    ) -> Iterator[Tuple[PointState, List[torch.Tensor]]]:
+        """The state and ``tensors`` (shaped like the point) a slice of the batch at a time,
+        :data:`CHUNK_BYTES` of them each on the CPU; views of contiguous ``tensors``."""
+        x = st.x
+        self._prepare(st)
+        flats = [t.reshape(-1, *x.shape[-2:]) for t in tensors]
+        budget = CHUNK_BYTES if x.device.type == "cpu" else DEVICE_CHUNK_BYTES
+        per = max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize))
+        count = flats[0].shape[0]
+        for start in range(0, count, per):
+            stop = min(start + per, count)
+            yield st.batch_slice(start, stop), [f[start:stop] for f in flats]
+
+    def _prepare(self, st: PointState) -> None:
+        """Compute what the fused operations use of ``st`` on the whole batch, so that
+        :meth:`PointState.batch_slice` slices it instead of each slice recomputing it."""
+        _ = st.grams, st.inverses
+        if self.metric == "inv":
+            _ = st.inv_sylvester_bases
+        elif self.eps:
+            _ = st.grams_exact
+
+    def _can_fuse(self, st: PointState, *tensors: torch.Tensor) -> bool:
+        """Whether the fused operations apply: tensors of the point's shape, dtype (the
+        working one) and device, contiguous, and nothing for autograd to record."""
+        x = st.x
+        return (
+            x.dtype == st.dtype
+            and all(
+                t.shape == x.shape
+                and t.dtype == x.dtype
+                and t.device == x.device
+                and t.is_contiguous()
+                for t in tensors
+            )
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+        )
 
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
@@ -425,6 +513,15 @@ class GLQuotient(Manifold):
             r_g, r_h = u_g @ s_h_inv, u_h @ s_g_inv
         return self._proju(st, torch.cat((r_g, r_h), dim=-2)).to(u.dtype)
 
+    def _egrad2rgrad_(self, st: PointState, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`egrad2rgrad` written into ``u``, a slice of the batch at a time
+        (:meth:`_slices`), where :meth:`_can_fuse`; otherwise a new tensor."""
+        if not self._can_fuse(st, u):
+            return self._egrad2rgrad(st, u)
+        for part, (piece,) in self._slices(st, u):
+            piece.copy_(self._egrad2rgrad(part, piece))
+        return u
+
     # ------------------------------------------------------------------ geodesics
     def christoffel(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r""":math:`\Gamma_X(\xi, \xi)` of the total-space geodesic equation.
@@ -466,6 +563,115 @@ class GLQuotient(Manifold):
         if self.retraction == "first_order":
             return x + u
         return x + u - 0.5 * self._christoffel(st, u)
+
+    def _retr_vjp(
+        self, st: PointState, u: torch.Tensor, out: torch.Tensor
+    ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        r""":meth:`retr` of ``u`` written into ``out``, and its pullback
+        :math:`c \mapsto (D_\xi R_X)^\top c`, written into ``c``; both a slice of the
+        batch at a time (:meth:`_slices`), with no autograd and no temporary as large as
+        the point. ``None`` where :meth:`_can_fuse` does not hold for ``u`` and ``out``.
+
+        Each factor's Christoffel term is :math:`\Gamma_F = \xi_F X_F + F Y_F` with
+        :math:`h \times h` coefficients (:meth:`_christoffel_coefficients`), so
+
+        .. math::
+
+            R_X(\xi)_F = F + \xi_F (I - \tfrac12 X_F) - \tfrac12 F Y_F .
+
+        The pullback differentiates :math:`\langle c, \Gamma \rangle` by hand: with
+        :math:`M_K = \xi_K^\top K + K^\top \xi_K` and :math:`B_K = \xi_K^\top \xi_K` the
+        coefficients' arguments, and :math:`\bar M_K, \bar B_K` their cotangents
+        (:meth:`_coefficient_cotangents`),
+
+        .. math::
+
+            (D_\xi R_X)^\top c \,\big|_K = c_K (I - \tfrac12 X_K^\top)
+                - \tfrac12 K (\bar M_K + \bar M_K^\top)
+                - \tfrac12 \xi_K (\bar B_K + \bar B_K^\top).
+
+        Nine products of the point's size per factor (four forward, five back), where
+        autograd through :meth:`retr` records thirteen and allocates each result.
+        """
+        if not self._can_fuse(st, u, out):
+            return None
+        if self.retraction == "first_order":
+            return torch.add(st.x, u, out=out), lambda c: c
+        saved = []
+        for part, (x_, u_, o_) in self._slices(st, st.x, u, out):
+            coefficients = self._christoffel_coefficients(part, *self.factors(u_))
+            saved.append(coefficients)
+            for o_f, x_f, u_f, f, (c_x, c_y) in zip(
+                self.factors(o_), self.factors(x_), self.factors(u_), (part.g, part.h), coefficients
+            ):
+                torch.baddbmm(x_f, u_f, _eye_like(c_x) - 0.5 * c_x, out=o_f)
+                o_f.baddbmm_(f, c_y, alpha=-0.5)
+
+        def pullback(c: torch.Tensor) -> torch.Tensor:
+            if not self._can_fuse(st, c):
+                raise ValueError("the cotangent must be a contiguous tensor like the point")
+            for (part, (u_, c_)), coefficients in zip(self._slices(st, u, c), saved):
+                self._pullback_slice_(part, u_, c_, coefficients)
+            return c
+
+        return out, pullback
+
+    def _christoffel_coefficients(
+        self, st: PointState, u_g: torch.Tensor, u_h: torch.Tensor
+    ) -> Tuple[Tuple[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+        r""":math:`(X_G, Y_G), (X_H, Y_H)` with :math:`\Gamma_F = \xi_F X_F + F Y_F`
+        (:meth:`christoffel`, regrouped): with :math:`M_K = 2 \operatorname{sym}
+        (\xi_K^\top K)` and :math:`B_K = \xi_K^\top \xi_K`,
+
+        inv: :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`;
+        mix: :math:`X_G = M_H S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}`, and the same with
+        :math:`G, H` exchanged.
+        """
+        (m_g, b_g), (m_h, b_h) = (
+            (2 * sym(u.mT @ f), u.mT @ u) for u, f in ((u_g, st.g), (u_h, st.h))
+        )
+        s_g_inv, s_h_inv = st.inverses
+        if self.metric == "inv":
+            return (-s_g_inv @ m_g, s_g_inv @ b_g), (-s_h_inv @ m_h, s_h_inv @ b_h)
+        return (m_h @ s_h_inv, -b_h @ s_h_inv), (m_g @ s_g_inv, -b_g @ s_g_inv)
+
+    def _pullback_slice_(
+        self,
+        st: PointState,
+        u: torch.Tensor,
+        c: torch.Tensor,
+        coefficients: Tuple[Tuple[torch.Tensor, torch.Tensor], ...],
+    ) -> None:
+        """The pullback of :meth:`_retr_vjp` on one slice, written into ``c``."""
+        u_f, c_f = self.factors(u), self.factors(c)
+        bars = self._coefficient_cotangents(st, u_f, c_f)
+        for f, u_k, c_k, (c_x, _), (m_bar, b_bar) in zip(
+            (st.g, st.h), u_f, c_f, coefficients, bars
+        ):
+            result = c_k @ (_eye_like(c_x) - 0.5 * c_x.mT)
+            result.baddbmm_(f, m_bar + m_bar.mT, alpha=-0.5)
+            result.baddbmm_(u_k, b_bar + b_bar.mT, alpha=-0.5)
+            c_k.copy_(result)
+
+    def _coefficient_cotangents(
+        self,
+        st: PointState,
+        u_f: Tuple[torch.Tensor, torch.Tensor],
+        c_f: Tuple[torch.Tensor, torch.Tensor],
+    ) -> Tuple[Tuple[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+        r""":math:`(\bar M_G, \bar B_G), (\bar M_H, \bar B_H)`: the cotangents of the
+        arguments of :meth:`_christoffel_coefficients` for :math:`\langle c, \Gamma\rangle`,
+        from :math:`\bar X_F = \xi_F^\top c_F` and :math:`\bar Y_F = F^\top c_F`:
+
+        inv: :math:`\bar M_F = -S_F^{-1} \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`;
+        mix: :math:`\bar M_H = \bar X_G S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}`,
+        and the same with :math:`G, H` exchanged.
+        """
+        (x_g, y_g), (x_h, y_h) = ((u.mT @ c, f.mT @ c) for u, f, c in zip(u_f, (st.g, st.h), c_f))
+        s_g_inv, s_h_inv = st.inverses
+        if self.metric == "inv":
+            return (-s_g_inv @ x_g, s_g_inv @ y_g), (-s_h_inv @ x_h, s_h_inv @ y_h)
+        return (x_h @ s_g_inv, -y_h @ s_g_inv), (x_g @ s_h_inv, -y_g @ s_h_inv)
 
     def expmap(self, x: torch.Tensor, u: torch.Tensor, *, steps: int | None = None) -> torch.Tensor:
         r"""Exponential map: the geodesic ODE integrated with ``steps`` classical RK4 steps.

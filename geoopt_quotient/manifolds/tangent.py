@@ -9,7 +9,7 @@ metric's weights are recomputed block by block when used.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Tuple
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -64,6 +64,15 @@ class TangentSpace:
     def expmap(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.expmap(self.x, u)
 
+    def retr_vjp(
+        self, u: torch.Tensor, out: torch.Tensor
+    ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        r""":meth:`retr` of ``u`` written into ``out``, with its pullback
+        :math:`c \mapsto (D_u R_x)^\top c` (written into ``c``, which must belong to the
+        caller), computed without autograd; ``None`` where the manifold has no such
+        explicit form for these tensors (then differentiate :meth:`retr`)."""
+        return None
+
     def random(self, generator: torch.Generator | None = None) -> torch.Tensor:
         """A standard Gaussian tangent vector in the metric.
 
@@ -111,6 +120,10 @@ class CachedTangentSpace(TangentSpace):
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         retract = getattr(self.manifold, "_retr", None)
         return self.manifold.retr(self.x, u) if retract is None else retract(self.state, u)
+
+    def retr_vjp(self, u: torch.Tensor, out: torch.Tensor):
+        explicit = getattr(self.manifold, "_retr_vjp", None)
+        return None if explicit is None else explicit(self.state, u, out)
 
     def random(self, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.manifold._random_tangent(self.state, self.x, generator)

@@ -225,8 +225,20 @@ def _space_path(space, path: str) -> Path:
     if path == "exact":
         return lambda x, u: space.expmap(u)
     if path == "second_order" and not space.straight_retraction:
-        return lambda x, u: space.retr(u)
+        return _Retraction(space)
     return _straight
+
+
+class _Retraction:
+    """The retraction of a tangent space, as a path; :func:`_evaluate` uses the space's
+    explicit pullback (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retr_vjp`)
+    where it has one."""
+
+    def __init__(self, space):
+        self.space = space
+
+    def __call__(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.space.retr(u)
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -246,20 +258,22 @@ def _evaluate(
     The paths run in full precision, the objective under the caller's ``autocast``. A
     straight path :math:`x + \xi` in the point's own dtype is written into the ball's
     :meth:`~_Ball.perturbed_buffer` and differentiated there (its gradient is that of
-    :math:`\xi`, bit for bit). The gradients are the leaves' ``.grad``, which autograd
+    :math:`\xi`, bit for bit); so is a retraction with an explicit pullback
+    (:func:`_explicit_path`), whose pullback then maps that gradient to one with respect
+    to :math:`\xi`, in place. The gradients are the leaves' ``.grad``, which autograd
     copies where it cannot hand over a buffer of its own: they belong to the caller.
     """
-    leaves, moved = [], []
+    leaves, moved, pullbacks = [], [], []
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
-        if p is _straight and v.dtype == x.dtype:
-            with torch.no_grad():
-                point = torch.add(x, v, out=ball.perturbed_buffer(index))
+        point, pullback = _explicit_path(p, x, v, lambda i=index: ball.perturbed_buffer(i))
+        if point is not None:
             leaf = point.detach().requires_grad_(grad)
             leaves.append(leaf)
             moved.append(leaf)
         else:
             leaves.append(v.detach().requires_grad_(grad))
             moved.append(None)
+        pullbacks.append(pullback)
     with torch.enable_grad() if grad else torch.no_grad():
         moved = [
             m if m is not None else p(x, v).to(x.dtype)
@@ -273,8 +287,30 @@ def _evaluate(
         torch.autograd.backward(value, inputs=leaves)
     grads = [leaf.grad for leaf in leaves]
     check_depends_on_perturbation(value, any(g is not None for g in grads))
-    grads = [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads)]
+    grads = [
+        torch.zeros_like(v) if g is None else g if pullback is None else pullback(g)
+        for v, g, pullback in zip(xi, grads, pullbacks)
+    ]
     return value.detach().reshape(()), grads
+
+
+def _explicit_path(
+    path: Path, x: torch.Tensor, v: torch.Tensor, buffer: Callable[[], torch.Tensor]
+) -> Tuple[torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """The perturbed point written into ``buffer()``, and the pullback of the gradient
+    there to one with respect to ``v`` (``None``: the identity), for the paths that
+    have them without autograd: the straight line and explicit retractions. ``(None,
+    None)`` for the others."""
+    if v.dtype != x.dtype:
+        return None, None
+    with torch.no_grad():
+        if path is _straight:
+            return torch.add(x, v, out=buffer()), None
+        if isinstance(path, _Retraction):
+            explicit = path.space.retr_vjp(v, buffer())
+            if explicit is not None:
+                return explicit
+    return None, None
 
 
 def as_scalar(value: object) -> torch.Tensor:
@@ -363,13 +399,14 @@ def maximize_in_ball(
     -----
     Besides the base points, the state kept across an evaluation of the objective is
     :math:`\xi_{k+1}`, :math:`\xi_k` and the best :math:`\xi` (often one of them), and
-    the perturbed point of a straight path (one buffer, rewritten at every evaluation):
-    no gradient, unless ``keep_best_gradient``. Each update is one linear combination
-    of :math:`\xi_k`, the Riemannian gradient and :math:`\xi_{k-1}` (see
-    :func:`_apgd_update`), written into a freed iterate's buffer; the Riemannian gradient
-    is written into the Euclidean gradient's. Kept, the best gradient is a reference, not
-    a copy. When Auto-PGD restarts from an earlier best iterate
-    (after halving the step), that iterate's gradient is the kept one, or is recomputed:
+    the perturbed point of a straight path or of a retraction with an explicit pullback
+    (the GL(h) quotients'; one buffer, rewritten at every evaluation, the gradient there
+    pulled back to :math:`\xi` in place): no gradient, unless ``keep_best_gradient``.
+    Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
+    :math:`\xi_{k-1}` (see :func:`_apgd_update`), written into a freed iterate's buffer;
+    the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
+    gradient is a reference, not a copy. When Auto-PGD restarts from an earlier best
+    iterate (after halving the step), that iterate's gradient is the kept one, or is recomputed:
     one more forward and backward pass; :attr:`BallMaxResult.evaluations` and
     :attr:`BallMaxResult.gradients` count the passes. So ``iters`` costs ``iters``
     forward and backward passes and one forward pass, plus, without the kept gradient,

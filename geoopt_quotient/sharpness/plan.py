@@ -19,6 +19,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from ..manifolds import AdaptiveEuclidean
+from .strided import StridedLayout, strided_layout, write_back
 
 __all__ = [
     "BoundPlan",
@@ -146,6 +147,24 @@ class SymmetryGroup:
         return replace(self, manifold=manifold)
 
 
+def _is_permutation(source: torch.Tensor) -> bool:
+    """Whether ``source`` holds each of ``0 .. len - 1`` once (linear time, no sort)."""
+    if source.numel() and (int(source.min()) < 0 or int(source.max()) >= source.numel()):
+        return False
+    hit = torch.zeros(source.numel(), dtype=torch.bool)
+    hit[source] = True
+    return bool(hit.all())
+
+
+def _fits(layout: StridedLayout, points: Sequence[torch.Tensor]) -> bool:
+    """Whether ``points`` have the layout's shapes and one dtype and device."""
+    first = points[0]
+    return all(
+        p.shape == shape and p.dtype == first.dtype and p.device == first.device
+        for p, shape in zip(points, layout.source_shapes)
+    )
+
+
 def _compact(index: torch.Tensor, bound: int) -> torch.Tensor:
     """``index`` (entries below ``bound``), contiguous and as int32 where that holds them."""
     return index.to(torch.int32 if bound <= 2**31 else index.dtype).contiguous()
@@ -271,9 +290,12 @@ class BoundPlan:
     ) -> Dict[str, torch.Tensor]:
         """``params`` with every group's point written back (differentiable).
 
-        The groups partition the trainable entries, so all indexed groups are written
-        with one permutation of their concatenated points (one gather forward, one
-        scatter backward) instead of a copy of the parameters per group.
+        The groups partition the trainable entries. Where every parameter is a few
+        strided views of the points (:mod:`~geoopt_quotient.sharpness.strided`: the
+        layouts of real architectures), each is written with strided copies, forward
+        and backward; otherwise all indexed groups are written with one permutation of
+        their concatenated points (one gather forward, one scatter backward) instead of
+        a copy of the parameters per group.
         """
         points = list(points)
         out = dict(params)
@@ -286,7 +308,11 @@ class BoundPlan:
         for group, point in zip(self.groups, points):
             if isinstance(group, _WholeParameter):
                 out[group.param_names[0]] = point
-        if indexed:
+        sources = [points[i] for i in indexed]
+        strided = self._strided
+        if strided is not None and _fits(strided, sources):
+            out.update(write_back(strided, sources))
+        elif indexed:
             joined = torch.cat([points[i].reshape(-1) for i in indexed])
             flat = joined.index_select(0, self._on_device(perm, joined.device))
             for name, shape, piece in zip(names, shapes, flat.split([s.numel() for s in shapes])):
@@ -298,6 +324,16 @@ class BoundPlan:
         if device not in cache:
             cache[device] = index.to(device)
         return cache[device]
+
+    @functools.cached_property
+    def _strided(self) -> StridedLayout | None:
+        """The write-back as strided copies, if every piece of it is one."""
+        permutation = self._permutation
+        if permutation is None or not permutation[0]:
+            return None
+        indexed, names, shapes, perm = permutation
+        sources = [self.groups[i].shape for i in indexed]
+        return strided_layout(names, shapes, sources, perm)
 
     @functools.cached_property
     def _permutation(self):
@@ -320,7 +356,7 @@ class BoundPlan:
             which = torch.searchsorted(local, flat, right=True) - 1
             sources.append(flat - local[which] + start[which])
         source = torch.cat(sources) if sources else torch.zeros(0, dtype=torch.long)
-        if source.numel() != total or (total and source.unique().numel() != total):
+        if source.numel() != total or not _is_permutation(source):
             return None
         perm = torch.empty_like(source)
         perm[source] = torch.arange(total)
