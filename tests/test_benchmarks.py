@@ -35,6 +35,7 @@ QUICK = [
     "bench_cuda",
     "bench_sam",
     "profile_cpu_iteration",
+    "bench_small_kernels",
 ]
 
 
@@ -55,6 +56,11 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert report["projection"]["max_abs_difference"] < 1e-8
     if name == "bench_memory":
         assert report["peak_ratio_to_training_step"]["train"] == 1.0
+    if name == "bench_small_kernels":
+        rows = report["models"]
+        assert [r["add_product_takes"] for r in rows["products"]] == ["bmm_then_add"] * 2
+        assert rows["write_back"]["tiny-vit"]["scatter_takes"] == "index_map"
+        assert all(len(r) == 4 for r in rows["geometry"].values())
     if name == "profile_cpu_iteration":
         row = report["models"]["tiny-vit"]
         assert {"plain", "adaptive", "inv", "mix"} <= set(row)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.manifolds import gl_quotient
+from geoopt_quotient.manifolds import _linalg, gl_quotient
 from geoopt_quotient.manifolds.tangent import CachedTangentSpace, TangentSpace
 from geoopt_quotient.models.layouts import head_columns, head_rows
 from geoopt_quotient.sharpness import plan as plan_module
@@ -104,6 +104,26 @@ def test_no_explicit_retraction_where_it_would_not_be_exact():
     generic = TangentSpace(manifold, x)  # the manifold's public methods only
     assert generic.retr_vjp(u, out) is None
     assert isinstance(space, CachedTangentSpace)
+
+
+@pytest.mark.parametrize("small", [True, False])
+@pytest.mark.parametrize("alpha", [1.0, -0.5])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_add_product_is_baddbmm_on_strided_views(small, alpha, in_place, monkeypatch):
+    monkeypatch.setattr(_linalg, "SMALL_PRODUCT_FLOPS", 1 << 30 if small else 0)
+    generator = torch.Generator().manual_seed(int(small) + 2 * int(in_place))
+    rows, cols, inner = 7, 3, 4
+    whole = torch.randn(5, 2 * rows, cols, dtype=torch.float64, generator=generator)
+    a = torch.randn(5, 2 * rows, inner, dtype=torch.float64, generator=generator)[:, :rows]
+    b = torch.randn(5, inner, cols, dtype=torch.float64, generator=generator)
+    base = whole[:, rows:]  # strided views, as the factors of a point are
+    before = base.clone()
+    out = base if in_place else torch.zeros_like(whole)[:, :rows]
+    expected = torch.baddbmm(base, a, b, alpha=alpha)
+    assert _linalg.add_product(out, base, a, b, alpha=alpha) is out
+    assert torch.allclose(out, expected, rtol=0, atol=16 * EPS64 * float(expected.abs().max()))
+    if not in_place:
+        assert torch.equal(base, before)
 
 
 @settings(max_examples=30, deadline=None)
@@ -277,6 +297,33 @@ def attention_plan(model, dim: int, heads: int, layers: int, shuffle: bool):
     return SymmetryPlan(groups).bind(model)
 
 
+@contextmanager
+def min_entries_per_piece(size: int):
+    saved, strided.MIN_ENTRIES_PER_PIECE = strided.MIN_ENTRIES_PER_PIECE, size
+    try:
+        yield
+    finally:
+        strided.MIN_ENTRIES_PER_PIECE = saved
+
+
+def test_strided_copies_are_used_where_the_pieces_are_large_enough(monkeypatch):
+    model = attention_model(8, 4, 2, seed=0)
+    plan = attention_plan(model, 8, 4, 2, shuffle=False)
+    base = dict(model.named_parameters())
+    points = [p.detach() for p in plan.gather(base)]
+    sources = [points[i] for i in plan._permutation[0]]
+    calls = []
+    monkeypatch.setattr(plan_module, "write_back", lambda *a: calls.append(a) or {})
+    assert plan._strided.entries_per_piece < strided.MIN_ENTRIES_PER_PIECE
+    assert not plan_module._fits(plan._strided, sources)
+    plan.scatter(points, base)
+    assert calls == []
+    with min_entries_per_piece(0):
+        assert plan_module._fits(plan._strided, sources)
+        plan.scatter(points, base)
+    assert len(calls) == 1
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     dim_heads=st.sampled_from([(4, 2), (6, 3), (6, 1), (8, 4)]),
@@ -297,7 +344,8 @@ def test_strided_write_back_is_the_index_map_forward_backward_and_twice(dim_head
         saved = plan.__dict__["_strided"]
         plan.__dict__["_strided"] = saved if use_strided else None
         try:
-            out = plan.scatter(leaves, base)
+            with min_entries_per_piece(0):
+                out = plan.scatter(leaves, base)
             loss = sum((torch.sin(out[n]) * weights[n]).sum() for n in out)
             grads = torch.autograd.grad(loss, leaves, create_graph=True)
             hvp = torch.autograd.grad(sum(g.pow(2).sum() for g in grads), leaves)

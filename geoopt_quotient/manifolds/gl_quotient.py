@@ -12,6 +12,7 @@ from geoopt.utils import size2shape
 
 from ._linalg import (
     Eigenbasis,
+    add_product,
     compute_dtype,
     eigenbasis_spd_product,
     gram,
@@ -470,7 +471,8 @@ class GLQuotient(Manifold):
     ) -> torch.Tensor:
         r""":math:`(\eta_G + G\Omega, \eta_H - H\Omega^\top)` as one tensor.
 
-        Without autograd each block is one ``baddbmm`` writing straight into the output:
+        Without autograd each block is one ``baddbmm`` writing straight into the output
+        (:func:`~geoopt_quotient.manifolds._linalg.add_product`):
         no intermediate products, no concatenation (the projection is bound by these
         :math:`(n + m) h^2` products and by the passes over its large operands).
         """
@@ -487,8 +489,8 @@ class GLQuotient(Manifold):
             return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
 
         omega = flat(omega)
-        torch.baddbmm(flat(u_g), flat(g), omega, out=out_g)
-        torch.baddbmm(flat(u_h), flat(h), omega.mT, alpha=-1, out=out_h)
+        add_product(out_g, flat(u_g), flat(g), omega)
+        add_product(out_h, flat(u_h), flat(h), omega.mT, alpha=-1)
         return out
 
     def projx(self, x: torch.Tensor) -> torch.Tensor:
@@ -604,8 +606,8 @@ class GLQuotient(Manifold):
             for o_f, x_f, u_f, f, (c_x, c_y) in zip(
                 self.factors(o_), self.factors(x_), self.factors(u_), (part.g, part.h), coefficients
             ):
-                torch.baddbmm(x_f, u_f, _eye_like(c_x) - 0.5 * c_x, out=o_f)
-                o_f.baddbmm_(f, c_y, alpha=-0.5)
+                add_product(o_f, x_f, u_f, _eye_like(c_x) - 0.5 * c_x)
+                add_product(o_f, o_f, f, c_y, alpha=-0.5)
 
         def pullback(c: torch.Tensor) -> torch.Tensor:
             if not self._can_fuse(st, c):
@@ -649,8 +651,8 @@ class GLQuotient(Manifold):
             (st.g, st.h), u_f, c_f, coefficients, bars
         ):
             result = c_k @ (_eye_like(c_x) - 0.5 * c_x.mT)
-            result.baddbmm_(f, m_bar + m_bar.mT, alpha=-0.5)
-            result.baddbmm_(u_k, b_bar + b_bar.mT, alpha=-0.5)
+            add_product(result, result, f, m_bar + m_bar.mT, alpha=-0.5)
+            add_product(result, result, u_k, b_bar + b_bar.mT, alpha=-0.5)
             c_k.copy_(result)
 
     def _coefficient_cotangents(

@@ -19,6 +19,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from ..manifolds import AdaptiveEuclidean
+from . import strided
 from .strided import StridedLayout, strided_layout, write_back
 
 __all__ = [
@@ -157,9 +158,10 @@ def _is_permutation(source: torch.Tensor) -> bool:
 
 
 def _fits(layout: StridedLayout, points: Sequence[torch.Tensor]) -> bool:
-    """Whether ``points`` have the layout's shapes and one dtype and device."""
+    """Whether ``points`` have the layout's shapes and one dtype and device, in pieces
+    large enough for strided copies to pay (:data:`strided.MIN_ENTRIES_PER_PIECE`)."""
     first = points[0]
-    return all(
+    return layout.entries_per_piece >= strided.MIN_ENTRIES_PER_PIECE and all(
         p.shape == shape and p.dtype == first.dtype and p.device == first.device
         for p, shape in zip(points, layout.source_shapes)
     )
@@ -292,10 +294,10 @@ class BoundPlan:
 
         The groups partition the trainable entries. Where every parameter is a few
         strided views of the points (:mod:`~geoopt_quotient.sharpness.strided`: the
-        layouts of real architectures), each is written with strided copies, forward
-        and backward; otherwise all indexed groups are written with one permutation of
-        their concatenated points (one gather forward, one scatter backward) instead of
-        a copy of the parameters per group.
+        layouts of real architectures) and the views are large enough to pay, each is
+        written with strided copies, forward and backward; otherwise all indexed groups
+        are written with one permutation of their concatenated points (one gather
+        forward, one scatter backward) instead of a copy of the parameters per group.
         """
         points = list(points)
         out = dict(params)
@@ -309,9 +311,9 @@ class BoundPlan:
             if isinstance(group, _WholeParameter):
                 out[group.param_names[0]] = point
         sources = [points[i] for i in indexed]
-        strided = self._strided
-        if strided is not None and _fits(strided, sources):
-            out.update(write_back(strided, sources))
+        layout = self._strided
+        if layout is not None and _fits(layout, sources):
+            out.update(write_back(layout, sources))
         elif indexed:
             joined = torch.cat([points[i].reshape(-1) for i in indexed])
             flat = joined.index_select(0, self._on_device(perm, joined.device))

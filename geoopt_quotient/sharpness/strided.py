@@ -29,6 +29,14 @@ __all__ = ["Piece", "StridedLayout", "affine_split", "strided_layout", "write_ba
 
 #: A parameter split into more pieces than this is left to the index map.
 MAX_PIECES_PER_PARAMETER = 64
+#: Layouts with fewer entries per piece, on average, are left to the index map: each
+#: piece costs a few Python-level tensor operations each way (about 12 us on a CPU),
+#: against about 3 ns per entry that the strided copy saves over the index map; so the
+#: two break even near 4,000 entries (``benchmarks/bench_small_kernels.py``, 1 thread: on
+#: the tiny ViT of ``reproduce transformers``, 600 entries a piece, strided 0.44 ms and
+#: index map 0.29 ms per write-back and its backward; on a 4-layer BERT of hidden size
+#: 256, 37,600 a piece, 3.7 ms against 7.1 ms).
+MIN_ENTRIES_PER_PIECE = 4096
 #: Dimensions of one piece's strided view at most (``as_strided`` handles any number;
 #: more means an irregular layout, for which the copy would be slow).
 MAX_DIMS = 8
@@ -61,6 +69,12 @@ class StridedLayout:
     shapes: Tuple[torch.Size, ...]
     pieces: Tuple[Tuple[Piece, ...], ...]
     source_shapes: Tuple[torch.Size, ...]
+
+    @property
+    def entries_per_piece(self) -> float:
+        """The mean size of a piece."""
+        pieces = sum(len(p) for p in self.pieces)
+        return sum(s.numel() for s in self.shapes) / max(pieces, 1)
 
     def to_parameters(self, points: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """New parameter tensors with the points' entries copied in (no autograd)."""
