@@ -60,8 +60,10 @@ def token_batch():
 
 @pytest.mark.parametrize("dtype", LOW)
 def test_low_precision_loss_warns_with_the_remedy(dtype):
-    with pytest.warns(UserWarning, match=rf"{str(dtype).split('.')[-1]} loss.*logits.float\(\)"):
-        gq.adaptive_sharpness(tiny(dtype), cross_entropy_loss, token_batch(), rho=0.05, iters=2)
+    name = str(dtype).split(".")[-1]
+    with pytest.warns(UserWarning, match=rf"{name} \(resolution .*\) parameters"):  # the model's
+        with pytest.warns(UserWarning, match=rf"{name} loss.*logits.float\(\)"):
+            gq.adaptive_sharpness(tiny(dtype), cross_entropy_loss, token_batch(), rho=0.05, iters=2)
 
 
 def test_float32_loss_of_a_low_precision_model_does_not_warn_about_the_loss():
