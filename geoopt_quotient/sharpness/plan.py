@@ -315,7 +315,7 @@ class BoundPlan:
         if layout is not None and _fits(layout, sources):
             out.update(write_back(layout, sources))
         elif indexed:
-            joined = torch.cat([points[i].reshape(-1) for i in indexed])
+            joined = torch.cat([p.reshape(-1) for p in sources])
             flat = joined.index_select(0, self._on_device(perm, joined.device))
             for name, shape, piece in zip(names, shapes, flat.split([s.numel() for s in shapes])):
                 out[name] = piece.view(shape)

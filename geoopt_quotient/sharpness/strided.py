@@ -19,6 +19,8 @@ copies each piece with one strided copy each way, and is differentiable to any o
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Dict, List, Sequence, Tuple
@@ -55,10 +57,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,9 @@ class StridedLayout:
     pieces: Tuple[Tuple[Piece, ...], ...]
     source_shapes: Tuple[torch.Size, ...]
 
-    @property
+    @functools.cached_property
     def entries_per_piece(self) -> float:
-        """The mean size of a piece."""
+        """The mean size of a piece (computed once: every write-back asks for it)."""
         pieces = sum(len(p) for p in self.pieces)
         return sum(s.numel() for s in self.shapes) / max(pieces, 1)
 
