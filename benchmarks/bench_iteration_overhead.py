@@ -5,11 +5,13 @@ per iteration. For each model this times, interleaved and repeated so that all s
 same machine load:
 
 - ``plain``: forward and backward over the batches, parameter gradients (a training
-  step without the optimizer);
+  step without the optimizer), ``--plain-passes`` times over (default: ``--iters``, so
+  that it runs about as long as a sharpness run and sees the same machine state);
 - ``adaptive``, ``inv``, ``mix``: a worst-case sharpness run of ``--iters`` Auto-PGD
   iterations over the same batches.
 
-It reports per-iteration times (run time / (iters x batches)), their ratio to ``plain``
+It reports per-iteration times (run time / (iters x batches); for ``plain``, time /
+(passes x batches)), their ratio to ``plain``
 (medians over ``--repeats``), the passes each run made per batch, and the run time per
 backward pass made relative to ``plain`` (``per_pass_ratio`` in the JSON), so that the
 overhead splits into extra passes and the rest (geometry, parameter swapping).
@@ -105,10 +107,11 @@ def bert_setup(name: str, quick: bool, batch_size: int, seq_len: int, n_batches:
     return model, batches, loss_fn
 
 
-def plain_pass(model, batches, loss_fn) -> None:
-    for batch in batches:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, batch).backward()
+def plain_pass(model, batches, loss_fn, passes: int = 1) -> None:
+    for _ in range(passes):
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -145,10 +148,11 @@ def bench_model(name: str, args) -> Dict[str, Any]:
             name, args.quick, args.bert_batch_size, args.seq_len, args.bert_batches
         )
     plans = {m: gq.find_symmetries(model, metric=m).bind(model) for m in ("inv", "mix")}
-    runs = {"plain": lambda: plain_pass(model, batches, loss_fn)}
+    plain_passes = args.plain_passes or args.iters
+    runs = {"plain": lambda: plain_pass(model, batches, loss_fn, plain_passes)}
     for measure in MEASURES:
         runs[measure] = lambda m=measure: sharpness_run(model, batches, loss_fn, m, plans, args)
-    runs["plain"]()  # warm-up: allocator, one-time initialisation
+    plain_pass(model, batches, loss_fn)  # warm-up: allocator, one-time initialisation
     for measure in MEASURES:
         sharpness_run(model, batches, loss_fn, measure, plans, args, iters=2)
     seconds: Dict[str, List[float]] = {k: [] for k in runs}
@@ -161,13 +165,14 @@ def bench_model(name: str, args) -> Dict[str, Any]:
             if key != "plain":
                 results[key] = out
     per_iteration = len(batches) * args.iters
-    plain = statistics.median(seconds["plain"]) / len(batches)
+    plain = statistics.median(seconds["plain"]) / (len(batches) * plain_passes)
     row: Dict[str, Any] = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "batches": len(batches),
         "batch_shape": list(batches[0][0].shape),
         "plain_ms": 1e3 * plain,
         "plain_seconds": seconds["plain"],
+        "plain_passes": plain_passes,
     }
     for measure in MEASURES:
         iteration = statistics.median(seconds[measure]) / per_iteration
@@ -258,7 +263,8 @@ def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="The ratio is (sharpness run time / (iters x batches)) / (plain time / batches).",
+        epilog="The ratio is (sharpness run time / (iters x batches)) / "
+        "(plain time / (plain passes x batches)).",
     )
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS)
@@ -266,6 +272,12 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--iters", type=int, default=20, help="Auto-PGD iterations (default 20)")
     parser.add_argument("--rho", type=float, default=0.1, help="ball radius (default 0.1)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
+    parser.add_argument(
+        "--plain-passes",
+        type=int,
+        default=0,
+        help="forward and backward passes per timing of the plain reference (default: --iters)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--vit-examples", type=int, default=512)
     parser.add_argument("--vit-batch-size", type=int, default=128)

@@ -13,7 +13,8 @@ each pair timed interleaved, medians of ``--repeats``:
   ``strided.MIN_ENTRIES_PER_PIECE`` entries per piece);
 - ``geometry``: one call of each fused GL(h) operation of an Auto-PGD evaluation at the
   tiny ViT's base point (retraction, its pullback, the Riemannian gradient in place,
-  the 3 x 3 Gram matrix), per group.
+  the 3 x 3 Gram matrix), per group, and on the two groups stacked into one batch as
+  the sharpness engine does (``geoopt_quotient.sharpness.fusion.fuse_quotients``).
 
     python benchmarks/bench_small_kernels.py --json small_kernels.json
     python benchmarks/bench_small_kernels.py --quick      # seconds, for CI
@@ -32,6 +33,8 @@ from bench_iteration_overhead import bert_setup, vit_setup, write_document
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
 from geoopt_quotient.sharpness import strided
+from geoopt_quotient.sharpness.apgd import BallGroup
+from geoopt_quotient.sharpness.fusion import fuse_quotients
 
 PRODUCT_SIZES = ((8, 33, 8), (12, 65, 16), (144, 65, 16), (8, 129, 32), (16, 257, 64), (4, 769, 64))
 
@@ -138,12 +141,24 @@ def geometry(repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
     plan = gq.find_symmetries(model, metric="inv").bind(model)
     params = {k: v.detach() for k, v in model.named_parameters()}
     generator = torch.Generator().manual_seed(0)
-    rows = {}
+    rows, groups = {}, []
     for group in plan.symmetric_groups:
         x = group.gather(params).detach().clone()
         space = group.manifold.tangent_space(x)
         rows[f"{group.kind} {tuple(x.shape)}"] = group_row(space, repeats, generator)
+        groups.append(BallGroup(x, group.manifold))
+    fused = fuse_quotients(groups)
+    for stacked in fused.groups[len(fused._kept) :]:
+        space = stacked.manifold.tangent_space(stacked.point)
+        rows[f"stacked {tuple(stacked.point.shape)}"] = group_row(space, repeats, generator)
     return rows
+
+
+def geometry_totals(rows: Dict[str, Dict[str, float]]) -> str:
+    separate = sum(sum(r.values()) for k, r in rows.items() if not k.startswith("stacked"))
+    stacked = sum(sum(r.values()) for k, r in rows.items() if k.startswith("stacked"))
+    line = f"  per evaluation, the four operations: groups one by one {separate:.0f}"
+    return line + (f", stacked {stacked:.0f}" if stacked else "")
 
 
 def product_line(row: Dict[str, Any]) -> str:
@@ -176,6 +191,7 @@ def format_report(report: Dict[str, Any]) -> str:
                 f"  {group}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items())
                 for group, row in rows["geometry"].items()
             ),
+            geometry_totals(rows["geometry"]),
         ]
     )
 

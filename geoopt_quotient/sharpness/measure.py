@@ -42,7 +42,7 @@ from .functional import (
     preserved_model_state,
     trainable_parameters,
 )
-from .fusion import fuse_elementwise
+from .fusion import fuse_groups
 from .plan import BoundPlan, SymmetryGroup, SymmetryPlan, discover_symmetries
 from .precision import AutocastState
 
@@ -175,7 +175,7 @@ def _measure(
         groups = _ball_groups(plan, points, path, norm)
         # the worst case's deterministic iterates allow it; average-case samples are
         # drawn group by group, and stay as they were
-        ball = fuse_elementwise(groups) if kind == "worst" else None
+        ball = fuse_groups(groups) if kind == "worst" else None
         if ball is not None:
             groups = ball.groups
 
