@@ -132,21 +132,23 @@ def _small(group: BallGroup) -> bool:
 
 
 def _elementwise_key(group: BallGroup) -> Tuple | None:
-    """Groups with equal keys can share one flat point; ``None``: never fused."""
+    """Groups with equal keys can share one flat point (the key starts with the function
+    that builds it); ``None``: never fused."""
     manifold = group.manifold
     if type(manifold) is not AdaptiveEuclidean or manifold.ndim != 0 or not _small(group):
         return None
-    return "flat", group.point.dtype, group.point.device, manifold.eps
+    return _flat_group, group.point.dtype, group.point.device, manifold.eps
 
 
 def _quotient_key(group: BallGroup) -> Tuple | None:
-    """Groups with equal keys can share one batch; ``None``: never fused."""
+    """Groups with equal keys can share one batch (the key starts with the function
+    that builds it); ``None``: never fused."""
     manifold = group.manifold
     if type(manifold) is not GLQuotient or not _small(group):
         return None
     point = group.point
     return (
-        "stacked",
+        _stacked_group,
         point.dtype,
         point.device,
         point.shape[-1],
@@ -196,17 +198,16 @@ def _stacked_group(groups: Sequence[BallGroup], members: List[int]) -> Tuple[Bal
     return BallGroup(stacked, manifold), fusion
 
 
-def _fuse(groups: Sequence[BallGroup], kinds: Sequence[Tuple[Callable, Callable]]) -> FusedBall:
-    """Each set of at least two groups with the same key of one of ``kinds`` (pairs of a
-    key function and a builder) merged into one group, up to :data:`MAX_FUSED_ENTRIES`."""
+def _fuse(groups: Sequence[BallGroup], keys: Sequence[Callable]) -> FusedBall:
+    """Each set of at least two groups with the same key (of the first of the key
+    functions ``keys`` that gives one) merged into one group by the builder the key
+    starts with, up to :data:`MAX_FUSED_ENTRIES` entries."""
     candidates: Dict[Tuple, List[int]] = {}
-    builders: Dict[Tuple, Callable] = {}
     for index, group in enumerate(groups):
-        for key_of, build in kinds:
+        for key_of in keys:
             key = key_of(group)
             if key is not None:
                 candidates.setdefault(key, []).append(index)
-                builders[key] = build
                 break
     fused, new_groups = [], []
     for key, members in candidates.items():
@@ -218,7 +219,8 @@ def _fuse(groups: Sequence[BallGroup], kinds: Sequence[Tuple[Callable, Callable]
                 total += size
         if len(chosen) < 2:
             continue
-        group, fusion = builders[key](groups, chosen)
+        build = key[0]
+        group, fusion = build(groups, chosen)
         new_groups.append(group)
         fused.append(fusion)
     merged = {i for f in fused for i in f.members}
@@ -226,15 +228,11 @@ def _fuse(groups: Sequence[BallGroup], kinds: Sequence[Tuple[Callable, Callable]
     return FusedBall([groups[i] for i in kept] + new_groups, kept, fused, len(groups))
 
 
-ELEMENTWISE = (_elementwise_key, _flat_group)
-QUOTIENT = (_quotient_key, _stacked_group)
-
-
 def fuse_elementwise(groups: Sequence[BallGroup]) -> FusedBall:
     """Fuse the small :class:`~geoopt_quotient.AdaptiveEuclidean` groups (element-wise
     metric, the ball's own path) that share dtype, device and :math:`\\varepsilon` into
     one flat group each. A set of fewer than two such groups is left alone."""
-    return _fuse(groups, [ELEMENTWISE])
+    return _fuse(groups, [_elementwise_key])
 
 
 def fuse_quotients(groups: Sequence[BallGroup]) -> FusedBall:
@@ -242,9 +240,9 @@ def fuse_quotients(groups: Sequence[BallGroup]) -> FusedBall:
     that share dtype, device, :math:`n`, :math:`h` and geometry (metric, ``eps``,
     retraction) into one batch each, the shorter :math:`H` padded with zero rows. A set
     of fewer than two such groups is left alone."""
-    return _fuse(groups, [QUOTIENT])
+    return _fuse(groups, [_quotient_key])
 
 
 def fuse_groups(groups: Sequence[BallGroup]) -> FusedBall:
     """Both fusions at once (:func:`fuse_elementwise` and :func:`fuse_quotients`)."""
-    return _fuse(groups, [ELEMENTWISE, QUOTIENT])
+    return _fuse(groups, [_elementwise_key, _quotient_key])
