@@ -36,6 +36,7 @@ QUICK = [
     "bench_sam",
     "profile_cpu_iteration",
     "bench_small_kernels",
+    "bench_compiled_update",
 ]
 
 
@@ -61,6 +62,14 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert [r["add_product_takes"] for r in rows["products"]] == ["bmm_then_add"] * 2
         assert rows["write_back"]["tiny-vit"]["scatter_takes"] == "index_map"
         assert all(len(r) == 4 for r in rows["geometry"].values())
+    if name == "bench_compiled_update":  # compiled where a C++ compiler is found
+        row = report["models"]["tiny-vit"]
+        assert {"eager gram", "eager combination + perturbed point"} <= set(row["seconds"])
+        if "compiled" in row:
+            assert row["compiled"].startswith("unavailable")
+        else:
+            assert row["gram_max_rel_difference"] < 1e-5
+            assert row["combination_max_rel_difference"] < 1e-5
     if name == "profile_cpu_iteration":
         row = report["models"]["tiny-vit"]
         assert {"plain", "adaptive", "inv", "mix"} <= set(row)

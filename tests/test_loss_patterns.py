@@ -21,6 +21,7 @@ import geoopt_quotient as gq
 from geoopt_quotient.sharpness.functional import (
     IndependentLossError,
     LossFnError,
+    PerturbedLoss,
     StaleParameterError,
 )
 
@@ -177,6 +178,26 @@ def test_tied_gpt2_embeddings(measure, single_thread):
     assert_same_values(actual, expected, f"tied GPT-2, {measure}")
     assert_bitwise_unchanged(model, before)
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_tied_weights_get_one_tensor_under_every_name():
+    """The perturbed tensor of a tied parameter replaces it under all its names; two
+    different tensors for one tied parameter are refused, not silently untied."""
+    model = tiny_gpt2()
+    seen = {}
+
+    def loss_fn(m, batch):
+        seen["head"], seen["embedding"] = m.lm_head.weight, m.transformer.wte.weight
+        return m.lm_head.weight.sum()
+
+    loss = PerturbedLoss(model, loss_fn)
+    perturbed = model.transformer.wte.weight.detach() + 1.0
+    loss({"transformer.wte.weight": perturbed}, None)
+    assert seen["head"] is perturbed and seen["embedding"] is perturbed
+    assert model.lm_head.weight is model.transformer.wte.weight
+    other = perturbed.clone()
+    with pytest.raises(ValueError, match="tied"):
+        loss({"transformer.wte.weight": perturbed, "lm_head.weight": other}, None)
 
 
 class Quadratic(torch.nn.Module):

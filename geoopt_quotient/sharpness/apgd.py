@@ -473,6 +473,7 @@ def _maximize(
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
     best_at_last_mark, step_halved_at_last_mark = value, True
+    spare = None  # an iterate left by a restart, for the next update to write into
     for k in range(iters):
         alpha = 1.0 if k == 0 else momentum
         # written over an input the update reads each entry of before writing it: the
@@ -482,7 +483,8 @@ def _maximize(
         elif rgrads is not best_rgrads:
             out = rgrads
         else:
-            out = _joint_buffer(xi)
+            out = spare if spare is not None else _joint_buffer(xi)
+        spare = None
         xi_next, grad_norm = _apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
         # alive while the objective runs: xi, the previous xi and the best xi
         xi_prev, xi, rgrads = xi, xi_next, None
@@ -511,6 +513,8 @@ def _maximize(
             if step_halved_at_last_mark:
                 step /= 2.0
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
+                    if keep and xi_prev is best_xi:  # no input of the next update is free
+                        spare = xi
                     xi, value, rgrads = best_xi, best_value, None
                     if keep:
                         rgrads = best_rgrads

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, Mapping
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 from torch.func import functional_call
@@ -94,7 +94,8 @@ class PerturbedLoss:
 
     ``PerturbedLoss(model, loss_fn)(params, batch)`` swaps ``params`` (name to tensor, as
     in ``model.named_parameters()``) into ``model`` with :func:`torch.func.functional_call`
-    (tied weights follow their tie), calls ``loss_fn(model, batch)`` and restores the
+    (tied weights follow their tie: a tensor goes under every name of its parameter,
+    found once), calls ``loss_fn(model, batch)`` and restores the
     original parameters on every exit. The first call also refuses a loss that uses one
     of the original parameters (:class:`StaleParameterError`), and warns when the loss is
     a bfloat16/float16 tensor.
@@ -105,17 +106,42 @@ class PerturbedLoss:
             raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
         self.model = model
         self._carrier = _Carrier(model, loss_fn)
+        self._aliases = _tied_aliases(model)
         self._first_call = True
 
     def __call__(self, params: Mapping[str, torch.Tensor], batch: Any) -> Any:
-        swapped = {f"model.{name}": tensor for name, tensor in params.items()}
+        swapped = self._under_every_name(params)
         if not self._first_call:
-            return functional_call(self._carrier, swapped, (batch,), strict=False)
+            return self._call(swapped, batch)
         with _StaleParameterGuard(self.model, params):
-            value = functional_call(self._carrier, swapped, (batch,), strict=False)
+            value = self._call(swapped, batch)
         self._first_call = False
         warn_if_low_precision_loss(value)
         return value
+
+    def _under_every_name(self, params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Each tensor under every name of its parameter (tied weights), as the carrier's
+        names: functional_call then need not search the model for ties at every call."""
+        swapped: Dict[str, torch.Tensor] = {}
+        for name, tensor in params.items():
+            for alias in self._aliases.get(name, (name,)):
+                if swapped.setdefault(f"model.{alias}", tensor) is not tensor:
+                    raise ValueError(
+                        f"{name!r} and {alias!r} are one parameter in the model (tied), "
+                        "but got different tensors"
+                    )
+        return swapped
+
+    def _call(self, swapped: Dict[str, torch.Tensor], batch: Any) -> Any:
+        return functional_call(self._carrier, swapped, (batch,), strict=False, tie_weights=False)
+
+
+def _tied_aliases(model: torch.nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """For each parameter registered under several names (tied weights), all its names."""
+    names_of: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return {name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names}
 
 
 class _StaleParameterGuard(TorchFunctionMode):
