@@ -731,3 +731,19 @@ def test_relaxed_geometry_is_finite_and_horizontal_at_rank_deficient_points(metr
     for name in ("egrad2rgrad", "christoffel", "retr"):
         assert torch.isfinite(getattr(manifold, name)(x, u)).all(), name
     assert torch.isfinite(manifold.expmap(x, 0.1 * p, steps=4)).all()
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_geodesic_through_a_rank_loss_raises_the_domain_error(metric):
+    """An RK4 stage at which a factor loses rank (here: one column of both factors exactly
+    zero at the first midpoint) raises GeodesicDomainError, as a rank loss found at the
+    end does, not the LinAlgError of inverting its failed Cholesky factor."""
+    from geoopt_quotient import GeodesicDomainError
+
+    manifold = GLQuotient(n=3, m=3, metric=metric)
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u = torch.zeros_like(x)
+    u[:, 1] = -2 * x[:, 1]  # x + u / 2, the first midpoint with dt = 1, has a zero column
+    with pytest.raises(GeodesicDomainError, match="lost rank"):
+        manifold.expmap(x, u, steps=1)
+    assert torch.isfinite(manifold.expmap(x, 0.1 * u, steps=8)).all()

@@ -696,13 +696,16 @@ class GLQuotient(Manifold):
         def rhs(p: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
             return v, -self._christoffel(PointState(self, p, failures), v)
 
-        for _ in range(steps):
-            k1p, k1v = rhs(pos, vel)
-            k2p, k2v = rhs(pos + 0.5 * dt * k1p, vel + 0.5 * dt * k1v)
-            k3p, k3v = rhs(pos + 0.5 * dt * k2p, vel + 0.5 * dt * k2v)
-            k4p, k4v = rhs(pos + dt * k3p, vel + dt * k3v)
-            pos = pos + dt / 6 * (k1p + 2 * k2p + 2 * k3p + k4p)
-            vel = vel + dt / 6 * (k1v + 2 * k2v + 2 * k3v + k4v)
+        try:
+            for _ in range(steps):
+                k1p, k1v = rhs(pos, vel)
+                k2p, k2v = rhs(pos + 0.5 * dt * k1p, vel + 0.5 * dt * k1v)
+                k3p, k3v = rhs(pos + 0.5 * dt * k2p, vel + 0.5 * dt * k2v)
+                k4p, k4v = rhs(pos + dt * k3p, vel + dt * k3v)
+                pos = pos + dt / 6 * (k1p + 2 * k2p + 2 * k3p + k4p)
+                vel = vel + dt / 6 * (k1v + 2 * k2v + 2 * k3v + k4v)
+        except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
+            raise _integration_error(steps) from error
         self._check_integration(x, u, pos, vel, steps, failures)
         return pos, vel
 
@@ -722,11 +725,7 @@ class GLQuotient(Manifold):
             ]
             ok = bool(torch.stack(checks).all())
         if not ok:
-            raise GeodesicDomainError(
-                f"the geodesic integration broke down ({steps} RK4 steps): it left the "
-                "manifold (a factor lost rank) or the steps are too long for this vector; "
-                "use a shorter tangent vector (e.g. a smaller rho) or more `steps`"
-            )
+            raise _integration_error(steps)
 
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Vector transport: horizontal projection at ``y`` (GL-equivariant)."""
@@ -797,3 +796,11 @@ class GLQuotient(Manifold):
         """Spectral condition number of a batch of matrices (a test utility)."""
         s = torch.linalg.svdvals(a)
         return s[..., 0] / s[..., -1]
+
+
+def _integration_error(steps: int) -> GeodesicDomainError:
+    return GeodesicDomainError(
+        f"the geodesic integration broke down ({steps} RK4 steps): it left the "
+        "manifold (a factor lost rank) or the steps are too long for this vector; "
+        "use a shorter tangent vector (e.g. a smaller rho) or more `steps`"
+    )
