@@ -536,22 +536,12 @@ class GLQuotient(Manifold):
         return self._christoffel(PointState(self, x), u)
 
     def _christoffel(self, st: PointState, u: torch.Tensor) -> torch.Tensor:
-        g, h = st.g, st.h
+        r""":math:`\Gamma_F = \xi_F X_F + F Y_F` per factor, with the coefficients of
+        :meth:`_christoffel_coefficients` (those the fused retraction uses)."""
         u_g, u_h = self.factors(u.to(st.dtype))
-        s_g_inv, s_h_inv = st.inverses
-        if self.metric == "inv":
-            gamma_g = self._christoffel_inv_block(g, u_g, s_g_inv)
-            gamma_h = self._christoffel_inv_block(h, u_h, s_h_inv)
-        else:
-            gamma_g = (u_g @ (2 * sym(u_h.mT @ h)) - g @ (u_h.mT @ u_h)) @ s_h_inv
-            gamma_h = (u_h @ (2 * sym(u_g.mT @ g)) - h @ (u_g.mT @ u_g)) @ s_g_inv
+        (x_g, y_g), (x_h, y_h) = self._christoffel_coefficients(st, u_g, u_h)
+        gamma_g, gamma_h = u_g @ x_g + st.g @ y_g, u_h @ x_h + st.h @ y_h
         return torch.cat((gamma_g, gamma_h), dim=-2).to(u.dtype)
-
-    @staticmethod
-    def _christoffel_inv_block(
-        f: torch.Tensor, u: torch.Tensor, s_inv: torch.Tensor
-    ) -> torch.Tensor:
-        return -(u @ s_inv) @ (2 * sym(u.mT @ f)) + (f @ s_inv) @ (u.mT @ u)
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""Second-order retraction :math:`X + \xi - \tfrac12 \Gamma_X(\xi, \xi)`.
