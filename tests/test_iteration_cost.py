@@ -463,23 +463,3 @@ def test_iterates_reuse_their_buffers(keep, most):
         apgd._joint_buffer = original
     assert result.gradients >= 40
     assert len(allocations) <= most
-
-
-@settings(max_examples=20, deadline=None)
-@given(
-    metric=st.sampled_from(["inv", "mix"]),
-    dtype=st.sampled_from([torch.float64, torch.float32]),
-    seed=st.integers(0, 2**16),
-)
-def test_gl_quotient_gram_is_the_matrix_of_inner_products(metric, dtype, seed):
-    from geoopt_quotient.manifolds.tangent import TangentSpace
-
-    generator = torch.Generator().manual_seed(seed)
-    manifold = gq.GLQuotient(6, 5, metric)
-    space = manifold.tangent_space(manifold.random(3, 11, 2, dtype=dtype))
-    vectors = [space.random(generator) for _ in range(3)]
-    gram, pairwise = space.gram(vectors), TangentSpace.gram(space, vectors)
-    scale = float(pairwise.diagonal().max())
-    assert gram.dtype == torch.float64
-    assert torch.allclose(gram, pairwise, rtol=0, atol=256 * torch.finfo(dtype).eps * scale)
-    assert torch.equal(gram, gram.mT)
