@@ -33,8 +33,8 @@ import time
 from typing import Any, Callable, Dict, List
 
 import torch
+from _timing import interleaved, medians
 from bench_iteration_overhead import bert_setup, vit_setup, write_document
-from bench_small_kernels import interleaved
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
@@ -127,7 +127,7 @@ def measure(model: torch.nn.Module, repeats: int) -> Dict[str, Any]:
         )
         steps["compiled gram"] = gram
         steps["compiled combination + perturbed point"] = combine
-    row["seconds"] = interleaved(steps, repeats, number=1)
+    row["seconds"] = medians(interleaved(steps, repeats))
     return row
 
 

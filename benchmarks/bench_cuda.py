@@ -98,7 +98,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import torch
-from bench_geometry import interleaved, sync
+from _timing import interleaved, sync
 from bench_sharpness_iteration import build_model as build_bert
 
 import geoopt_quotient as gq
@@ -677,7 +677,7 @@ def compile_unit(run: Run, case: Case, metric: str, scope: str) -> Dict[str, Any
                 "compiled": lambda: compiled(egrads, tangents),
             },
             args.compile_repeats,
-            args.device,
+            device=args.device,
         )
     eager, fast = (statistics.median(times[k]) for k in ("eager", "compiled"))
     plain = (lookup(run.report, "bert-base", "float32", PLAIN) or {}).get("seconds_per_iteration")

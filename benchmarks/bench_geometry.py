@@ -22,13 +22,12 @@ import argparse
 import functools
 import json
 import platform
-import statistics
-import time
-from typing import Callable, Dict, List
+from typing import List
 
 import numpy as np
 import scipy.linalg
 import torch
+from _timing import interleaved, medians
 
 from geoopt_quotient import GLQuotient
 
@@ -44,35 +43,6 @@ def scipy_loop_projection(x: np.ndarray, u: np.ndarray, n: int) -> np.ndarray:
         out[i, :n] = ug + g @ omega
         out[i, n:] = uh - h @ omega.T
     return out
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def interleaved(
-    fns: Dict[str, Callable[[], object]], repeats: int, device: str, settle: float = 0.0
-) -> Dict[str, List[float]]:
-    """Times of ``fns`` run in turn, ``repeats`` rounds, after one warm-up call each.
-
-    ``settle`` seconds of pause precede every timed call. Torch (OpenMP) and NumPy
-    (OpenBLAS) keep their idle worker threads spinning on the cores for a while after a
-    call; without the pause each side is timed while the other's threads still compete
-    for the same cores (on 2 cores this slowed the batched projection by ~25%).
-    """
-    for fn in fns.values():  # warm-up
-        fn()
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            time.sleep(settle)
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def projection_vs_scipy(
@@ -108,10 +78,10 @@ def projection_vs_scipy(
             "scipy_loop": lambda: scipy_loop_projection(xn, un, n),
         },
         repeats,
-        device,
-        settle,
+        device=device,
+        settle=settle,
     )
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(times)
     return {
         "pairs": pairs,
         "n": n,
@@ -142,12 +112,9 @@ def scaling(heads_list: List[int], h_list: List[int], n: int, repeats: int, devi
                         for name in ("proju", "egrad2rgrad", "retr")
                     },
                     repeats,
-                    device,
+                    device=device,
                 )
-                rows.append(
-                    {"metric": metric, "heads": heads, "h": h, "n": n}
-                    | {k: statistics.median(v) for k, v in times.items()}
-                )
+                rows.append({"metric": metric, "heads": heads, "h": h, "n": n} | medians(times))
     return rows
 
 

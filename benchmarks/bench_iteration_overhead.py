@@ -49,7 +49,11 @@ MEASURES = ("adaptive", "inv", "mix")
 
 
 def vit_setup(quick: bool, batch_size: int, examples: int):
-    from geoopt_quotient.population.digits import Hyperparameters, build_vit, load_digits_split
+    from geoopt_quotient.experiments.population.digits import (
+        Hyperparameters,
+        build_vit,
+        load_digits_split,
+    )
 
     hp = Hyperparameters(
         hidden_size=32,

@@ -23,34 +23,19 @@ each pair timed interleaved, medians of ``--repeats``:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict
 
 import torch
+from _timing import interleaved, medians
 from bench_iteration_overhead import bert_setup, vit_setup, write_document
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
-from geoopt_quotient.sharpness import strided
 from geoopt_quotient.sharpness.apgd import BallGroup
 from geoopt_quotient.sharpness.fusion import fuse_quotients
+from geoopt_quotient.symmetry import strided
 
 PRODUCT_SIZES = ((8, 33, 8), (12, 65, 16), (144, 65, 16), (8, 129, 32), (16, 257, 64), (4, 769, 64))
-
-
-def interleaved(fns: Dict[str, Callable[[], Any]], repeats: int, number: int) -> Dict[str, float]:
-    """Median seconds per call of each of ``fns``, timed in turn ``repeats`` times."""
-    for fn in fns.values():
-        fn()
-    seconds: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            seconds[key].append((time.perf_counter() - start) / number)
-    return {k: statistics.median(v) for k, v in seconds.items()}
 
 
 def product_row(heads: int, n: int, h: int, repeats: int) -> Dict[str, Any]:
@@ -59,13 +44,15 @@ def product_row(heads: int, n: int, h: int, repeats: int) -> Dict[str, Any]:
     b = torch.randn(heads, h, h)
     out = x[:, :n]
     flops = n * h * h
-    times = interleaved(
-        {
-            "baddbmm": lambda: out.baddbmm_(a, b, alpha=-0.5),
-            "bmm_then_add": lambda: out.add_(torch.bmm(a, b), alpha=-0.5),
-        },
-        repeats,
-        number=max(5, int(4e6 // (heads * flops + 10_000))),
+    times = medians(
+        interleaved(
+            {
+                "baddbmm": lambda: out.baddbmm_(a, b, alpha=-0.5),
+                "bmm_then_add": lambda: out.add_(torch.bmm(a, b), alpha=-0.5),
+            },
+            repeats,
+            number=max(5, int(4e6 // (heads * flops + 10_000))),
+        )
     )
     small = flops <= _linalg.SMALL_PRODUCT_FLOPS
     return {
@@ -103,8 +90,10 @@ def write_back(name: str, repeats: int, quick: bool) -> Dict[str, Any]:
         torch.autograd.backward([out[n] for n in names], cotangents, inputs=leaves)
 
     number = 50 if name == "tiny-vit" else 3
-    times = interleaved(
-        {"strided": lambda: run(True), "index_map": lambda: run(False)}, repeats, number
+    times = medians(
+        interleaved(
+            {"strided": lambda: run(True), "index_map": lambda: run(False)}, repeats, number=number
+        )
     )
     plan.__dict__["_strided"] = layout
     per_piece = layout.entries_per_piece if layout is not None else None
@@ -123,15 +112,17 @@ def group_row(space, repeats: int, generator: torch.Generator) -> Dict[str, floa
     cotangent, out = torch.randn_like(x), torch.empty_like(x)
     _, pullback = space.retr_vjp(u, out)
     buffer = cotangent.clone()
-    times = interleaved(
-        {
-            "retraction": lambda: space.retr_vjp(u, out),
-            "pullback": lambda: pullback(buffer),
-            "riemannian_gradient": lambda: space.egrad2rgrad_(buffer),
-            "gram_3x3": lambda: space.gram([u, v, cotangent]),
-        },
-        repeats,
-        number=100,
+    times = medians(
+        interleaved(
+            {
+                "retraction": lambda: space.retr_vjp(u, out),
+                "pullback": lambda: pullback(buffer),
+                "riemannian_gradient": lambda: space.egrad2rgrad_(buffer),
+                "gram_3x3": lambda: space.gram([u, v, cotangent]),
+            },
+            repeats,
+            number=100,
+        )
     )
     return {k: 1e6 * t for k, t in times.items()}
 

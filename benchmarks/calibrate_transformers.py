@@ -1,7 +1,7 @@
 """What the radii of ``reproduce transformers`` mean, in terms of ``calibrate_rho``.
 
 Trains a few digits ViTs exactly as ``geoopt-quotient reproduce transformers`` does
-(``geoopt_quotient.population.digits``: the same seeded split and hyper-parameter draws,
+(``geoopt_quotient.experiments.population.digits``: the same seeded split and hyper-parameter draws,
 models 0, 1, 2, ... of the population) and, on the study's sharpness batches (the first
 ``--max-examples`` training images in batches of ``--batch-size``, ``--iters`` Auto-PGD
 iterations, seed 0, second-order path), measures per model and measure:
@@ -33,9 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from geoopt_quotient import adaptive_sharpness, calibrate_rho, find_symmetries, geodesic_sharpness
-from geoopt_quotient.classifiers import classification_loss
 from geoopt_quotient.cli.reproduce.transformers import DEFAULTS
-from geoopt_quotient.population.digits import (
+from geoopt_quotient.experiments.classifiers import classification_loss
+from geoopt_quotient.experiments.population.digits import (
     DigitsSplit,
     load_digits_split,
     sample_hyperparameters,

@@ -3,7 +3,7 @@
 A Hugging Face ``ViTForImageClassification`` (2x2 patches, 16 patch tokens and a class
 token, ``--layers`` layers of ``--heads`` heads, width ``--hidden``; random weights,
 nothing is downloaded) is trained from scratch on scikit-learn's digits (800 training
-and 997 test images, the split of ``geoopt_quotient.population.digits``) with four
+and 997 test images, the split of ``geoopt_quotient.experiments.population.digits``) with four
 optimizers that share everything but the ascent step:
 
 * ``sgd``: ``torch.optim.SGD`` with momentum (the base optimizer of the three others);
@@ -57,14 +57,14 @@ from transformers import ViTConfig, ViTForImageClassification
 from transformers.utils import logging as hf_logging
 
 import geoopt_quotient as gq
-from geoopt_quotient.optim import GeodesicSAM
-from geoopt_quotient.population.digits import (
+from geoopt_quotient.experiments.population.digits import (
     IMAGE_SIZE,
     NUM_CLASSES,
     PATCH_SIZE,
     DigitsSplit,
     load_digits_split,
 )
+from geoopt_quotient.optim import GeodesicSAM
 
 METHODS = ("sgd", "sam", "asam", "geodesic")
 BALL = {"sam": "euclidean", "asam": "adaptive", "geodesic": "geodesic"}

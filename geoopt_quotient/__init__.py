@@ -1,17 +1,27 @@
 """geoopt-quotient: quotient geometry of neural-network symmetries, and sharpness it can't fool.
 
 ``import geoopt_quotient`` imports nothing heavy (not even torch): every name below and
-every subpackage (:mod:`~geoopt_quotient.manifolds`, :mod:`~geoopt_quotient.sharpness`,
-:mod:`~geoopt_quotient.nn`, :mod:`~geoopt_quotient.optim`, ...) is imported on first
-attribute access (``gq.GLQuotient``, ``gq.nn.FactorizedLinear``). Any of them also
-imports :mod:`~geoopt_quotient.models`, which installs the symmetry discovery that the
-sharpness functions use for ``symmetries=None``.
+every subpackage is imported on first attribute access (``gq.GLQuotient``,
+``gq.nn.FactorizedLinear``). The library's layers, each importing only those below it:
+
+* :mod:`~geoopt_quotient.manifolds`: the quotient geometries (Geoopt manifolds);
+* :mod:`~geoopt_quotient.symmetry`: symmetry plans and their discovery in real models;
+* :mod:`~geoopt_quotient.sharpness`: the engine (Auto-PGD in a ball, sharpness, Hessian);
+* :mod:`~geoopt_quotient.nn`, :mod:`~geoopt_quotient.optim`,
+  :mod:`~geoopt_quotient.testing`: layers, optimizers, the testing kit;
+* :mod:`~geoopt_quotient.experiments` and :mod:`~geoopt_quotient.cli`: the paper's
+  experiments and the command line, on top (their figures and data sets need the
+  ``experiments`` extra).
 """
 
 import importlib
 from typing import Any, Dict, List
 
+from . import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()
 
 #: Top-level names, and the subpackage each is imported from on first access.
 EXPORTS: Dict[str, str] = {
@@ -19,18 +29,25 @@ EXPORTS: Dict[str, str] = {
         ("AdaptiveEuclidean", "DiagonalQuotient", "GeodesicDomainError", "GLQuotient"),
         "manifolds",
     ),
-    **dict.fromkeys(("SymmetryVerificationError", "find_symmetries"), "models"),
+    **dict.fromkeys(
+        (
+            "BoundPlan",
+            "PlanError",
+            "SymmetryGroup",
+            "SymmetryPlan",
+            "SymmetryVerificationError",
+            "find_symmetries",
+        ),
+        "symmetry",
+    ),
     **dict.fromkeys(
         (
             "BallGroup",
             "IndependentLossError",
             "LossFnError",
             "NonFiniteError",
-            "PlanError",
             "SharpnessResult",
             "StaleParameterError",
-            "SymmetryGroup",
-            "SymmetryPlan",
             "ZeroSharpnessWarning",
             "adaptive_sharpness",
             "average_in_ball",
@@ -49,32 +66,30 @@ EXPORTS: Dict[str, str] = {
 #: Subpackages imported on first access as attributes of the package.
 SUBMODULES = (
     "cli",
-    "classifiers",
-    "diagonal",
-    "io",
+    "experiments",
     "manifolds",
-    "models",
     "nn",
     "optim",
-    "population",
-    "records",
     "sharpness",
+    "symmetry",
     "testing",
 )
+
+#: Old subpackage and module names, still reachable as attributes (with a FutureWarning).
+MOVED = tuple(old.rpartition(".")[2] for old in _moved.MOVED_MODULES if old.count(".") == 1)
 
 __all__ = sorted(EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name in EXPORTS:
-        importlib.import_module(f"{__name__}.models")  # installs the discovery
         value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
-    elif name in SUBMODULES:
-        importlib.import_module(f"{__name__}.models")
+    elif name in SUBMODULES or name in MOVED:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
+    if name not in MOVED:
+        globals()[name] = value
     return value
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-import geoopt_quotient.sharpness.plan as plan_module
+import geoopt_quotient.sharpness.measure as measure_module
 from geoopt_quotient.sharpness import CalibrationError, RhoEvaluation, calibrate_rho
 
 #: Agreement asked of a calibration with the default ``rtol`` (0.01).
@@ -141,14 +141,13 @@ def test_symmetries_are_discovered_once(
     single_thread, tiny_transformer, token_batches, monkeypatch
 ):
     calls = []
-    discovery = plan_module._discovery
-    assert discovery is not None  # installed by geoopt_quotient.models
+    discovery = measure_module.find_symmetries
 
     def counting(model, **kwargs):
         calls.append(kwargs)
         return discovery(model, **kwargs)
 
-    monkeypatch.setattr(plan_module, "_discovery", counting)
+    monkeypatch.setattr(measure_module, "find_symmetries", counting)
     _, history = calibrate_rho(
         tiny_transformer,
         cross_entropy_loss,

@@ -18,7 +18,7 @@ from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier  # noqa: E402
 from geoopt_quotient.cli import build_parser, main  # noqa: E402
 from geoopt_quotient.cli import sharpness as sharpness_cli  # noqa: E402
 from geoopt_quotient.cli._runtime import radii_from_args  # noqa: E402
-from geoopt_quotient.population import StudySettings  # noqa: E402
+from geoopt_quotient.experiments.population import StudySettings  # noqa: E402
 
 WORDS = TINY_BERT_WORDS
 TEXTS = [
@@ -230,7 +230,7 @@ def test_library_loader_reports_data_that_is_not_text(checkpoint, tmp_path):
     """The same check in :func:`load_examples` itself, for callers outside the CLI."""
     import transformers
 
-    from geoopt_quotient.classifiers import InputError, load_examples
+    from geoopt_quotient.experiments.classifiers import InputError, load_examples
 
     binary = tmp_path / "data.jsonl"
     binary.write_bytes(b'{"text": "the cat", "label": 0}\n\x89PNG\x00\xff\n')

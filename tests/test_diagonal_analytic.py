@@ -1,9 +1,10 @@
 """Closed-form worst-case sharpness of diagonal networks against Auto-PGD and brute force.
 
 Instances have orthonormal columns (``X^T X = I``), where the loss is
-``|beta - beta*|^2 + const`` and the worst cases of :mod:`geoopt_quotient.diagonal.analytic`
-are exact. Also: invariance of the sharpness measures under ``(alpha u, v / alpha)``,
-and the data and training of the experiment.
+``|beta - beta*|^2 + const`` and the worst cases of
+:mod:`geoopt_quotient.experiments.diagonal.analytic` are exact. Also: invariance of the
+sharpness measures under ``(alpha u, v / alpha)``, and the data and training of the
+experiment.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geoopt_quotient import AdaptiveEuclidean, BallGroup, DiagonalQuotient, maximize_in_ball
-from geoopt_quotient.diagonal import analytic
-from geoopt_quotient.diagonal.data import (
+from geoopt_quotient.experiments.diagonal import analytic
+from geoopt_quotient.experiments.diagonal.data import (
     l1_statistical_dimension,
     make_sparse_regression,
     recovery_threshold,
 )
-from geoopt_quotient.diagonal.experiment import mix_geodesic_path
-from geoopt_quotient.diagonal.train import (
+from geoopt_quotient.experiments.diagonal.experiment import mix_geodesic_path
+from geoopt_quotient.experiments.diagonal.train import (
     initial_points,
     sample_hyperparameters,
     step_sizes_for,

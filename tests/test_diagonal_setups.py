@@ -9,17 +9,21 @@ import pytest
 import torch
 
 from geoopt_quotient.cli import main
-from geoopt_quotient.diagonal import experiment
-from geoopt_quotient.diagonal.data import make_sparse_regression
-from geoopt_quotient.diagonal.experiment import _measure_groups, measure_names, run_diagonal
-from geoopt_quotient.diagonal.train import (
+from geoopt_quotient.experiments.diagonal import experiment
+from geoopt_quotient.experiments.diagonal.data import make_sparse_regression
+from geoopt_quotient.experiments.diagonal.experiment import (
+    _measure_groups,
+    measure_names,
+    run_diagonal,
+)
+from geoopt_quotient.experiments.diagonal.train import (
     sample_hyperparameters,
     sample_step_size_hyperparameters,
     step_sizes_for,
     train_population,
     train_schedule_population,
 )
-from geoopt_quotient.records import RecordFile
+from geoopt_quotient.experiments.records import RecordFile
 from geoopt_quotient.sharpness.apgd import maximize_in_ball
 
 TINY = dict(models=6, dim=16, iters=3, progress=False)

@@ -32,7 +32,7 @@ from geoopt_quotient import (  # noqa: E402
     find_symmetries,
     geodesic_sharpness,
 )
-from geoopt_quotient.models import SymmetryVerificationError, linear_attention_pairs  # noqa: E402
+from geoopt_quotient.symmetry import SymmetryVerificationError, linear_attention_pairs  # noqa: E402
 
 pytestmark = pytest.mark.on_device
 
@@ -442,7 +442,7 @@ def test_rotary_qk_is_not_general_gl_but_the_commuting_subgroup_is():
         (f"{path}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
     )
     (qk,) = linear_attention_pairs(path, projections, 4, 4, num_kv_heads=2, value_output=False)
-    from geoopt_quotient.models import stack_pairs
+    from geoopt_quotient.symmetry import stack_pairs
 
     (group,) = stack_pairs([qk], "mix", 0.0)
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg, gl_quotient
 from geoopt_quotient.manifolds.tangent import CachedTangentSpace, TangentSpace
-from geoopt_quotient.models.layouts import head_columns, head_rows
-from geoopt_quotient.sharpness import plan as plan_module
-from geoopt_quotient.sharpness import strided
 from geoopt_quotient.sharpness.apgd import maximize_in_ball
-from geoopt_quotient.sharpness.plan import SymmetryGroup, SymmetryPlan
+from geoopt_quotient.symmetry import plan as plan_module
+from geoopt_quotient.symmetry import strided
+from geoopt_quotient.symmetry.layouts import head_columns, head_rows
+from geoopt_quotient.symmetry.plan import SymmetryGroup, SymmetryPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -21,17 +21,17 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from geoopt_quotient.classifiers import InputError
 from geoopt_quotient.cli import main
-from geoopt_quotient.models import find_symmetries
-from geoopt_quotient.models.images import read_image_folder, sample_indices
-from geoopt_quotient.models.model_soups import (
+from geoopt_quotient.experiments.classifiers import InputError
+from geoopt_quotient.experiments.images import read_image_folder, sample_indices
+from geoopt_quotient.experiments.model_soups import (
     CLIPVisionArchitecture,
     ModelSoupsClassifier,
     infer_architecture,
     load_model_soups_checkpoint,
     model_soups_key_shapes,
 )
+from geoopt_quotient.symmetry import find_symmetries
 
 SMALL = dict(width=128, layers=2, patch=8, image=32, embed=64, classes=3)
 VIT_B32 = dict(width=768, layers=12, patch=32, image=224, embed=512, classes=1000)

@@ -1,4 +1,4 @@
-"""The package's namespace: lazy subpackages, discovery installed for the engine."""
+"""The package's namespace: lazy subpackages, the engine's discovery, moved paths, extras."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import geoopt_quotient as gq
-from geoopt_quotient.sharpness import plan as plan_module
+from geoopt_quotient.sharpness import measure as measure_module
 
-LAZY = ("nn", "optim", "testing", "population")
+LAZY = ("nn", "optim", "testing", "experiments")
 
 
 def test_subpackages_load_on_first_attribute_access():
@@ -19,7 +20,7 @@ def test_subpackages_load_on_first_attribute_access():
         f"lazy = {LAZY!r}\n"
         "assert not [n for n in lazy if 'geoopt_quotient.' + n in sys.modules], sys.modules\n"
         "gq.nn.FactorizedLinear, gq.optim.GeodesicSAM, gq.testing.assert_invariant\n"
-        "gq.population.run_population\n"
+        "gq.experiments.population.run_population\n"
         "assert all('geoopt_quotient.' + n in sys.modules for n in lazy)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -41,7 +42,8 @@ def test_import_loads_nothing_heavy():
         "import sys, geoopt_quotient\n"
         "heavy = ['torch', 'geoopt', 'numpy', 'scipy', 'transformers', 'matplotlib']\n"
         "assert not [m for m in heavy if m in sys.modules], sorted(sys.modules)\n"
-        "assert not [m for m in sys.modules if m.startswith('geoopt_quotient.')]\n"
+        "loaded = [m for m in sys.modules if m.startswith('geoopt_quotient.')]\n"
+        "assert loaded == ['geoopt_quotient._moved'], loaded  # the finder of moved paths\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -52,22 +54,83 @@ def test_every_export_is_reachable_and_listed():
         assert name in dir(gq)
 
 
-def test_engine_uses_the_installed_discovery(monkeypatch):
-    find_symmetries = gq.find_symmetries  # importing models installs it
-    assert plan_module._discovery is find_symmetries
-    monkeypatch.setattr(plan_module, "_discovery", None)
-    monkeypatch.setattr(plan_module, "DISCOVERY_ENTRY_POINTS", "no.such.group")
-    with pytest.raises(gq.PlanError, match="symmetries=None"):
-        plan_module.discover_symmetries(object(), metric="mix", eps=0.0)
+def test_engine_discovers_with_find_symmetries(monkeypatch):
+    """``symmetries=None`` asks :func:`find_symmetries`, with the measure's metric and eps."""
+    calls = []
+
+    def spy(model, **kwargs):
+        calls.append(kwargs)
+        return gq.SymmetryPlan([])
+
+    monkeypatch.setattr(measure_module, "find_symmetries", spy)
+    measure_module.resolve_plan(torch.nn.Linear(2, 2), None, "inv", 0.25)
+    assert calls == [{"metric": "inv", "eps": 0.25}]
 
 
-def test_engine_alone_loads_the_discovery_from_its_entry_point():
+def test_engine_alone_discovers_the_symmetries():
     code = (
         "import sys, torch\n"
-        "from geoopt_quotient.sharpness import geodesic_sharpness, plan\n"
-        "assert 'geoopt_quotient.models' not in sys.modules\n"
-        "found = plan.discover_symmetries(torch.nn.MultiheadAttention(8, 2), metric='mix', "
-        "eps=0.0)\n"
-        "assert len(found.groups) == 2, found\n"
+        "from geoopt_quotient.sharpness import measure\n"
+        "bound = measure.resolve_plan(torch.nn.MultiheadAttention(8, 2), None, 'mix')\n"
+        "assert len(bound.symmetric_groups) == 2, bound\n"
+        "above = ('geoopt_quotient.experiments', 'geoopt_quotient.cli')\n"
+        "assert not [m for m in sys.modules if m.startswith(above)]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("geoopt_quotient.models", "geoopt_quotient.symmetry"),
+        ("geoopt_quotient.models.huggingface", "geoopt_quotient.symmetry.huggingface"),
+        ("geoopt_quotient.models.images", "geoopt_quotient.experiments.images"),
+        ("geoopt_quotient.sharpness.plan", "geoopt_quotient.symmetry.plan"),
+        ("geoopt_quotient.diagonal.train", "geoopt_quotient.experiments.diagonal.train"),
+        ("geoopt_quotient.population", "geoopt_quotient.experiments.population"),
+        ("geoopt_quotient.classifiers", "geoopt_quotient.experiments.classifiers"),
+    ],
+)
+def test_moved_module_paths_import_the_new_module_with_a_warning(old, new):
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({new!r})\n"
+        "assert old is new and new.__spec__.name == new.__name__, (old, new.__spec__)\n"
+        f"assert any({old!r} in str(w.message) and w.category is FutureWarning for w in caught)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_moved_names_are_found_with_a_warning():
+    from geoopt_quotient.experiments.figures import sharpness_scatter
+    from geoopt_quotient.symmetry import SymmetryPlan
+
+    with pytest.warns(FutureWarning, match="moved to geoopt_quotient.symmetry.plan"):
+        assert gq.sharpness.__getattr__("SymmetryPlan") is SymmetryPlan
+    with pytest.warns(FutureWarning, match="experiments.figures"):
+        assert gq.sharpness.stats.__getattr__("sharpness_scatter") is sharpness_scatter
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        gq.sharpness.__getattr__("nonexistent")
+
+
+def test_the_library_imports_without_the_experiment_extras():
+    """Without matplotlib, scikit-learn and Pillow (blocked here), the library works and an
+    experiment command fails with one line that names the extra."""
+    code = (
+        "import sys\n"
+        "for name in ('matplotlib', 'sklearn', 'PIL'):\n"
+        "    sys.modules[name] = None  # import fails as if not installed\n"
+        "import torch, geoopt_quotient as gq\n"
+        "gq.geodesic_sharpness, gq.find_symmetries, gq.nn, gq.optim, gq.testing\n"
+        "from geoopt_quotient.cli import main\n"
+        "main(['reproduce', 'diagonal', '--models', '2', '--out', 'unused'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "pip install 'geoopt-quotient[experiments]'" in lines[0]
+    assert "matplotlib" in lines[0]

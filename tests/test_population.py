@@ -23,9 +23,9 @@ pytest.importorskip("sklearn")
 
 from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier
 
-from geoopt_quotient.classifiers import InputError, load_arrays
 from geoopt_quotient.cli import main
-from geoopt_quotient.population import (
+from geoopt_quotient.experiments.classifiers import InputError, load_arrays
+from geoopt_quotient.experiments.population import (
     ABLATIONS,
     MEASURES,
     MIN_MODELS,
@@ -36,7 +36,7 @@ from geoopt_quotient.population import (
     run_population,
     tau_table,
 )
-from geoopt_quotient.population import study as study_module
+from geoopt_quotient.experiments.population import study as study_module
 from geoopt_quotient.sharpness.stats import kendall_tau, kendall_tau_bootstrap
 
 slow = pytest.mark.slow

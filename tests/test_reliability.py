@@ -49,8 +49,8 @@ from geoopt_quotient import (
     hessian_trace,
     maximize_in_ball,
 )
-from geoopt_quotient.io import UnsafeCheckpointError, find_weights, load_state_dict
-from geoopt_quotient.models import verify_plan
+from geoopt_quotient.experiments.io import UnsafeCheckpointError, find_weights, load_state_dict
+from geoopt_quotient.symmetry import verify_plan
 
 pytestmark = pytest.mark.on_device
 

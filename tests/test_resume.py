@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from geoopt_quotient.records import RecordFile
+from geoopt_quotient.experiments.records import RecordFile
 
 ARGS = ["reproduce", "diagonal", "--models", "12", "--dim", "30", "--iters", "15", "--quiet"]
 

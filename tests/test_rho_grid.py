@@ -7,8 +7,8 @@ import argparse
 import numpy as np
 import pytest
 
-from geoopt_quotient.population.rho_grid import (
-    STRAIGHT,
+from geoopt_quotient._checks import STRAIGHT
+from geoopt_quotient.experiments.population.rho_grid import (
     RhoSeries,
     format_tau_by_rho,
     parse_rho_scales,

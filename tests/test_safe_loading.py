@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from geoopt_quotient.io import UnsafeCheckpointError, find_weights, load_state_dict
+from geoopt_quotient.experiments.io import UnsafeCheckpointError, find_weights, load_state_dict
 
 
 class Payload:

@@ -14,16 +14,20 @@ so adding a command means adding one file, e.g. ``cli/sharpness.py``::
         return 0
 
 ``handler(args, parser)`` (``parser``: the subcommand's own parser) returns the exit
-status. Two kinds of errors exit with status 2:
+status. A command that needs optional dependencies names their modules in the
+``needs`` default (``parser.set_defaults(..., needs=("matplotlib",))``); :func:`main`
+imports them before the handler runs. Three kinds of errors exit with status 2:
 
 * argument errors found late (options that do not fit together): the handler calls
   ``parser.error(...)``, which prints the usage block and the message;
 * data errors (a missing or malformed data file, a directory that is not a checkpoint,
   a gaps CSV that does not match the checkpoints): the handler, or the library code it
-  calls, raises :class:`~geoopt_quotient.classifiers.InputError`, and :func:`main`
+  calls, raises :class:`~geoopt_quotient.experiments.classifiers.InputError`, and :func:`main`
   prints one line, ``geoopt-quotient COMMAND: error: MESSAGE``, without the usage (the
   arguments were well formed; the files were not). Notes added to the exception on its
-  way up (``while measuring model 'x'``) are appended to the line.
+  way up (``while measuring model 'x'``) are appended to the line;
+* a missing optional dependency (:class:`~geoopt_quotient._extras.MissingExtraError`):
+  one line that names the extra that installs it.
 
 A command that computes registers ``--threads`` with
 :func:`~geoopt_quotient.cli._runtime.add_threads_argument`; :func:`main` runs the
@@ -41,7 +45,8 @@ import sys
 from types import ModuleType
 from typing import List, Sequence
 
-from ..classifiers import InputError
+from .._extras import MissingExtraError, require_all
+from ..experiments.classifiers import InputError
 from ._runtime import end_distributed, torch_threads
 
 __all__ = ["build_parser", "discover", "error_line", "main"]
@@ -88,15 +93,17 @@ def error_line(error: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
-    Argument errors and data errors (:class:`~geoopt_quotient.classifiers.InputError`)
-    exit with status 2 (``SystemExit``); a data error prints one line to stderr.
+    Argument errors, data errors
+    (:class:`~geoopt_quotient.experiments.classifiers.InputError`) and missing optional
+    dependencies exit with status 2 (``SystemExit``); the last two print one line to stderr.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        require_all(getattr(args, "needs", ()), f"{args.parser.prog}")
         with torch_threads(getattr(args, "threads", None)):
             return int(args.handler(args, args.parser) or 0)
-    except InputError as error:
+    except (InputError, MissingExtraError) as error:
         args.parser.exit(2, f"{args.parser.prog}: error: {error_line(error)}\n")
     finally:
         end_distributed()

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..classifiers import ARRAY_SUFFIXES, InputError, text_lines
+from ..experiments.classifiers import ARRAY_SUFFIXES, InputError, text_lines
 from ._types import int_at_least, positive_float
 
 __all__ = [
@@ -109,7 +109,7 @@ def quiet_transformers(silent: bool = False) -> Iterator[None]:
 
 
 def check_data_file(flag: str, path: str, *, arrays: bool = True) -> None:
-    """Raise :class:`~geoopt_quotient.classifiers.InputError` unless ``path`` is a file,
+    """Raise :class:`~geoopt_quotient.experiments.classifiers.InputError` unless ``path`` is a file,
     and, unless it is an ``.npz`` archive (``arrays``), UTF-8 text throughout.
 
     Run before any model is loaded, so that a wrong file fails at once, with the option
@@ -159,7 +159,7 @@ def add_radius_arguments(parser: Any, defaults: Any) -> None:
 
     ``parser`` is a parser or an argument group; ``defaults`` has ``rho_adaptive``,
     ``rho_inv`` and ``rho_mix`` attributes (e.g. a
-    :class:`~geoopt_quotient.population.StudySettings`), shown in --help. A radius given
+    :class:`~geoopt_quotient.experiments.population.StudySettings`), shown in --help. A radius given
     by name wins over ``--rho``, which wins over the default (:func:`radii_from_args`).
     """
     parser.add_argument(

@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from ..population.rho_grid import format_tau_by_rho, parse_rho_scales, tau_by_rho_figure
-from ..population.study import (
+from ..experiments.population.rho_grid import (
+    format_tau_by_rho,
+    parse_rho_scales,
+    tau_by_rho_figure,
+)
+from ..experiments.population.study import (
     FORMATS,
     MEASURES,
     PAPER_TAU,
@@ -22,7 +26,7 @@ from ..population.study import (
     run_population,
     scatter_figure,
 )
-from ..records import RecordFile
+from ..experiments.records import RecordFile
 from ._runtime import (
     add_output_arguments,
     add_radius_arguments,
@@ -274,7 +278,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # None: not given; filled from --protocol or the defaults by apply_protocol
     parser.set_defaults(**dict.fromkeys(PROTOCOL_FLAGS))
     add_output_arguments(parser, "population-out", "population", ", data and weights")
-    parser.set_defaults(handler=run, parser=parser)
+    parser.set_defaults(handler=run, parser=parser, needs=("matplotlib",))
 
 
 def _versions() -> Dict[str, str]:
@@ -433,7 +437,7 @@ def _gap_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Op
 def _check_data(args: argparse.Namespace, data: str) -> None:
     """Fail at once, before any model is loaded, on a data file or folder that cannot serve."""
     if args.format == "model-soups":
-        from ..models.images import read_image_folder
+        from ..experiments.images import read_image_folder
 
         for flag, root in (("--train-images", data), ("--test-images", args.test_images)):
             if root is not None:
@@ -448,7 +452,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of ``population``.
 
     Options that do not fit together are argument errors (usage and message); data
-    errors raise :class:`~geoopt_quotient.classifiers.InputError` (one line, printed by
+    errors raise :class:`~geoopt_quotient.experiments.classifiers.InputError` (one line, printed by
     :func:`geoopt_quotient.cli.main`), also from inside a model's measurement.
     """
     data = _gap_inputs(args, parser)

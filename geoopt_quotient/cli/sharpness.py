@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from ..classifiers import (
+from ..experiments.classifiers import (
     InputError,
     classification_loss,
     is_regression,
@@ -18,7 +18,7 @@ from ..classifiers import (
     load_examples,
     make_batches,
 )
-from ..population.study import StudySettings
+from ..experiments.population.study import StudySettings
 from ._runtime import (
     add_radius_arguments,
     add_threads_argument,
@@ -130,7 +130,7 @@ _RADIUS = {"adaptive": "rho_adaptive", "geodesic_inv": "rho_inv", "geodesic_mix"
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Handler of ``sharpness``.
 
-    Data errors raise :class:`~geoopt_quotient.classifiers.InputError` (one line, exit
+    Data errors raise :class:`~geoopt_quotient.experiments.classifiers.InputError` (one line, exit
     status 2, printed by :func:`geoopt_quotient.cli.main`).
     """
     device = parse_device(args.device, parser)
@@ -150,8 +150,8 @@ def _run(
     import transformers
 
     from .. import __version__
-    from ..models import SymmetryVerificationError, find_symmetries
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
+    from ..symmetry import SymmetryVerificationError, find_symmetries
 
     to_stdout = args.json == "-"
     silent = args.quiet or to_stdout or rank > 0

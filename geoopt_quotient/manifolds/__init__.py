@@ -1,7 +1,14 @@
 """Geoopt manifolds for the quotients that neural-network symmetries create."""
 
 from .adaptive import AdaptiveEuclidean
+from .base import QuotientManifold
 from .diagonal_quotient import DiagonalQuotient, GeodesicDomainError
 from .gl_quotient import GLQuotient
 
-__all__ = ["AdaptiveEuclidean", "DiagonalQuotient", "GLQuotient", "GeodesicDomainError"]
+__all__ = [
+    "AdaptiveEuclidean",
+    "DiagonalQuotient",
+    "GLQuotient",
+    "GeodesicDomainError",
+    "QuotientManifold",
+]

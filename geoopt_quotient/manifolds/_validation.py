@@ -1,48 +1,17 @@
-"""Argument checks with error messages that name the argument and say what to do."""
+"""The geometry's own checks: the domain of geodesics and the rank of factors."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import torch
 
-__all__ = [
-    "GeodesicDomainError",
-    "check_choice",
-    "check_nonnegative_float",
-    "check_positive_int",
-    "rank_report",
-]
+__all__ = ["GeodesicDomainError", "rank_report"]
 
 
 class GeodesicDomainError(ValueError):
     """A geodesic would leave the manifold (e.g. a mix geodesic with ``1 + 2 B t <= 0``), or
     its numerical integration broke down."""
-
-
-def check_choice(value: str, choices: Sequence[str], name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"`{name}` must be a string, one of {list(choices)}; got {value!r}")
-    if value not in choices:
-        raise ValueError(f"unknown `{name}` {value!r}; expected one of {list(choices)}")
-    return value
-
-
-def check_positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1, got {value}")
-    return value
-
-
-def check_nonnegative_float(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"`{name}` must be finite and >= 0, got {value}")
-    return float(value)
 
 
 def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:

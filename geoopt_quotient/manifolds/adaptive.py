@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Callable, Sequence, Tuple, Union
 
 import torch
-from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from .._checks import check_nonnegative_float
 from ._linalg import compute_dtype
 from ._random import standard_normal
-from ._validation import check_nonnegative_float
+from .base import QuotientManifold
 
 __all__ = ["AdaptiveEuclidean"]
 
 
-class AdaptiveEuclidean(Manifold):
+class AdaptiveEuclidean(QuotientManifold):
     r"""Euclidean space with the element-wise scaled metric of adaptive sharpness.
 
     .. math::
@@ -161,15 +161,6 @@ class AdaptiveEuclidean(Manifold):
             return torch.sign(phi) * self.eps * torch.expm1(phi.abs())
         safe = torch.where(x == 0, torch.ones_like(x), x)
         return torch.where(x == 0, x, x * torch.exp(u / safe))
-
-    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.proju(y, v)
-
-    def retr_transp(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.retr(x, u)
-        return y, self.transp(x, y, v)
 
     def random_tangent(
         self, x: torch.Tensor, *, generator: torch.Generator | None = None

@@ -5,19 +5,19 @@ from __future__ import annotations
 from typing import Tuple, Union
 
 import torch
-from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from .._checks import METRICS, RETRACTIONS, check_choice
 from ._linalg import compute_dtype
 from ._random import standard_normal
-from ._validation import GeodesicDomainError, check_choice
-from .gl_quotient import METRICS, RETRACTIONS
+from ._validation import GeodesicDomainError
+from .base import QuotientManifold
 
 __all__ = ["DiagonalQuotient", "GeodesicDomainError"]
 
 
-class DiagonalQuotient(Manifold):
+class DiagonalQuotient(QuotientManifold):
     r"""Pairs :math:`(u, v) \in (\mathbb{R} \setminus 0)^d \times (\mathbb{R} \setminus 0)^d`
     modulo the element-wise action :math:`(\alpha \odot u, v / \alpha)`.
 
@@ -205,22 +205,6 @@ class DiagonalQuotient(Manifold):
         half_arg = 0.5 * torch.atan2(im, re)
         scale = torch.stack((half_log_mod + half_arg, half_log_mod - half_arg), dim=-2)
         return x * torch.exp(scale)
-
-    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Vector transport: horizontal projection at ``y``."""
-        return self.proju(y, v)
-
-    def retr_transp(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.retr(x, u)
-        return y, self.transp(x, y, v)
-
-    def expmap_transp(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.expmap(x, u)
-        return y, self.transp(x, y, v)
 
     # ------------------------------------------------------------------ sampling
     def random_tangent(

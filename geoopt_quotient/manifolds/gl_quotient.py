@@ -6,10 +6,16 @@ import functools
 from typing import Callable, Iterator, List, Sequence, Tuple, Union
 
 import torch
-from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from .._checks import (
+    METRICS,
+    RETRACTIONS,
+    check_choice,
+    check_nonnegative_float,
+    check_positive_int,
+)
 from ._linalg import (
     Eigenbasis,
     add_product,
@@ -21,18 +27,10 @@ from ._linalg import (
     sym,
 )
 from ._random import standard_normal
-from ._validation import (
-    GeodesicDomainError,
-    check_choice,
-    check_nonnegative_float,
-    check_positive_int,
-    rank_report,
-)
+from ._validation import GeodesicDomainError, rank_report
+from .base import QuotientManifold
 
 __all__ = ["GLQuotient", "PointState"]
-
-METRICS = ("inv", "mix")
-RETRACTIONS = ("second_order", "first_order")
 
 
 #: Bytes of the slice of a batch of points that the fused operations of a sharpness
@@ -159,7 +157,7 @@ def _batch_slice(value, dims: int, start: int, stop: int):
     return value
 
 
-class GLQuotient(Manifold):
+class GLQuotient(QuotientManifold):
     r"""Pairs of full-rank matrices modulo :math:`\mathrm{GL}(h)`.
 
     A point is a pair :math:`G \in \mathbb{R}^{n \times h}`,
@@ -716,22 +714,6 @@ class GLQuotient(Manifold):
             ok = bool(torch.stack(checks).all())
         if not ok:
             raise _integration_error(steps)
-
-    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Vector transport: horizontal projection at ``y`` (GL-equivariant)."""
-        return self.proju(y, v)
-
-    def retr_transp(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.retr(x, u)
-        return y, self.transp(x, y, v)
-
-    def expmap_transp(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.expmap(x, u)
-        return y, self.transp(x, y, v)
 
     # ------------------------------------------------------------------ sampling
     def random_tangent(

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from geoopt import ManifoldParameter
 from torch import nn
 
+from .._checks import check_positive_int
 from ..manifolds import GLQuotient
-from ..manifolds._validation import check_positive_int
 
 __all__ = ["QuotientMultiheadAttention"]
 

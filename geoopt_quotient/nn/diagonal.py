@@ -8,8 +8,8 @@ import torch
 from geoopt import ManifoldParameter
 from torch import nn
 
+from .._checks import check_positive_int
 from ..manifolds import DiagonalQuotient
-from ..manifolds._validation import check_positive_int
 
 __all__ = ["DiagonalLinear"]
 

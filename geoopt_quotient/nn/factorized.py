@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from geoopt import ManifoldParameter
 from torch import nn
 
+from .._checks import check_positive_int
 from ..manifolds import GLQuotient
 from ..manifolds._random import standard_normal, uniform
-from ..manifolds._validation import check_positive_int
 from ._factors import balance, balanced_factors
 
 __all__ = ["FactorizedLinear"]

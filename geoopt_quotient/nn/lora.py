@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from geoopt import ManifoldParameter
 from torch import nn
 
+from .._checks import check_positive_int
 from ..manifolds import GLQuotient
-from ..manifolds._validation import check_positive_int
 from ._factors import orthonormal_frame
 
 __all__ = ["LoRALinear", "wrap_linear_layers"]

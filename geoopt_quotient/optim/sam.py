@@ -29,20 +29,20 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple
 import geoopt
 import torch
 
+from .._checks import GEODESIC_PATHS, check_choice, check_positive_float
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
-from ..manifolds._validation import check_choice
 from ..manifolds.tangent import tangent_space
 from ..sharpness.measure import Symmetries
-from ..sharpness.plan import (
+from ..sharpness.precision import AutocastState
+from ..symmetry import find_symmetries
+from ..symmetry.plan import (
     BoundPlan,
     SymmetryGroup,
     SymmetryPlan,
     _WholeParameter,
-    discover_symmetries,
     whole_parameter_group,
 )
-from ..sharpness.precision import AutocastState
 
 __all__ = ["BALLS", "GeodesicSAM"]
 
@@ -112,9 +112,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         **base_kwargs: Any,
     ):
         check_choice(ball, BALLS, "ball")
-        check_choice(path, ("second_order", "exact"), "path")
-        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not rho > 0:
-            raise ValueError(f"`rho` must be a number > 0, got {rho!r}")
+        check_choice(path, GEODESIC_PATHS, "path")
+        rho = check_positive_float(rho, "rho")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         super().__init__([p for _, p in named], dict(rho=float(rho)))
         self.base_optimizer = base_optimizer_cls(self.param_groups, **base_kwargs)
@@ -271,7 +270,7 @@ def _ball_plan(
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        symmetries = discover_symmetries(model, metric=metric, eps=0.0)
+        symmetries = find_symmetries(model, metric=metric, eps=0.0)
     elif not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
     return replace(symmetries, adaptive_eps=eps).bind(model)

@@ -1,5 +1,6 @@
 """The sharpness engine: a worst-case ball maximiser on manifolds, and sharpness of models."""
 
+from .._moved import moved_attribute
 from .apgd import BallGroup, BallMaxResult, NonFiniteError, average_in_ball, maximize_in_ball
 from .calibrate import CalibrationError, RhoEvaluation, calibrate_rho
 from .functional import IndependentLossError, LossFnError, StaleParameterError
@@ -10,24 +11,19 @@ from .measure import (
     adaptive_sharpness,
     geodesic_sharpness,
 )
-from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
-from .stats import kendall_tau, kendall_tau_bootstrap, sharpness_scatter
+from .stats import kendall_tau, kendall_tau_bootstrap
 
 __all__ = [
     "BallGroup",
     "BallMaxResult",
-    "BoundPlan",
     "CalibrationError",
     "HessianResult",
     "IndependentLossError",
     "LossFnError",
     "NonFiniteError",
-    "PlanError",
     "RhoEvaluation",
     "SharpnessResult",
     "StaleParameterError",
-    "SymmetryGroup",
-    "SymmetryPlan",
     "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
@@ -39,5 +35,8 @@ __all__ = [
     "kendall_tau_bootstrap",
     "maximize_in_ball",
     "riemannian_hvp",
-    "sharpness_scatter",
 ]
+
+
+def __getattr__(name: str):
+    return moved_attribute(__name__, name)

@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 import torch
 from geoopt.manifolds.base import Manifold
 
+from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
 from ..manifolds._linalg import compute_dtype
-from ..manifolds._validation import check_choice, check_positive_int
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation
 from .precision import AutocastState
@@ -36,7 +36,6 @@ __all__ = [
     "maximize_in_ball",
 ]
 
-PATHS = ("exact", "second_order", "straight")
 Path = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 
@@ -202,12 +201,7 @@ def _prepare(
     groups = [g if isinstance(g, BallGroup) else BallGroup(*g) for g in groups]
     if not groups:
         raise ValueError("`groups` is empty: nothing to perturb")
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)):
-        raise TypeError(f"`rho` must be a real number, got {type(rho).__name__} {rho!r}")
-    if not math.isfinite(rho):
-        raise ValueError(f"`rho` must be a finite positive number, got {rho!r}")
-    if rho <= 0:
-        raise ValueError(f"`rho` must be > 0, got {rho}")
+    rho = check_positive_float(rho, "rho")
     check_choice(path, PATHS, "path")
     for g in groups:
         if not g.point.is_floating_point():

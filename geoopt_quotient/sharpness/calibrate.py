@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
 import torch
 from tqdm.auto import tqdm
 
-from ..manifolds._validation import check_choice, check_positive_int
+from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
 from .measure import (
     LossFn,
     SharpnessResult,
@@ -40,7 +40,6 @@ __all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_rho"]
 
 #: The measures a radius can be calibrated for: adaptive sharpness, and geodesic
 #: sharpness in the ``inv`` and ``mix`` metrics.
-MEASURES = ("adaptive", "inv", "mix")
 
 #: Factor by which the radius grows or shrinks while the target is being bracketed.
 GROWTH = 2.0
@@ -176,11 +175,11 @@ def calibrate_rho(
     :math:`\log_2(\log 2 / \log(1 + \mathrm{rtol}/p))` of them for a sharpness growing
     like :math:`\rho^p` (some 7-8 for ``rtol=0.01``), after the bracketing steps.
     """
-    target = _check_positive_float(target, "target")
+    target = check_positive_float(target, "target")
     check_choice(measure, MEASURES, "measure")
     rtol = _check_rtol(rtol)
     low, high = _check_bounds(rho_bounds)
-    rho_start = _check_positive_float(rho_start, "rho_start")
+    rho_start = check_positive_float(rho_start, "rho_start")
     if not low <= rho_start <= high:
         raise ValueError(f"`rho_start` {rho_start} is outside `rho_bounds` ({low}, {high})")
     max_evals = check_positive_int(max_evals, "max_evals")
@@ -194,16 +193,8 @@ def calibrate_rho(
     return (best.rho, list(search.history)) if return_history else best.rho
 
 
-def _check_positive_float(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be finite and > 0, got {value}")
-    return float(value)
-
-
 def _check_rtol(rtol: float) -> float:
-    rtol = _check_positive_float(rtol, "rtol")
+    rtol = check_positive_float(rtol, "rtol")
     if rtol >= 1:
         raise ValueError(f"`rtol` must be in (0, 1), got {rtol}")
     return rtol
@@ -214,8 +205,8 @@ def _check_bounds(bounds: Tuple[float, float]) -> Tuple[float, float]:
         low, high = bounds
     except (TypeError, ValueError) as error:
         raise TypeError(f"`rho_bounds` must be a pair (low, high), got {bounds!r}") from error
-    low = _check_positive_float(low, "rho_bounds[0]")
-    high = _check_positive_float(high, "rho_bounds[1]")
+    low = check_positive_float(low, "rho_bounds[0]")
+    high = check_positive_float(high, "rho_bounds[1]")
     if low >= high:
         raise ValueError(f"`rho_bounds` must have low < high, got ({low}, {high})")
     return low, high

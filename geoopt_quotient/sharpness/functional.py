@@ -34,7 +34,6 @@ __all__ = [
     "StaleParameterError",
     "add_note",
     "noting_batch",
-    "preserved_model_state",
     "trainable_parameters",
 ]
 
@@ -222,28 +221,3 @@ def warn_if_low_precision_loss(value: Any) -> None:
 def trainable_parameters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Detached views (no copies) of the model's trainable parameters."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-@contextlib.contextmanager
-def preserved_model_state(model: torch.nn.Module, *, eval_mode: bool = True) -> Iterator[None]:
-    """Restore train/eval flags, ``requires_grad`` flags and the global RNG state on exit.
-
-    Exit also happens on exceptions and ``KeyboardInterrupt``. With ``eval_mode`` the
-    model runs in eval mode inside (dropout off), as sharpness is usually measured.
-    """
-    modes = [(m, m.training) for m in model.modules()]
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        if eval_mode:
-            model.eval()
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-        for param, flag in flags:
-            param.requires_grad_(flag)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

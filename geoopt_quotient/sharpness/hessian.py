@@ -20,19 +20,19 @@ import torch
 from geoopt.manifolds.base import Manifold
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..manifolds._validation import check_positive_int
+from .._checks import check_positive_int
+from .._model_state import preserved_model_state
 from ..manifolds.tangent import tangent_space
+from ..symmetry.plan import BoundPlan, SymmetryPlan
 from .apgd import NonFiniteError, _generator, as_scalar
 from .functional import (
     RESOLUTION,
     PerturbedLoss,
     check_depends_on_perturbation,
     noting_batch,
-    preserved_model_state,
     trainable_parameters,
 )
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
-from .plan import BoundPlan, SymmetryPlan
 from .precision import AutocastState
 
 __all__ = [

@@ -14,7 +14,6 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,8 +22,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tupl
 import torch
 from tqdm.auto import tqdm
 
+from .._checks import check_choice, check_positive_float, check_positive_int
+from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
-from ..manifolds._validation import check_choice, check_positive_int
+from ..symmetry import find_symmetries
+from ..symmetry.plan import BoundPlan, SymmetryGroup, SymmetryPlan
 from .apgd import (
     PATHS,
     BallGroup,
@@ -39,11 +41,9 @@ from .functional import (
     PerturbedLoss,
     check_depends_on_perturbation,
     noting_batch,
-    preserved_model_state,
     trainable_parameters,
 )
 from .fusion import fuse_groups
-from .plan import BoundPlan, SymmetryGroup, SymmetryPlan, discover_symmetries
 from .precision import AutocastState
 
 __all__ = [
@@ -104,12 +104,12 @@ class SharpnessResult:
 def resolve_plan(
     model: torch.nn.Module, symmetries: Symmetries, metric: str, eps: float = 0.0
 ) -> BoundPlan:
-    """Bind ``symmetries`` to ``model``; ``None`` asks the installed discovery
-    (:func:`~geoopt_quotient.sharpness.plan.install_discovery`)."""
+    """Bind ``symmetries`` to ``model``; ``None`` finds them
+    (:func:`~geoopt_quotient.symmetry.find_symmetries`)."""
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        return discover_symmetries(model, metric=metric, eps=eps).bind(model)
+        return find_symmetries(model, metric=metric, eps=eps).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
     return symmetries.bind(model)
@@ -131,14 +131,6 @@ def _ball_groups(
     return groups
 
 
-def _check_rho(rho: float) -> float:
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)):
-        raise TypeError(f"`rho` must be a real number, got {type(rho).__name__}")
-    if not math.isfinite(rho) or rho <= 0:
-        raise ValueError(f"`rho` must be finite and > 0, got {rho}")
-    return float(rho)
-
-
 def _measure(
     model: torch.nn.Module,
     loss_fn: LossFn,
@@ -157,7 +149,7 @@ def _measure(
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
 ) -> SharpnessResult:
-    rho = _check_rho(rho)
+    rho = check_positive_float(rho, "rho")
     iters = check_positive_int(iters, "iters")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")

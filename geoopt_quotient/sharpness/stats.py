@@ -1,13 +1,15 @@
-"""Kendall's tau and the scatter figure of sharpness-versus-generalization studies."""
+"""Kendall's tau of sharpness against generalization, with a bootstrap interval over models."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 from scipy import stats
 
-__all__ = ["kendall_tau", "kendall_tau_bootstrap", "sharpness_scatter"]
+from .._moved import moved_attribute
+
+__all__ = ["kendall_tau", "kendall_tau_bootstrap"]
 
 
 def kendall_tau(sharpness: Sequence[float], generalization: Sequence[float]) -> Tuple[float, float]:
@@ -53,37 +55,5 @@ def _varies(*columns: np.ndarray) -> bool:
     return all(np.ptp(c) > 0 for c in columns)
 
 
-def sharpness_scatter(
-    panels: Mapping[str, Sequence[float]],
-    generalization: Sequence[float],
-    path: str,
-    *,
-    ylabel: str = "test loss",
-    title: str | None = None,
-    log_x: bool = False,
-) -> str:
-    """One scatter panel per sharpness measure (x) against generalization (y), tau in titles.
-
-    Writes a PNG to ``path`` with matplotlib's Agg backend and returns the path.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (name, values) in zip(axes[0], panels.items()):
-        tau, _ = kendall_tau(values, generalization)
-        ax.scatter(values, generalization, s=18, alpha=0.8, edgecolors="none")
-        ax.set_title(f"{name}: τ = {tau:.3f}")
-        ax.set_xlabel(f"{name} sharpness")
-        if log_x and min(values) > 0:
-            ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def __getattr__(name: str):
+    return moved_attribute(__name__, name)

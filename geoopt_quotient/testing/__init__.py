@@ -1,8 +1,10 @@
 """Hypothesis strategies and assertions for testing code that should respect symmetries.
 
-Requires ``hypothesis`` (installed with the ``test`` extra).
+Requires ``hypothesis``, which the ``testing`` extra installs
+(``pip install 'geoopt-quotient[testing]'``).
 """
 
+from . import _needs  # noqa: F401  (first: names the extra if hypothesis is missing)
 from .cuda import count_host_syncs, host_syncs_per_iteration
 from .geometry import (
     batch_shapes,

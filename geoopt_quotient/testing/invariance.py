@@ -8,8 +8,8 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ..manifolds import DiagonalQuotient, GLQuotient
-from ..models import find_symmetries
-from ..sharpness.plan import BoundPlan, SymmetryPlan
+from ..symmetry import find_symmetries
+from ..symmetry.plan import BoundPlan, SymmetryPlan
 from .models import random_group_elements
 
 __all__ = ["assert_invariant", "transformed_copy"]

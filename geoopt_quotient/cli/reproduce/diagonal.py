@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ...diagonal.experiment import (
+from ..._checks import GEODESIC_PATHS as PATHS
+from ...experiments.diagonal.experiment import (
     DEFAULT_ITERS,
     DEFAULT_RHO,
     PAPER_TAU,
@@ -21,11 +22,15 @@ from ...diagonal.experiment import (
     run_diagonal,
     summarize_runs,
 )
-from ...diagonal.train import DEFAULT_MAX_STEPS
-from ...population.rho_grid import PATHS, format_tau_by_rho, parse_rho_scales, tau_by_rho_figure
-from ...population.study import few_models_warning
-from ...records import RecordFile
-from ...sharpness.stats import sharpness_scatter
+from ...experiments.diagonal.train import DEFAULT_MAX_STEPS
+from ...experiments.figures import sharpness_scatter
+from ...experiments.population.rho_grid import (
+    format_tau_by_rho,
+    parse_rho_scales,
+    tau_by_rho_figure,
+)
+from ...experiments.population.study import few_models_warning
+from ...experiments.records import RecordFile
 from .._runtime import add_output_arguments, add_threads_argument
 from .._types import int_at_least, positive_float
 
@@ -183,7 +188,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "diagonal",
         " (models are retrained, deterministically; only sharpness already measured is skipped)",
     )
-    parser.set_defaults(handler=run, parser=parser)
+    parser.set_defaults(handler=run, parser=parser, needs=("matplotlib",))
 
 
 def figure_title(settings: Dict[str, Any]) -> str:

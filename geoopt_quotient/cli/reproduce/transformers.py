@@ -10,9 +10,14 @@ from typing import Any, Dict
 
 from tqdm.auto import tqdm
 
-from ...population.digits import load_digits_split, train_population, write_gaps, write_split
-from ...population.study import MIN_MODELS, StudySettings, run_population
-from ...records import RecordFile
+from ...experiments.population.digits import (
+    load_digits_split,
+    train_population,
+    write_gaps,
+    write_split,
+)
+from ...experiments.population.study import MIN_MODELS, StudySettings, run_population
+from ...experiments.records import RecordFile
 from .._runtime import add_output_arguments, add_threads_argument, quiet_transformers
 from .._types import int_at_least
 from ..population import add_study_arguments, report, settings_from_args
@@ -131,7 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "transformers",
         ", data and weights; trained checkpoints whose training.json matches their recipe are kept",
     )
-    parser.set_defaults(handler=run, parser=parser)
+    parser.set_defaults(handler=run, parser=parser, needs=("matplotlib", "sklearn"))
 
 
 def _apply_quick(args: argparse.Namespace, argv_defaults: Dict[str, Any]) -> None:

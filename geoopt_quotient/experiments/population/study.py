@@ -18,7 +18,7 @@ JSON document and the figure say so (:func:`few_models_warning`).
 With ``rho_scales`` (:func:`run_population`), every measure is also computed at each
 multiple :math:`s` of its radius, on the same batches with the same seed, and
 :math:`\tau` is reported per (scale, measure, path) in the records of
-:mod:`geoopt_quotient.population.rho_grid`; a scale's values at :math:`s\rho` are
+:mod:`geoopt_quotient.experiments.population.rho_grid`; a scale's values at :math:`s\rho` are
 exactly those of a study run with the radii :math:`s\rho` (:func:`scaled_settings`).
 """
 
@@ -35,6 +35,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..._checks import METRICS, PATHS, STRAIGHT, check_choice, check_positive_float
+from ...sharpness import adaptive_sharpness, geodesic_sharpness
+from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
+from ...symmetry import find_symmetries
 from ..classifiers import (
     Batch,
     InputError,
@@ -44,12 +48,9 @@ from ..classifiers import (
     load_batches,
     load_checkpoint,
 )
-from ..manifolds._validation import check_choice
-from ..models import find_symmetries
+from ..figures import sharpness_scatter
 from ..records import RecordFile, fingerprint
-from ..sharpness import adaptive_sharpness, geodesic_sharpness
-from ..sharpness.stats import kendall_tau, kendall_tau_bootstrap, sharpness_scatter
-from .rho_grid import STRAIGHT, RhoSeries, tau_by_rho
+from .rho_grid import RhoSeries, study_scales, tau_by_rho
 
 __all__ = [
     "ABLATIONS",
@@ -74,7 +75,8 @@ __all__ = [
     "tau_table",
 ]
 
-MEASURES = ("adaptive", "geodesic_inv", "geodesic_mix")
+#: The measures of a study: adaptive sharpness and geodesic sharpness in each metric.
+MEASURES = ("adaptive", *(f"geodesic_{metric}" for metric in METRICS))
 ABLATIONS = (
     "geodesic_inv_no_norm",
     "geodesic_inv_no_curvature",
@@ -155,11 +157,9 @@ class StudySettings:
 
     def __post_init__(self) -> None:
         check_choice(self.kind, ("worst", "average"), "kind")
-        check_choice(self.path, ("second_order", "exact", "straight"), "path")
+        check_choice(self.path, PATHS, "path")
         for name in ("rho_adaptive", "rho_inv", "rho_mix"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
+            check_positive_float(getattr(self, name), name)
 
     @property
     def measures(self) -> Tuple[str, ...]:
@@ -191,20 +191,13 @@ def measure_radius(settings: StudySettings, measure: str) -> float:
 
 
 def measure_path(settings: StudySettings, measure: str) -> str:
-    """How ``measure`` perturbs the weights, as :mod:`~geoopt_quotient.population.rho_grid`
-    names it: the straight line for adaptive sharpness and the no-curvature ablations,
-    the study's ``path`` for the geodesic measures."""
+    """How ``measure`` perturbs the weights, as
+    :mod:`~geoopt_quotient.experiments.population.rho_grid` names it: the straight line
+    for adaptive sharpness and the no-curvature ablations, the study's ``path`` for the
+    geodesic measures."""
     if measure == "adaptive" or measure.endswith("_no_curvature"):
         return STRAIGHT
     return settings.path
-
-
-def study_scales(rho_scales: Optional[Sequence[float]]) -> Tuple[float, ...]:
-    """The scales a study measures: 1 (the study's own radii) and those given, sorted."""
-    for scale in rho_scales or ():
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
-    return tuple(sorted({float(s) for s in rho_scales or ()} | {1.0}))
 
 
 # ---------------------------------------------------------------- inputs
@@ -216,7 +209,7 @@ def find_checkpoints(root: str, format: str = "hf") -> List[str]:
     if not path.is_dir():
         raise InputError(f"--checkpoints {root}: not a directory")
     if format == "model-soups":
-        from ..models.model_soups import checkpoint_files
+        from ..model_soups import checkpoint_files
 
         files = [str(p) for p in checkpoint_files(root)]
         if len(files) < 3:
@@ -423,8 +416,8 @@ def _load_model_soups(
     The sharpness examples are ``settings.max_examples`` images of ``data`` drawn with a
     fixed seed; error rates are over every image of a folder.
     """
-    from ..models.images import image_batches, iter_image_batches, read_image_folder
-    from ..models.model_soups import load_model_soups_checkpoint
+    from ..images import image_batches, iter_image_batches, read_image_folder
+    from ..model_soups import load_model_soups_checkpoint
 
     model = load_model_soups_checkpoint(path, device)
     size, classes = model.architecture.image_size, model.architecture.num_classes
@@ -629,7 +622,7 @@ def _gather(record: Optional[Dict[str, Any]], world: int) -> List[Optional[Dict[
 def _input_digest(path: str) -> str:
     """:func:`file_digest` of a data file, or the digest of an image folder's listing."""
     if Path(path).is_dir():
-        from ..models.images import folder_digest
+        from ..images import folder_digest
 
         return folder_digest(path)
     return file_digest(path)
@@ -690,7 +683,7 @@ def run_population(
         Bootstrap resamples of the tau confidence intervals.
     format : {"hf", "model-soups"}
         Hugging Face checkpoint directories with data files, or model-soups CLIP state
-        dicts (:mod:`geoopt_quotient.models.model_soups`) with ``ImageFolder`` directories
+        dicts (:mod:`geoopt_quotient.experiments.model_soups`) with ``ImageFolder`` directories
         for ``data``, ``train_data`` and ``test_data``.
     workers : int
         Processes decoding images (``format="model-soups"``; 0: the main process).
@@ -717,8 +710,9 @@ def run_population(
         ``world_size`` on rank ``i``) and every rank returns the same document. With
         ``rho_scales`` also: ``rho_scales`` (the scales measured, 1 included), per model
         ``by_scale`` (scale as text, e.g. ``"3"`` -> that scale's ``measures``),
-        ``tau_by_rho`` (the records of :func:`~geoopt_quotient.population.rho_grid.tau_by_rho`,
-        one per (scale, measure, path)) and ``sharpness_to_clean_loss``
+        ``tau_by_rho`` (the records of
+        :func:`~geoopt_quotient.experiments.population.rho_grid.tau_by_rho`, one per
+        (scale, measure, path)) and ``sharpness_to_clean_loss``
         (:func:`sharpness_to_clean_loss`). Everything else is the study at scale 1.
     """
     start = time.perf_counter()

@@ -6,7 +6,7 @@ Hugging Face ``ViTForImageClassification`` (2x2 patches, so 16 patch tokens and 
 token) with hyper-parameters drawn at random (width, dropout, learning rate, weight
 decay, batch size, epochs, label smoothing), trained with AdamW, and saved
 as a safetensors checkpoint, so that the generic population study
-(:func:`geoopt_quotient.population.run_population`) measures it like any other
+(:func:`geoopt_quotient.experiments.population.run_population`) measures it like any other
 checkpoint.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..._extras import require
 from ..records import fingerprint
 
 __all__ = [
@@ -60,9 +61,8 @@ def load_digits_split(seed: int = 0, train_size: int = TRAIN_SIZE) -> DigitsSpli
 
     Pixels (0..16) are scaled by the training set's mean and standard deviation.
     """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
+    datasets = require("sklearn.datasets", "the digits data set")
+    digits = datasets.load_digits()
     images = digits.images.astype(np.float32)[:, None]
     labels = digits.target.astype(np.int64)
     if not 0 < train_size < len(labels):

@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch.func import functional_call
 
+from .._model_state import preserved_model_state
 from ..manifolds import DiagonalQuotient, GLQuotient
-from ..sharpness.functional import preserved_model_state
-from ..sharpness.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
+from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
 
 __all__ = ["SymmetryVerificationError", "probe_inputs_for", "verify_plan"]
 

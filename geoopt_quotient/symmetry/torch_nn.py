@@ -8,8 +8,8 @@ import geoopt
 import torch
 
 from ..manifolds import DiagonalQuotient, GLQuotient
-from ..sharpness.plan import SymmetryGroup, whole_parameter_group
 from .layouts import PairSpec, head_columns, head_rows
+from .plan import SymmetryGroup, whole_parameter_group
 
 __all__ = ["manifold_parameter_groups", "multihead_attention_pairs"]
 

@@ -37,8 +37,8 @@ from typing import ContextManager, Dict, List, Mapping, Optional
 
 import torch
 
-from ..classifiers import InputError
-from ..io import UnsafeCheckpointError, load_state_dict
+from .classifiers import InputError
+from .io import UnsafeCheckpointError, load_state_dict
 
 __all__ = [
     "CLIPVisionArchitecture",

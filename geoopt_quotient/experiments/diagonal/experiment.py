@@ -56,7 +56,7 @@ random (not the first 20 coordinates), and every model stops at training loss
 
 Radii at several scales (``rho_scales``): every measure at :math:`s\rho` (and
 :math:`s\rho_{\text{mix}}`) for each scale :math:`s`, on the same models; the
-``tau_by_rho`` records of :mod:`geoopt_quotient.population.rho_grid`.
+``tau_by_rho`` records of :mod:`geoopt_quotient.experiments.population.rho_grid`.
 
 Radii: the inv and adaptive balls are dimensionless (relative perturbations of
 :math:`\beta` or of :math:`(u, v)`) and coincide to first order (see :mod:`.analytic`),
@@ -71,7 +71,6 @@ which is where :math:`\beta_{0,i} \approx 0`.
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
 import time
@@ -81,11 +80,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
-from ..population.rho_grid import PATHS, STRAIGHT, RhoSeries, tau_by_rho
+from ..._checks import GEODESIC_PATHS as PATHS
+from ..._checks import MEASURES, STRAIGHT, check_positive_float
+from ...manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ...sharpness.apgd import BallGroup, maximize_in_ball
+from ...sharpness.stats import kendall_tau
+from ..population.rho_grid import RhoSeries, study_scales, tau_by_rho
 from ..records import RecordFile, fingerprint
-from ..sharpness.apgd import BallGroup, maximize_in_ball
-from ..sharpness.stats import kendall_tau
 from .data import DEFAULT_NOISE_STD, DEFAULT_SPARSITY, SparseRegression, make_sparse_regression
 from .train import (
     DEFAULT_INIT_RANGE,
@@ -120,7 +121,6 @@ __all__ = [
 ]
 
 PAPER_TAU: Dict[str, float] = {"adaptive": -0.68, "inv": -0.83, "mix": -0.86}
-MEASURES: Tuple[str, ...] = ("adaptive", "inv", "mix")
 DIAGNOSTICS: Tuple[str, ...] = ("mix_unclamped",)
 #: The populations: ``phase-transition`` (initialisation scales at the l1 recovery
 #: threshold, the default) and ``step-size`` (GD and SGD step sizes, after the public
@@ -297,7 +297,7 @@ def _versions() -> Dict[str, str]:
     import geoopt
     import scipy
 
-    from .. import __version__
+    from ... import __version__
 
     return {
         "geoopt_quotient": __version__,
@@ -314,19 +314,9 @@ def _check_args(models: int, dim: int, rho: float, rho_mix: float | None, iters:
     for name, value, low in (("models", models, 2), ("dim", dim, 2), ("iters", iters, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
-    for name, value in (("rho", rho), ("rho_mix", rho_mix)):
-        if value is None and name == "rho_mix":
-            continue
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
-
-
-def _scales(rho_scales: Sequence[float]) -> Tuple[float, ...]:
-    """The scales to measure: those given and 1, sorted."""
-    for scale in rho_scales:
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
-    return tuple(sorted({float(s) for s in rho_scales} | {1.0}))
+    check_positive_float(rho, "rho")
+    if rho_mix is not None:
+        check_positive_float(rho_mix, "rho_mix")
 
 
 def _train(
@@ -492,7 +482,7 @@ def run_diagonal(
     rho_mix : float, optional
         Radius of the mix ball, in units of :math:`|\beta^*| = 1`; default ``rho``.
     n_train, noise_std, sparsity
-        Data settings (:func:`~geoopt_quotient.diagonal.data.make_sparse_regression`);
+        Data settings (:func:`~geoopt_quotient.experiments.diagonal.data.make_sparse_regression`);
         ``None`` takes the setup's default (phase-transition: n at the :math:`\ell_1`
         recovery threshold, noise 0.1; step-size: n = 0.4 d, no noise).
     init_range, step_factor_range
@@ -514,13 +504,13 @@ def run_diagonal(
         ``tau`` (``measure -> {"tau", "p"}`` against the test loss, scale 1),
         ``tau_population_risk``, ``by_scale`` (per scale: radii, sharpness columns,
         ``tau``), ``tau_by_rho`` (records of
-        :mod:`~geoopt_quotient.population.rho_grid` for adaptive, inv and mix against the
-        test loss), ``paper_tau``, ``timings`` (seconds), ``versions``. Everything is
+        :mod:`~geoopt_quotient.experiments.population.rho_grid` for adaptive, inv and mix
+        against the test loss), ``paper_tau``, ``timings`` (seconds), ``versions``. Everything is
         JSON-serialisable.
     """
     _check_args(models, dim, rho, rho_mix, iters)
     measures = measure_names(paths)
-    scales = _scales(rho_scales or ())
+    scales = study_scales(rho_scales)
     rho_mix = float(rho if rho_mix is None else rho_mix)
     device = torch.device(device)
     start = time.perf_counter()

@@ -27,8 +27,6 @@ __all__ = [
     "PlanError",
     "SymmetryGroup",
     "SymmetryPlan",
-    "discover_symmetries",
-    "install_discovery",
 ]
 
 Layout = Callable[..., torch.Tensor]
@@ -293,7 +291,7 @@ class BoundPlan:
         """``params`` with every group's point written back (differentiable).
 
         The groups partition the trainable entries. Where every parameter is a few
-        strided views of the points (:mod:`~geoopt_quotient.sharpness.strided`: the
+        strided views of the points (:mod:`~geoopt_quotient.symmetry.strided`: the
         layouts of real architectures) and the views are large enough to pay, each is
         written with strided copies, forward and backward; otherwise all indexed groups
         are written with one permutation of their concatenated points (one gather
@@ -459,44 +457,3 @@ def _manifold_label(manifold: Manifold) -> str:
         return f"{name}({', '.join(parts)})"
     extra = manifold.extra_repr() if hasattr(manifold, "extra_repr") else ""
     return f"{name}({extra})"
-
-
-#: ``discovery(model, metric=..., eps=...) -> SymmetryPlan``, used for ``symmetries=None``.
-_discovery: Callable[..., SymmetryPlan] | None = None
-
-#: Entry-point group through which an installed package provides the discovery.
-DISCOVERY_ENTRY_POINTS = "geoopt_quotient.discovery"
-
-
-def install_discovery(discovery: Callable[..., SymmetryPlan]) -> None:
-    """Install the function that finds a model's symmetries when none are given.
-
-    The engine knows no architectures: :mod:`geoopt_quotient.models` installs
-    :func:`~geoopt_quotient.models.find_symmetries` here when it is imported. An engine
-    used on its own (``from geoopt_quotient.sharpness import ...``) loads it on first
-    need from the :data:`DISCOVERY_ENTRY_POINTS` entry point that the installed package
-    declares.
-    """
-    global _discovery
-    _discovery = discovery
-
-
-def _discovery_from_entry_points() -> Callable[..., SymmetryPlan] | None:
-    from importlib.metadata import entry_points
-
-    for entry_point in entry_points(group=DISCOVERY_ENTRY_POINTS):
-        return entry_point.load()
-    return None
-
-
-def discover_symmetries(model: torch.nn.Module, *, metric: str, eps: float) -> SymmetryPlan:
-    """The installed discovery's plan for ``model``; a :class:`PlanError` if none is."""
-    if _discovery is None:
-        discovery = _discovery_from_entry_points()
-        if discovery is None:
-            raise PlanError(
-                "`symmetries=None` needs a symmetry discovery: import geoopt_quotient.models "
-                "(or use geoopt_quotient.geodesic_sharpness), or pass `symmetries` explicitly"
-            )
-        install_discovery(discovery)
-    return _discovery(model, metric=metric, eps=eps)

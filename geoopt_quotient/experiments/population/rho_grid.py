@@ -4,9 +4,10 @@ A study that measures every sharpness measure at several multiples ("scales") of
 radius, on the same models and the same data, hands the per-model values of each
 (scale, measure, path) and the per-model generalization target (a gap, a test loss) to
 :func:`tau_by_rho`; :func:`format_tau_by_rho` prints the result as a table and
-:func:`tau_by_rho_figure` draws :math:`\tau` against the scale with its bootstrap
-interval as a band. :func:`parse_rho_scales` is the ``--rho-scales`` argument type. The
-module knows nothing of the study: it never sees a model, only numbers.
+:func:`tau_by_rho_figure` draws :math:`\tau` against
+the scale with its bootstrap interval as a band. :func:`parse_rho_scales` is the
+``--rho-scales`` argument type. The module knows nothing of the study: it never sees a
+model, only numbers.
 
 Record format
 -------------
@@ -43,24 +44,21 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..sharpness.stats import kendall_tau_bootstrap
+from ..._checks import STRAIGHT
+from ..._extras import require
+from ...sharpness.stats import kendall_tau_bootstrap
+from ..figures import new_figure
 
 __all__ = [
-    "PATHS",
-    "STRAIGHT",
     "RhoSeries",
     "format_tau_by_rho",
     "parse_rho_scales",
+    "study_scales",
     "tau_by_rho",
     "tau_by_rho_figure",
 ]
-
-#: The paths of the geodesic measures: the exact geodesic and the second-order retraction.
-PATHS: Tuple[str, ...] = ("exact", "second_order")
-#: The ``path`` of a measure perturbed along the straight line :math:`w + \xi` (adaptive).
-STRAIGHT = "straight"
 
 
 @dataclass(frozen=True)
@@ -118,6 +116,14 @@ def parse_rho_scales(text: str) -> Tuple[float, ...]:
     if len(set(scales)) != len(scales):
         raise argparse.ArgumentTypeError(f"a scale is repeated in {text!r}")
     return tuple(sorted(scales))
+
+
+def study_scales(rho_scales: Optional[Sequence[float]]) -> Tuple[float, ...]:
+    """The scales a study measures: 1 (the study's own radii) and those given, sorted."""
+    for scale in rho_scales or ():
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
+    return tuple(sorted({float(s) for s in rho_scales or ()} | {1.0}))
 
 
 def tau_by_rho(
@@ -244,21 +250,17 @@ def tau_by_rho_figure(
     the legend gives each curve's radius at scale 1. Colours tell the measures apart,
     line styles the paths (solid exact, dashed second order, dotted straight).
     ``reference`` (``measure -> tau``) draws a thin horizontal line per measure in its
-    colour. Writes a PNG to ``path`` with matplotlib's Agg backend and returns the path.
+    colour. Writes a PNG to ``path`` and returns the path.
     """
     if not records:
         raise ValueError("no records to draw")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
+    fig = new_figure(figsize=(7.0, 4.4))
+    ax = fig.subplots()
 
     curves = _curves(records)
     measures = list(dict.fromkeys(measure for measure, _ in curves))
     colours = {m: f"C{i % 10}" for i, m in enumerate(measures)}
     styles = {"exact": "-", "second_order": "--", STRAIGHT: ":"}
-    fig, ax = plt.subplots(figsize=(7.0, 4.4))
     for (measure, route), rows in curves.items():
         x = [r["scale"] for r in rows]
         colour = colours[measure]
@@ -287,7 +289,7 @@ def tau_by_rho_figure(
     ax.set_xscale("log")
     scales = sorted({r["scale"] for r in records})
     ax.set_xticks(scales, [f"{s:g}" for s in scales])
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_minor_formatter(require("matplotlib.ticker", "drawing figures").NullFormatter())
     ax.set_xlabel("radius / ρ₁ (scale)")
     ax.set_ylabel(ylabel)
     ax.set_ylim(-1.05, 1.05)
@@ -298,5 +300,4 @@ def tau_by_rho_figure(
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -82,6 +82,8 @@ from typing import Callable, Tuple
 import numpy as np
 import torch
 
+from ..._checks import check_positive_float
+
 __all__ = [
     "WorstCase",
     "adaptive_interval",
@@ -155,11 +157,7 @@ def _prepare(
     b0, bs = _as_array(beta0, "beta0"), _as_array(beta_star, "beta_star")
     if b0.shape != bs.shape:
         raise ValueError(f"`beta0` {b0.shape} and `beta_star` {bs.shape} differ in shape")
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho):
-        raise ValueError(f"`rho` must be a finite number > 0, got {rho!r}")
-    if rho <= 0:
-        raise ValueError(f"`rho` must be > 0, got {rho}")
-    return b0, bs, float(rho)
+    return b0, bs, check_positive_float(rho, "rho")
 
 
 def loss_increase(

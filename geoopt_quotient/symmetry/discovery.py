@@ -1,4 +1,4 @@
-"""Model integrations: finding the symmetries of real architectures."""
+"""Finding the symmetries of a model by its module structure: :func:`find_symmetries`."""
 
 from __future__ import annotations
 
@@ -6,28 +6,15 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..manifolds._validation import check_choice, check_nonnegative_float
-from ..sharpness.plan import SymmetryGroup, SymmetryPlan, install_discovery
-from .huggingface import Findings, bert_style_pairs, find_attention, linear_attention_pairs
-from .layouts import PairSpec, head_columns, head_rows, stack_pairs
+from .._checks import METRICS, check_choice, check_nonnegative_float
+from .huggingface import Findings, find_attention
+from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
+from .plan import SymmetryGroup, SymmetryPlan
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
-from .verify import SymmetryVerificationError, probe_inputs_for, verify_plan
+from .verify import verify_plan
 
-__all__ = [
-    "PairSpec",
-    "SymmetryVerificationError",
-    "bert_style_pairs",
-    "find_symmetries",
-    "head_columns",
-    "head_rows",
-    "linear_attention_pairs",
-    "lora_pairs",
-    "multihead_attention_pairs",
-    "probe_inputs_for",
-    "stack_pairs",
-    "verify_plan",
-]
+__all__ = ["find_symmetries"]
 
 
 def find_symmetries(
@@ -41,7 +28,7 @@ def find_symmetries(
 ) -> SymmetryPlan:
     """Discover the GL(h) symmetries of ``model`` by module structure and attributes.
 
-    Recognised (see :mod:`geoopt_quotient.models.huggingface`):
+    Recognised (see :mod:`geoopt_quotient.symmetry.huggingface`):
 
     * ``torch.nn.MultiheadAttention`` (fused or separate projections,
       ``bias_k``/``bias_v``);
@@ -93,7 +80,7 @@ def find_symmetries(
     PlanError
         With ``verify=True``, if no probe inputs can be built.
     """
-    check_choice(metric, ("mix", "inv"), "metric")
+    check_choice(metric, METRICS, "metric")
     eps = check_nonnegative_float(eps, "eps")
     found = Findings()
     for path, module in model.named_modules():
@@ -142,6 +129,3 @@ def _members(specs: List[PairSpec], groups: List[SymmetryGroup]) -> Dict[str, Li
     for spec in specs:
         buckets.setdefault(spec.signature, []).append(spec)
     return {g.name: [s.module for s in m] for g, m in zip(groups, buckets.values())}
-
-
-install_discovery(find_symmetries)

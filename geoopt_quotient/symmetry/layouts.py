@@ -13,7 +13,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from ..manifolds import GLQuotient
-from ..sharpness.plan import SymmetryGroup
+from .plan import SymmetryGroup
 
 __all__ = ["PairSpec", "head_columns", "head_rows", "stack_pairs"]
 

@@ -1,7 +1,7 @@
 """Population studies: does a sharpness measure track generalization across many models?
 
-:mod:`~geoopt_quotient.population.study` measures any directory of Hugging Face
-classifier checkpoints; :mod:`~geoopt_quotient.population.digits` trains a population of
+:mod:`~geoopt_quotient.experiments.population.study` measures any directory of Hugging Face
+classifier checkpoints; :mod:`~geoopt_quotient.experiments.population.digits` trains a population of
 small vision transformers on CPU to run it on.
 """
 

@@ -20,7 +20,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..classifiers import Batch, InputError
+from .._extras import require
+from .classifiers import Batch, InputError
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -135,16 +136,15 @@ class _ImageDataset(torch.utils.data.Dataset):
         return len(self.indices)
 
     def __getitem__(self, position: int) -> Tuple[torch.Tensor, int]:
-        from PIL import Image, UnidentifiedImageError
-
+        pil_image = require("PIL.Image", "reading images")
         if self.processor is None:  # built in the worker that uses it
             self.processor = clip_image_processor(self.image_size)
         index = self.indices[position]
         path = self.folder.files[index]
         try:
-            with Image.open(path) as image:
+            with pil_image.open(path) as image:
                 pixels = self.processor(images=image.convert("RGB"), return_tensors="pt")
-        except (OSError, UnidentifiedImageError) as error:
+        except (OSError, pil_image.UnidentifiedImageError) as error:
             raise InputError(f"image {path}: cannot be read ({error})") from None
         return pixels["pixel_values"][0], self.folder.labels[index]
 
