@@ -747,3 +747,17 @@ def test_geodesic_through_a_rank_loss_raises_the_domain_error(metric):
     with pytest.raises(GeodesicDomainError, match="lost rank"):
         manifold.expmap(x, u, steps=1)
     assert torch.isfinite(manifold.expmap(x, 0.1 * u, steps=8)).all()
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1.0, 1e300])
+def test_point_check_is_scale_free_up_to_the_float64_range(scale):
+    """A full-rank factor stays full rank, and a rank-deficient one rank-deficient, at any
+    scale of its entries: the Gram matrix of entries near 1e300 must not overflow."""
+    manifold = GLQuotient(3, 3, "mix")
+    g = torch.tensor([[2.0, 0.3, 1.1], [0.7, 0.1, -0.2], [-0.2, 0.8, -0.2]], dtype=torch.float64)
+    full = torch.cat([g * scale, g / scale])  # G H^T unchanged
+    assert manifold.check_point_on_manifold(full)
+    deficient = full.clone()
+    deficient[:3, 2] = deficient[:3, 0]
+    ok, reason = manifold.check_point_on_manifold(deficient, explain=True)
+    assert not ok and "rank-deficient" in reason
