@@ -55,7 +55,21 @@ PROG = "geoopt-quotient"
 
 
 def discover(package: ModuleType) -> List[ModuleType]:
-    """The public submodules of ``package`` that define ``register``, sorted by name."""
+    """The public submodules of ``package`` that define ``register``, sorted by name.
+
+    Each such module is a subcommand: ``register(subparsers)`` adds its parser.
+
+    Parameters
+    ----------
+    package : module
+        A package (it has ``__path__``); its modules whose names start with ``_`` are
+        skipped.
+
+    Returns
+    -------
+    list of module
+        The imported submodules with a callable ``register``.
+    """
     found = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
@@ -85,7 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def error_line(error: BaseException) -> str:
-    """The message of ``error`` and its notes (``add_note``) on one line."""
+    """The message of ``error`` and its notes (``add_note``) on one line.
+
+    Parameters
+    ----------
+    error : BaseException
+        The exception.
+
+    Returns
+    -------
+    str
+        Its message, then each note in parentheses, the lines stripped and joined by
+        spaces.
+    """
     parts = [str(error), *(f"({note})" for note in getattr(error, "__notes__", ()))]
     return " ".join(line.strip() for part in parts for line in part.splitlines() if line.strip())
 
@@ -96,6 +122,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     Argument errors, data errors
     (:class:`~geoopt_quotient.experiments.classifiers.InputError`) and missing optional
     dependencies exit with status 2 (``SystemExit``); the last two print one line to stderr.
+
+    Parameters
+    ----------
+    argv : sequence of str or None
+        The arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status of the subcommand (0 on success).
+
+    Raises
+    ------
+    SystemExit
+        With status 2 on an argument error, a data error or a missing optional
+        dependency (and with status 0 after ``--help`` or ``--version``).
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -64,7 +64,18 @@ def _is_image_classifier(config: Any) -> bool:
 def check_checkpoint(directory: str, *, where: Optional[str] = None) -> None:
     """Raise :class:`InputError` unless ``directory`` has a config and safetensors weights.
 
-    ``where`` prefixes the messages (default ``"checkpoint DIR"``).
+    Parameters
+    ----------
+    directory : str
+        The checkpoint directory.
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint DIR"``).
+
+    Raises
+    ------
+    InputError
+        If ``directory`` is not a directory, has no ``config.json``, or no
+        ``model.safetensors`` weights (pickled weights are named, never loaded).
     """
     where = where or f"checkpoint {directory}"
     if not os.path.isdir(directory):
@@ -99,6 +110,28 @@ def load_checkpoint(
     Image classifiers (``config.architectures`` naming ``...ForImageClassification``)
     are loaded with ``AutoModelForImageClassification`` and need no tokenizer (``None``
     is returned); every other checkpoint is a sequence classifier with a tokenizer.
+
+    Parameters
+    ----------
+    directory : str
+        The checkpoint directory (:func:`check_checkpoint`).
+    device : torch.device or str
+        Where to put the model (default ``"cpu"``).
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint DIR"``).
+
+    Returns
+    -------
+    model : torch.nn.Module
+        The classifier, in eval mode on ``device``.
+    tokenizer : object or None
+        Its tokenizer, or ``None`` for an image classifier.
+
+    Raises
+    ------
+    InputError
+        If the checkpoint is incomplete or its config, tokenizer or weights cannot be
+        loaded.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import (
@@ -131,7 +164,18 @@ def load_checkpoint(
 
 
 def is_regression(config: Any) -> bool:
-    """A one-output or ``problem_type="regression"`` model: mean squared error, no error rate."""
+    """A one-output or ``problem_type="regression"`` model: mean squared error, no error rate.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (``num_labels``, ``problem_type``).
+
+    Returns
+    -------
+    bool
+        Whether the model is a regression model.
+    """
     return int(config.num_labels) == 1 or config.problem_type == "regression"
 
 
@@ -167,7 +211,29 @@ def _open(path: str, where: str):
 
 def text_lines(path: str, where: str, expected: str = "JSON lines") -> Iterator[Tuple[int, str]]:
     """``(line number, line)`` of a UTF-8 text file; an :class:`InputError` naming the
-    line (as ``"WHERE, line N"``) at the first line that is not UTF-8."""
+    line (as ``"WHERE, line N"``) at the first line that is not UTF-8.
+
+    Parameters
+    ----------
+    path : str
+        The file.
+    where : str
+        Prefix of the error messages.
+    expected : str
+        What the file should hold, for the messages (default ``"JSON lines"``).
+
+    Yields
+    ------
+    number : int
+        The line number, from 1.
+    line : str
+        The line, with its line ending.
+
+    Raises
+    ------
+    InputError
+        If the file cannot be opened, or at the first line that is not UTF-8.
+    """
     with _open(path, where) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
@@ -196,7 +262,32 @@ def _example(record: Any, config: Any, regression: bool, where: str) -> Dict[str
 def load_examples(
     path: str, config: Any, max_examples: Optional[int] = None, *, where: Optional[str] = None
 ) -> List[Dict[str, Any]]:
-    """Read ``{"text", optional "text_pair", "label"}`` lines; errors name the line."""
+    """Read ``{"text", optional "text_pair", "label"}`` lines; errors name the line.
+
+    Parameters
+    ----------
+    path : str
+        The ``.jsonl`` file; blank lines are skipped.
+    config : transformers.PretrainedConfig
+        The model's config: labels may be label names (``label2id``) or class indices
+        below ``num_labels``, or numbers for a regression model (:func:`is_regression`).
+    max_examples : int or None
+        Read at most this many examples (default all).
+    where : str or None
+        Prefix of the error messages (default ``"data PATH"``).
+
+    Returns
+    -------
+    list of dict
+        ``{"text", "text_pair", "label"}`` per example (``text_pair`` ``None`` when
+        absent), labels as class indices or floats.
+
+    Raises
+    ------
+    InputError
+        For a line that is not JSON or lacks a field, an unknown or out-of-range
+        label, ``text_pair`` on some lines only, or no examples.
+    """
     where = where or f"data {path}"
     regression = is_regression(config)
     examples: List[Dict[str, Any]] = []
@@ -225,7 +316,28 @@ def make_batches(
     device: torch.device | str,
     regression: bool,
 ) -> List[Batch]:
-    """Tokenised ``(inputs, labels)`` batches of consecutive examples."""
+    """Tokenised ``(inputs, labels)`` batches of consecutive examples.
+
+    Parameters
+    ----------
+    examples : sequence of dict
+        The examples of :func:`load_examples`.
+    tokenizer : callable
+        A Hugging Face tokenizer; each batch is padded to its longest sequence.
+    batch_size : int
+        Examples per batch (the last batch may be smaller).
+    max_length : int
+        Sequences are truncated to this many tokens.
+    device : torch.device or str
+        Where to put the tensors.
+    regression : bool
+        Float labels (in the default dtype) instead of class indices.
+
+    Returns
+    -------
+    list of (dict, torch.Tensor)
+        The model's keyword inputs and the labels of each batch.
+    """
     batches = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -244,7 +356,28 @@ def make_batches(
 def load_arrays(
     path: str, max_examples: Optional[int] = None, *, where: Optional[str] = None
 ) -> Dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` file: ``labels`` and model inputs, one row per example."""
+    """The arrays of an ``.npz`` file: ``labels`` and model inputs, one row per example.
+
+    Parameters
+    ----------
+    path : str
+        The ``.npz`` file (read without unpickling).
+    max_examples : int or None
+        Keep the first rows only (default all).
+    where : str or None
+        Prefix of the error messages (default ``"data PATH"``).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``labels`` and the input arrays, with equal numbers of rows.
+
+    Raises
+    ------
+    InputError
+        For a missing or unreadable file, no ``labels`` or no input array, arrays with
+        different numbers of rows or a non-numeric dtype, or no examples.
+    """
     where = where or f"data {path}"
     try:
         with np.load(path, allow_pickle=False) as archive:
@@ -306,6 +439,36 @@ def load_batches(
     ``.jsonl``/``.json`` files are text, tokenised with ``tokenizer``; ``.npz`` files hold
     arrays passed to the model by keyword. The same file gives every model the same
     examples in the same batches.
+
+    Parameters
+    ----------
+    path : str
+        The data file (``.jsonl``, ``.json`` or ``.npz``).
+    model : torch.nn.Module
+        A Hugging Face classifier (its ``config`` gives the labels).
+    tokenizer : object or None
+        The model's tokenizer; needed for text data.
+    batch_size : int
+        Examples per batch.
+    max_examples : int or None
+        Use the first examples only (default all).
+    max_length : int
+        Token sequences are truncated to this length (default 128).
+    device : torch.device or str
+        Where to put the tensors (default ``"cpu"``).
+    where : str or None
+        Prefix of the error messages (default ``"data PATH"``).
+
+    Returns
+    -------
+    list of (dict, torch.Tensor)
+        The model's keyword inputs and the labels of each batch.
+
+    Raises
+    ------
+    InputError
+        For an unknown format, text data without a tokenizer, or a problem in the file
+        (:func:`load_examples`, :func:`load_arrays`).
     """
     where = where or f"data {path}"
     regression = is_regression(model.config)
@@ -326,7 +489,19 @@ def load_batches(
 
 # ---------------------------------------------------------------- loss and error
 def classification_loss(regression: bool):
-    """``loss_fn(model, (inputs, labels))``: cross-entropy, or mean squared error."""
+    """``loss_fn(model, (inputs, labels))``: cross-entropy, or mean squared error.
+
+    Parameters
+    ----------
+    regression : bool
+        Mean squared error of the single output instead of cross-entropy of the logits.
+
+    Returns
+    -------
+    callable
+        ``loss_fn(model, batch) -> scalar tensor`` on ``model(**inputs).logits``, for
+        :func:`~geoopt_quotient.geodesic_sharpness`.
+    """
 
     def loss_fn(model: Any, batch: Batch) -> torch.Tensor:
         inputs, labels = batch
@@ -340,7 +515,28 @@ def classification_loss(regression: bool):
 
 @torch.no_grad()
 def error_rate(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
-    """Fraction of misclassified examples (argmax of the logits), model in eval mode."""
+    """Fraction of misclassified examples (argmax of the logits), model in eval mode.
+
+    Runs without gradients; the model is used in the mode it is in (put it in eval mode
+    first, as :func:`load_checkpoint` does).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A classifier whose output has ``logits``.
+    batches : sequence of (dict, torch.Tensor)
+        Keyword inputs and labels.
+
+    Returns
+    -------
+    float
+        Misclassified examples over all examples, in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        For no examples.
+    """
     wrong = total = 0
     for inputs, labels in batches:
         predictions = model(**inputs).logits.argmax(-1)

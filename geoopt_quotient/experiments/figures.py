@@ -17,7 +17,18 @@ __all__ = ["new_figure", "sharpness_scatter"]
 
 
 def new_figure(**kwargs: Any):
-    """A :class:`matplotlib.figure.Figure` (keyword arguments passed on), not owned by pyplot."""
+    """A :class:`matplotlib.figure.Figure` (keyword arguments passed on), not owned by pyplot.
+
+    Parameters
+    ----------
+    **kwargs
+        Passed to :class:`matplotlib.figure.Figure` (e.g. ``figsize``).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        A new figure, which no pyplot state refers to.
+    """
     figure = require("matplotlib.figure", "drawing figures")
     return figure.Figure(**kwargs)
 
@@ -34,6 +45,26 @@ def sharpness_scatter(
     """One scatter panel per sharpness measure (x) against generalization (y), tau in titles.
 
     Writes a PNG to ``path`` and returns the path.
+
+    Parameters
+    ----------
+    panels : dict of str to sequence of float
+        Per measure, the sharpness of each model.
+    generalization : sequence of float
+        The generalization measure of each model, in the same order.
+    path : str
+        Where to write the PNG.
+    ylabel : str
+        Label of the y axis (default ``"test loss"``).
+    title : str or None
+        Title of the figure.
+    log_x : bool
+        Logarithmic x axes, for panels whose values are all positive (default ``False``).
+
+    Returns
+    -------
+    str
+        ``path``.
     """
     fig = new_figure(figsize=(4.2 * len(panels), 3.6))
     axes = fig.subplots(1, len(panels), squeeze=False)

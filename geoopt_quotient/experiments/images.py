@@ -42,7 +42,19 @@ SAMPLE_SEED = 0
 
 @dataclass(frozen=True)
 class ImageFolder:
-    """The images of an ``ImageFolder`` tree: class names, files, labels."""
+    """The images of an ``ImageFolder`` tree: class names, files, labels.
+
+    Attributes
+    ----------
+    root : str
+        The tree's root directory (``ROOT/CLASS/IMAGE``).
+    classes : tuple of str
+        The class directories' names, sorted; class ``i`` has label ``i``.
+    files : tuple of str
+        The image paths, class by class, sorted within each class.
+    labels : tuple of int
+        The label of each file.
+    """
 
     root: str
     classes: Tuple[str, ...]
@@ -66,6 +78,19 @@ def _class_images(directory: str) -> List[str]:
 @functools.lru_cache(maxsize=8)
 def read_image_folder(root: str, *, where: Optional[str] = None) -> ImageFolder:
     """List an ``ImageFolder`` tree (cached per root; the listing, not the pixels).
+
+    Parameters
+    ----------
+    root : str
+        The root directory: one sub-directory per class (hidden ones skipped), images
+        with the endings of :data:`IMAGE_SUFFIXES` anywhere below it.
+    where : str or None
+        Prefix of the error messages (default ``"images ROOT"``).
+
+    Returns
+    -------
+    ImageFolder
+        The listing.
 
     Raises
     ------
@@ -96,6 +121,17 @@ def folder_digest(root: str) -> str:
     """SHA-256 over the relative paths, sizes and modification times of a folder's images.
 
     Identifies the data of a run without reading the pixels (first 16 hex digits).
+    The labels enter the digest too.
+
+    Parameters
+    ----------
+    root : str
+        The ``ImageFolder`` root (:func:`read_image_folder`).
+
+    Returns
+    -------
+    str
+        16 hex digits.
     """
     folder = read_image_folder(root)
     digest = hashlib.sha256()
@@ -107,7 +143,18 @@ def folder_digest(root: str) -> str:
 
 
 def clip_image_processor(image_size: int) -> Any:
-    """``transformers``' CLIP image processor for ``image_size`` pixels, PIL backend."""
+    """``transformers``' CLIP image processor for ``image_size`` pixels, PIL backend.
+
+    Parameters
+    ----------
+    image_size : int
+        The shortest edge after resizing, and the size of the square centre crop.
+
+    Returns
+    -------
+    transformers.CLIPImageProcessor
+        The processor (``CLIPImageProcessorPil`` with transformers 5).
+    """
     try:  # transformers >= 5: the default CLIPImageProcessor needs torchvision
         from transformers import CLIPImageProcessorPil as Processor
     except ImportError:  # transformers 4: CLIPImageProcessor is the PIL/NumPy one
@@ -122,6 +169,20 @@ def sample_indices(count: int, limit: Optional[int], seed: int = SAMPLE_SEED) ->
 
     A seeded permutation (NumPy's PCG64, the same on every machine), so the first
     examples of a class-sorted folder cover the classes.
+
+    Parameters
+    ----------
+    count : int
+        Number of items.
+    limit : int or None
+        How many to draw (``None``: all).
+    seed : int
+        Seed of the permutation (default :data:`SAMPLE_SEED`).
+
+    Returns
+    -------
+    numpy.ndarray
+        The drawn indices, in the order drawn.
     """
     order = np.random.default_rng(seed).permutation(count)
     return order if limit is None else order[:limit]
@@ -159,7 +220,35 @@ def iter_image_batches(
     workers: int = 0,
 ) -> Iterator[Batch]:
     """``({"pixel_values": x}, labels)`` batches of ``folder`` (in ``indices`` order),
-    preprocessed as CLIP's, decoded by ``workers`` processes (0: this one)."""
+    preprocessed as CLIP's, decoded by ``workers`` processes (0: this one).
+
+    Parameters
+    ----------
+    folder : ImageFolder
+        The images.
+    image_size : int
+        The side of the square images after preprocessing (:func:`clip_image_processor`).
+    batch_size : int
+        Images per batch.
+    indices : sequence of int or None
+        The images to read, in order (default all, in the folder's order).
+    device : torch.device or str
+        Where to put the tensors (default ``"cpu"``).
+    workers : int
+        Decoding processes (0: in this process).
+
+    Yields
+    ------
+    inputs : dict
+        ``{"pixel_values": tensor of shape (batch, 3, image_size, image_size)}``.
+    labels : torch.Tensor
+        The images' labels.
+
+    Raises
+    ------
+    InputError
+        For an image that cannot be read.
+    """
     indices = range(len(folder)) if indices is None else indices
     dataset = _ImageDataset(folder, indices, image_size)
     loader = torch.utils.data.DataLoader(
@@ -195,6 +284,31 @@ def image_batches(
 
     The same for every model of a population; the preprocessed batches of the last two
     requests are kept in memory (on the CPU), so a population decodes them once.
+
+    Parameters
+    ----------
+    root : str
+        The ``ImageFolder`` root.
+    image_size : int
+        The side of the square images after preprocessing.
+    batch_size : int
+        Images per batch.
+    max_examples : int or None
+        Number of images drawn (default all).
+    device : torch.device or str
+        Where to put the batches (default ``"cpu"``).
+    workers : int
+        Decoding processes (0: in this process).
+
+    Returns
+    -------
+    list of (dict, torch.Tensor)
+        ``({"pixel_values": x}, labels)`` batches.
+
+    Raises
+    ------
+    InputError
+        For a folder that cannot be listed or an image that cannot be read.
     """
     batches = _sample_batches(root, image_size, batch_size, max_examples, workers)
     return [({k: v.to(device) for k, v in x.items()}, y.to(device)) for x, y in batches]

@@ -25,6 +25,28 @@ def load_state_dict(path: PathLike, *, device: str = "cpu") -> Dict[str, torch.T
 
     Never unpickles arbitrary objects: a pickle that references anything but tensors and
     plain containers is refused with :class:`UnsafeCheckpointError`, and nothing in it runs.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The weights file: ``.safetensors``, or a torch pickle (``.pt``, ``.bin``, ...).
+        A pickle holding ``{"state_dict": {...}, ...}`` gives its ``state_dict``.
+    device : str
+        Where to load the tensors (default ``"cpu"``).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The state dict.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no file at ``path``.
+    UnsafeCheckpointError
+        For a pickle that is not a plain-tensor checkpoint.
+    ValueError
+        For a file that does not hold a state dict of tensors.
     """
     path = Path(path)
     if not path.is_file():
@@ -49,7 +71,24 @@ def load_state_dict(path: PathLike, *, device: str = "cpu") -> Dict[str, torch.T
 
 
 def find_weights(directory: PathLike) -> Path:
-    """The weights file of a checkpoint directory, safetensors preferred."""
+    """The weights file of a checkpoint directory, safetensors preferred.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory.
+
+    Returns
+    -------
+    pathlib.Path
+        The first ``*.safetensors`` file by name, else the first ``*.pt``, ``*.pth``,
+        ``*.bin`` or ``*.ckpt`` file, in that order of preference.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the directory does not exist or has no weights file.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")

@@ -117,7 +117,18 @@ class CLIPVisionArchitecture:
 
 
 def model_soups_key_shapes(arch: CLIPVisionArchitecture) -> Dict[str, tuple]:
-    """The vision and head keys of a model-soups state dict of ``arch``, with their shapes."""
+    """The vision and head keys of a model-soups state dict of ``arch``, with their shapes.
+
+    Parameters
+    ----------
+    arch : CLIPVisionArchitecture
+        The architecture.
+
+    Returns
+    -------
+    dict of str to tuple
+        Every ``model.visual.*`` and ``classification_head.*`` key with its shape.
+    """
     w, m = arch.width, arch.mlp_width
     shapes: Dict[str, tuple] = {
         f"{VISUAL}class_embedding": (w,),
@@ -178,6 +189,18 @@ def infer_architecture(
     embedding (the patches and the class token). Every vision and head tensor must be
     present with the shape this architecture gives it; other ``model.`` tensors are
     allowed only among the text-side leftovers (:data:`TEXT_LEFTOVERS`).
+
+    Parameters
+    ----------
+    state : dict of str to torch.Tensor
+        A model-soups state dict (OpenAI key layout).
+    where : str
+        Prefix of the error messages (default ``"state dict"``).
+
+    Returns
+    -------
+    CLIPVisionArchitecture
+        The architecture the shapes give.
 
     Raises
     ------
@@ -243,6 +266,19 @@ def openai_to_hf_vision(
     The fused ``in_proj_weight`` of a block stacks :math:`W_q, W_k, W_v` by rows (as
     ``torch.nn.MultiheadAttention`` does); ``proj`` maps features as ``x @ proj``, so the
     projection ``Linear``'s weight is its transpose.
+
+    Parameters
+    ----------
+    state : dict of str to torch.Tensor
+        A model-soups state dict (OpenAI key layout).
+    arch : CLIPVisionArchitecture
+        Its architecture (:func:`infer_architecture`).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The vision tower's and projection's tensors under Hugging Face's keys,
+        contiguous (the classification head is not included).
     """
     out = {
         "vision_model.embeddings.class_embedding": state[f"{VISUAL}class_embedding"],
@@ -281,6 +317,14 @@ class ModelSoupsClassifier(torch.nn.Module):
     classifiers do), so the population study's loss and error rate apply unchanged.
     ``initialize=False`` skips the random initialisation (the weights are garbage until
     :meth:`load_openai_state_dict`), which takes seconds for a ViT-B/32.
+
+    Parameters
+    ----------
+    arch : CLIPVisionArchitecture
+        The architecture of the vision tower and of the head.
+    initialize : bool
+        Initialise the weights randomly (default ``True``); ``False`` when a state dict
+        is loaded next.
     """
 
     def __init__(self, arch: CLIPVisionArchitecture, *, initialize: bool = True):
@@ -327,6 +371,19 @@ def _float32(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def read_model_soups_state(path: str, *, where: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The state dict of a model-soups ``.pt`` file, read without running code.
 
+    Parameters
+    ----------
+    path : str
+        The ``.pt`` file.
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint PATH"``).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The state dict, a ``module.`` prefix of data-parallel training stripped, floating
+        tensors in float32.
+
     Raises
     ------
     InputError
@@ -349,7 +406,28 @@ def read_model_soups_state(path: str, *, where: Optional[str] = None) -> Dict[st
 def load_model_soups_checkpoint(
     path: str, device: torch.device | str = "cpu", *, where: Optional[str] = None
 ) -> ModelSoupsClassifier:
-    """A model-soups CLIP checkpoint as a :class:`ModelSoupsClassifier` in eval mode."""
+    """A model-soups CLIP checkpoint as a :class:`ModelSoupsClassifier` in eval mode.
+
+    Parameters
+    ----------
+    path : str
+        The ``.pt`` file (a state dict, read without running code).
+    device : torch.device or str
+        Where to put the model (default ``"cpu"``).
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint PATH"``).
+
+    Returns
+    -------
+    ModelSoupsClassifier
+        The classifier in float32, in eval mode on ``device``.
+
+    Raises
+    ------
+    InputError
+        For a file that cannot be read safely (:func:`read_model_soups_state`) or whose
+        tensors do not make a CLIP classifier (:func:`infer_architecture`).
+    """
     where = where or f"checkpoint {path}"
     state = read_model_soups_state(path, where=where)
     arch = infer_architecture(state, where=where)
@@ -359,5 +437,16 @@ def load_model_soups_checkpoint(
 
 
 def checkpoint_files(root: str) -> List[Path]:
-    """The ``*.pt`` files directly under ``root``, sorted by name."""
+    """The ``*.pt`` files directly under ``root``, sorted by name.
+
+    Parameters
+    ----------
+    root : str
+        A directory.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The files.
+    """
     return sorted(p for p in Path(root).glob("*.pt") if p.is_file())

@@ -12,7 +12,18 @@ __all__ = ["RecordFile", "fingerprint"]
 
 
 def fingerprint(settings: Mapping[str, Any]) -> str:
-    """A short stable hash of the settings that determine a run's results."""
+    """A short stable hash of the settings that determine a run's results.
+
+    Parameters
+    ----------
+    settings : dict
+        JSON-serialisable settings (other values are hashed by their ``str``).
+
+    Returns
+    -------
+    str
+        The first 16 hex digits of the SHA-256 of the settings as sorted JSON.
+    """
     text = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

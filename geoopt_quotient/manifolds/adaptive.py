@@ -38,9 +38,38 @@ class AdaptiveEuclidean(QuotientManifold):
     Parameters
     ----------
     eps : float
-        Offset :math:`\varepsilon \ge 0` of the scale.
+        Offset :math:`\varepsilon \ge 0` of the scale (default 0).
     ndim : int
-        Number of trailing dimensions reduced by :meth:`inner` (0: element-wise).
+        Number of trailing dimensions reduced by :meth:`inner` (default 0:
+        element-wise).
+
+    Raises
+    ------
+    ValueError
+        For a negative or non-finite ``eps``, or an ``ndim`` that is not an int >= 0.
+
+    References
+    ----------
+    Kwon et al. (2021) :cite:`kwon2021asam`; Andriushchenko et al. (2023), "A Modern Look
+    at the Relationship between Sharpness and Generalization", ICML
+    :cite:`andriushchenko2023modern`.
+
+    Examples
+    --------
+    A zero weight is frozen; the others are measured relative to their size:
+
+    >>> import torch
+    >>> from geoopt_quotient import AdaptiveEuclidean
+    >>> manifold = AdaptiveEuclidean(ndim=1)
+    >>> w = torch.tensor([2.0, -0.5, 0.0], dtype=torch.float64)
+    >>> xi = manifold.proju(w, torch.ones(3, dtype=torch.float64))
+    >>> xi
+    tensor([1., 1., 0.], dtype=torch.float64)
+    >>> expected = torch.tensor((1 / 2.0) ** 2 + (1 / 0.5) ** 2, dtype=torch.float64).sqrt()
+    >>> torch.allclose(manifold.norm(w, xi), expected)
+    True
+    >>> manifold.retr(w, xi)
+    tensor([3.0000, 0.5000, 0.0000], dtype=torch.float64)
     """
 
     name = "AdaptiveEuclidean"

@@ -51,8 +51,34 @@ class DiagonalQuotient(QuotientManifold):
     Parameters
     ----------
     metric : {"mix", "inv"}
+        The GL(1)-invariant metric above (default ``"mix"``).
     retraction : {"second_order", "first_order"}
-        :meth:`retr` is :math:`X + \xi - \tfrac12\Gamma_X(\xi,\xi)` or :math:`X + \xi`.
+        :meth:`retr` is :math:`X + \xi - \tfrac12\Gamma_X(\xi,\xi)` (default) or
+        :math:`X + \xi`.
+
+    References
+    ----------
+    da Silva, Dangel & Oore (2025) :cite:`dasilva2025hide`; diagonal linear networks:
+    Woodworth et al. (2020), "Kernel and Rich Regimes in Overparametrized Models", COLT
+    :cite:`woodworth2020kernel`.
+
+    Examples
+    --------
+    On a horizontal vector the inv geodesic scales :math:`\beta` by :math:`e^{2B}`:
+
+    >>> import torch
+    >>> from geoopt_quotient import DiagonalQuotient
+    >>> manifold = DiagonalQuotient(metric="inv")
+    >>> x = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)
+    >>> manifold.product(x)
+    tensor([ 0.5000, -6.0000], dtype=torch.float64)
+    >>> u = manifold.proju(x, torch.tensor([[0.1, 0.2], [0.3, -0.1]], dtype=torch.float64))
+    >>> rate = u[0] / x[0]
+    >>> torch.allclose(rate, u[1] / x[1])
+    True
+    >>> y = manifold.expmap(x, u)
+    >>> torch.allclose(manifold.product(y), manifold.product(x) * torch.exp(2 * rate))
+    True
     """
 
     name = "DiagonalQuotient"

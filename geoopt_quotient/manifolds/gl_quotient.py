@@ -191,10 +191,10 @@ class GLQuotient(QuotientManifold):
         Number of rows of :math:`G` and of :math:`H`; the rank :math:`h` is the
         trailing dimension of the tensors and must satisfy :math:`h \le \min(n, m)`.
     metric : {"mix", "inv"}
-        The GL-invariant metric.
+        The GL-invariant metric (default ``"mix"``).
     eps : float
         Relaxation :math:`\varepsilon \ge 0` added to both Gram matrices.
-        ``eps=0`` is the exact geometry and needs full-rank factors.
+        ``eps=0`` (default) is the exact geometry and needs full-rank factors.
     retraction : {"second_order", "first_order"}
         :meth:`retr` is :math:`X + \xi - \tfrac12 \Gamma_X(\xi, \xi)` (default) or the
         straight line :math:`X + \xi`.
@@ -209,6 +209,34 @@ class GLQuotient(QuotientManifold):
     :math:`A = S_G S_H`, batched with one Cholesky and one ``eigh``. Half-precision
     inputs get their :math:`h \times h` algebra in float32. See also Manopt's
     ``fixedrankfactory_2factors`` (inv) and ``..._preconditioned`` (mix).
+
+    References
+    ----------
+    da Silva, Dangel & Oore (2025), "Hide & Seek: Transformer Symmetries Obscure
+    Sharpness & Riemannian Geometry Finds It", ICML :cite:`dasilva2025hide`; quotient
+    manifolds: Absil, Mahony & Sepulchre (2008) :cite:`absil2008optimization` and Boumal
+    (2023) :cite:`boumal2023introduction`; Geoopt: Kochurov, Karimov & Kozlukov (2020)
+    :cite:`kochurov2020geoopt`.
+
+    Examples
+    --------
+    Two representatives of one point, and a horizontal vector moved along with them:
+    the product :math:`G H^\top` and the metric do not tell them apart.
+
+    >>> import torch
+    >>> from geoopt_quotient import GLQuotient
+    >>> _ = torch.manual_seed(0)
+    >>> manifold = GLQuotient(5, 4, metric="mix")
+    >>> x = manifold.random(5 + 4, 2, dtype=torch.float64)
+    >>> u = manifold.proju(x, torch.randn_like(x))
+    >>> a = torch.tensor([[2.0, 1.0], [0.0, 0.5]], dtype=torch.float64)
+    >>> y, v = manifold.act(x, a), manifold.act(u, a)
+    >>> torch.allclose(manifold.product(x), manifold.product(y))
+    True
+    >>> torch.allclose(manifold.norm(x, u), manifold.norm(y, v))
+    True
+    >>> manifold.retr(x, 0.1 * u).shape
+    torch.Size([9, 2])
     """
 
     name = "GLQuotient"

@@ -45,6 +45,18 @@ def balance(g: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     :math:`G H^\top`, differs from :math:`(G, H)` by an element of
     :math:`\mathrm{GL}(h)` when both are of full rank, and satisfies
     :math:`G^\top G = H^\top H = \Sigma`. Costs :math:`O((n + m) h^2)`.
+
+    Parameters
+    ----------
+    g : torch.Tensor
+        The factor :math:`G`, shape ``(..., n, h)`` with :math:`h \le n`.
+    h : torch.Tensor
+        The factor :math:`H`, shape ``(..., m, h)`` with :math:`h \le m`.
+
+    Returns
+    -------
+    g, h : torch.Tensor
+        The balanced factors, of the shapes of the inputs.
     """
     q_g, r_g = torch.linalg.qr(g)
     q_h, r_h = torch.linalg.qr(h)

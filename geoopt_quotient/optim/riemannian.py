@@ -58,6 +58,27 @@ class RiemannianSGD(geoopt.optim.RiemannianSGD):
     The fix is a pre-step seed of the buffer that geoopt then updates: zero when
     ``dampening == 0`` (then :math:`m_1 = g_1` after geoopt's update), otherwise
     :math:`(\tau/\mu)\, g_1`. Arguments are those of :class:`geoopt.optim.RiemannianSGD`.
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or parameter groups; a :class:`geoopt.ManifoldParameter` is updated
+        on its manifold, any other tensor as a Euclidean one.
+    lr : float
+        Learning rate :math:`\eta`.
+    momentum : float
+        Momentum :math:`\mu \ge 0` (default 0).
+    dampening : float
+        Dampening :math:`\tau` of the momentum (default 0).
+    weight_decay : float
+        :math:`\lambda \ge 0`, added as :math:`\lambda x` to the Euclidean gradient
+        (default 0; not GL-invariant, see the module notes).
+    nesterov : bool
+        Nesterov momentum (default ``False``; needs ``momentum > 0`` and no dampening).
+    stabilize : int or None
+        Every ``stabilize`` steps geoopt projects the points back onto their
+        manifolds (``projx``) and the buffers onto the tangent spaces; default ``None``,
+        never.
     """
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -108,6 +129,21 @@ class RiemannianAdam(geoopt.optim.RiemannianAdam):
     ``int`` after :meth:`load_state_dict` (torch turns it into a float32 tensor, which
     makes geoopt compute the bias corrections in float32), and raises on
     ``maximize=True`` and ``decoupled_weight_decay=True``, which geoopt ignores.
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or parameter groups; a :class:`geoopt.ManifoldParameter` is updated
+        on its manifold, any other tensor as a Euclidean one.
+    *args, **kwargs
+        The arguments of :class:`geoopt.optim.RiemannianAdam` (those of
+        :class:`torch.optim.Adam`: ``lr``, ``betas``, ``eps``, ``weight_decay``,
+        ``amsgrad``, and geoopt's ``stabilize``).
+
+    Raises
+    ------
+    ValueError
+        For ``maximize=True`` or ``decoupled_weight_decay=True``.
     """
 
     def __init__(self, params, *args: Any, **kwargs: Any):

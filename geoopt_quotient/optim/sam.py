@@ -79,6 +79,13 @@ class GeodesicSAM(torch.optim.Optimizer):
         quotients stay exact (GL-invariant); a relaxed geometry comes with ``symmetries``.
     path : {"second_order", "exact"}
         Retraction of the geodesic ball (the exponential map with ``"exact"``).
+    **base_kwargs
+        Passed to ``base_optimizer_cls`` (``lr``, ``momentum``, ...).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``ball`` or ``path``, or a non-positive ``rho``.
 
     Notes
     -----
@@ -96,6 +103,36 @@ class GeodesicSAM(torch.optim.Optimizer):
     :meth:`second_step` writes back bitwise. After :meth:`first_step`,
     :attr:`last_ascent` holds :math:`\xi` (one tangent vector per group of :attr:`plan`).
     ``state_dict()`` is the base optimizer's.
+
+    References
+    ----------
+    da Silva, Dangel & Oore (2025), "Hide & Seek: Transformer Symmetries Obscure
+    Sharpness & Riemannian Geometry Finds It", ICML :cite:`dasilva2025hide`; SAM:
+    Foret et al. (2021), "Sharpness-Aware Minimization for Efficiently Improving
+    Generalization", ICLR :cite:`foret2021sam`; ASAM: Kwon et al. (2021)
+    :cite:`kwon2021asam`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_quotient.optim import GeodesicSAM
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    >>> x = torch.randn(4, 5, 8, dtype=torch.float64)
+    >>> optimizer = GeodesicSAM(model, torch.optim.SGD, rho=0.05, lr=0.5)
+    >>> [group.kind for group in optimizer.plan.symmetric_groups]
+    ['query-key', 'value-output']
+    >>> def closure():
+    ...     out, _ = model(x, x, x)
+    ...     loss = out.pow(2).mean()
+    ...     loss.backward()
+    ...     return loss
+    >>> losses = []
+    >>> for _ in range(5):
+    ...     optimizer.zero_grad()
+    ...     losses.append(optimizer.step(closure).item())
+    >>> losses[-1] < losses[0]
+    True
     """
 
     def __init__(

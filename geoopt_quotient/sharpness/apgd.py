@@ -51,8 +51,20 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass(frozen=True)
 class BallGroup:
-    """A base point, the manifold whose metric and horizontal space define the ball, and
-    optionally a path ``(x, xi) -> perturbed point`` overriding the global ``path``."""
+    r"""A base point, the manifold whose metric and horizontal space define the ball, and
+    optionally a path ``(x, xi) -> perturbed point`` overriding the global ``path``.
+
+    Parameters
+    ----------
+    point : torch.Tensor
+        The base point :math:`x` (floating point), fixed during the maximisation.
+    manifold : geoopt.manifolds.Manifold
+        Its geometry: the metric that measures :math:`|\xi|_x`, the horizontal
+        projection ``proju`` and the paths ``retr`` / ``expmap``.
+    path : callable or None
+        ``path(x, xi) -> perturbed point`` for this group, overriding the ``path``
+        argument of :func:`maximize_in_ball` (default ``None``: use it).
+    """
 
     point: torch.Tensor
     manifold: Manifold
@@ -356,6 +368,24 @@ def maximize_in_ball(
 ) -> BallMaxResult:
     r"""Maximise ``objective`` over the horizontal metric ball of radius ``rho`` with Auto-PGD.
 
+    Approximates
+
+    .. math::
+
+        \max_{\xi \in \mathcal H_x,\ |\xi|_x \le \rho} f(\gamma_\xi(1)), \qquad
+        |\xi|_x^2 = \sum_g |\xi_g|_{x_g}^2,
+
+    over the joint ball of all ``groups`` at their fixed base points :math:`x_g`, with
+    :math:`\gamma_\xi(1)` the perturbed points along ``path``. Auto-PGD (Algorithm 1 of
+    da Silva, Dangel & Oore 2025) takes steps along the Riemannian gradient at the base
+    point (``egrad2rgrad``, horizontal), normalised to unit metric norm, and projects by
+    radial scaling into the ball; the step :math:`\eta` starts at :math:`2\rho` and is
+    halved at the checkpoints :math:`\lceil p_j N \rceil`,
+    :math:`p_0 = 0, p_1 = 0.22, p_{j+1} = p_j + \max(p_j - p_{j-1} - 0.03, 0.06)`, when
+    the loss rose in fewer than 75% of the steps since the last checkpoint or stalled
+    (then it restarts from the best iterate). The value found is a lower bound of the
+    maximum.
+
     Parameters
     ----------
     groups : sequence of BallGroup or (tensor, manifold)
@@ -365,9 +395,10 @@ def maximize_in_ball(
         differentiable in at least one of them
         (:class:`~geoopt_quotient.sharpness.functional.IndependentLossError` otherwise).
     rho : float
-        Radius of the ball.
+        Radius :math:`\rho > 0` of the ball, in the joint metric norm :math:`|\xi|_x`.
     iters : int
-        Number of Auto-PGD iterations :math:`N`, each one forward and backward pass.
+        Number of Auto-PGD iterations :math:`N`, each one forward and backward pass
+        (default 20).
     path : {"second_order", "exact", "straight"}
         From :math:`\xi` to the perturbed point: ``manifold.retr``, ``manifold.expmap``
         or :math:`x + \xi`. A group's own ``path`` overrides it.
@@ -378,7 +409,10 @@ def maximize_in_ball(
     momentum : float
         :math:`\alpha` of Auto-PGD's update
         :math:`\xi_{k+1} = P(\xi_k + \alpha(z_k - \xi_k) + (1 - \alpha)(\xi_k - \xi_{k-1}))`
-        (1 on the first step).
+        (1 on the first step); default 0.75.
+    check_finite : bool
+        Raise :class:`NonFiniteError` as soon as the objective or its gradient is
+        NaN/Inf (default); ``False`` lets the iterates go on.
     keep_best_gradient : bool or None
         Keep a copy of the best iterate's gradient, so that a restart from it costs no
         pass, at the price of one more vector of the ball's size alive throughout.
@@ -388,6 +422,21 @@ def maximize_in_ball(
     Returns
     -------
     BallMaxResult
+        The best value and perturbation :math:`\xi`, the objective at the start, the
+        history of values and step sizes, and the passes made.
+
+    Raises
+    ------
+    ValueError
+        For no groups, a non-positive ``rho`` or ``iters``, or an unknown ``path`` or
+        ``init``.
+    TypeError
+        For base points that are not floating point, or an objective that does not
+        return a scalar tensor.
+    NonFiniteError
+        With ``check_finite``, when the objective or its gradient becomes NaN/Inf.
+    IndependentLossError
+        When the objective does not depend on any perturbed point.
 
     Notes
     -----
@@ -411,6 +460,32 @@ def maximize_in_ball(
     gradient's norm), its only host synchronisation. Under ``torch.autocast`` the
     objective runs in the autocast precision and everything else (the ball, the paths,
     the updates) in full precision; the iterates are float32 or better.
+
+    References
+    ----------
+    Croce & Hein (2020), "Reliable evaluation of adversarial robustness with an ensemble
+    of diverse parameter-free attacks", ICML :cite:`croce2020reliable`; its use on
+    quotient manifolds: da Silva, Dangel & Oore (2025) :cite:`dasilva2025hide`.
+
+    Examples
+    --------
+    A linear objective :math:`g^\top w'` over the adaptive ball (straight path) has the
+    maximum :math:`g^\top w + \rho\, |w \odot g|_2`, which the first step reaches:
+
+    >>> import torch
+    >>> from geoopt_quotient import AdaptiveEuclidean, maximize_in_ball
+    >>> w = torch.tensor([1.0, 2.0, -4.0], dtype=torch.float64)
+    >>> g = torch.ones(3, dtype=torch.float64)
+    >>> def objective(points):
+    ...     return (points[0] * g).sum()
+    >>> result = maximize_in_ball(
+    ...     [(w, AdaptiveEuclidean(ndim=1))], objective, rho=0.5, iters=10, path="straight"
+    ... )
+    >>> exact = float((w * g).sum() + 0.5 * (w * g).norm())
+    >>> abs(result.value - exact) < 1e-9
+    True
+    >>> [tuple(xi.shape) for xi in result.xi], len(result.history)
+    ([(3,)], 11)
     """
     autocast = AutocastState.capture()
     with autocast.disabled():
@@ -675,9 +750,47 @@ def average_in_ball(
 ) -> Tuple[float, List[float]]:
     r"""Mean of ``objective`` over horizontal Gaussian :math:`\xi \sim \mathcal N(0, \rho^2 I)`.
 
-    The Gaussian is the metric's (identity covariance in the metric on the horizontal
-    space), so the estimate is invariant under the group. Returns the mean and the
-    per-sample values.
+    The Monte Carlo estimate
+
+    .. math::
+
+        \frac1S \sum_{s=1}^S f(\gamma_{\xi_s}(1)), \qquad
+        \xi_s = \rho\, z_s,\ z_s \sim \mathcal N(0, I) \text{ on } \mathcal H_x,
+
+    where the Gaussian is the metric's (identity covariance in the metric on the
+    horizontal space), so the estimate is invariant under the group. Note that
+    :math:`\rho` is the scale of each coordinate, not a radius: :math:`|\xi_s|_x` is
+    about :math:`\rho \sqrt{\dim \mathcal H_x}`.
+
+    Parameters
+    ----------
+    groups : sequence of BallGroup or (tensor, manifold)
+        Base points and their manifolds, as for :func:`maximize_in_ball`.
+    objective : callable
+        ``objective(points) -> scalar tensor`` of the perturbed points; evaluated
+        without gradients.
+    rho : float
+        Standard deviation :math:`\rho > 0` of the samples, in the metric.
+    samples : int
+        Number :math:`S` of samples (forward passes); default 20.
+    path : {"second_order", "exact", "straight"}
+        From :math:`\xi` to the perturbed point, as for :func:`maximize_in_ball`.
+    seed : int
+        Seed of the samples' generator (on the first point's device).
+
+    Returns
+    -------
+    mean : float
+        The mean of the objective over the samples.
+    per_sample : list of float
+        The objective at each sample.
+
+    Raises
+    ------
+    ValueError
+        For no groups, or a non-positive ``rho`` or ``samples``.
+    NonFiniteError
+        When the objective is NaN/Inf at a sample.
     """
     autocast = AutocastState.capture()
     with autocast.disabled():

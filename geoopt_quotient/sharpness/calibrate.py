@@ -157,7 +157,20 @@ def calibrate_rho(
     CalibrationError
         The clean loss is not positive (the rule is undefined), the sharpness is still
         below the target at the largest radius (it saturates, or Auto-PGD overshoots
-        every step), or already above it at the smallest.
+        every step), or already above it at the smallest, or ``max_evals`` ran out
+        before the target was bracketed.
+    ValueError
+        For a non-positive ``target``, an unknown ``measure``, ``rtol`` outside (0, 1),
+        ``rho_start`` outside ``rho_bounds``, or ``kind`` other than ``"worst"``.
+    TypeError
+        For an unknown option, or one that the calibration sets itself (``rho``,
+        ``metric``, ``progress``).
+
+    Warns
+    -----
+    RuntimeWarning
+        When bisection stops before ``rtol`` is met (``max_evals`` used up, or the
+        estimate jumps across the target between indistinguishable radii).
 
     Notes
     -----
@@ -174,6 +187,28 @@ def calibrate_rho(
     Cost: each evaluation is one call of the sharpness function; bisection needs about
     :math:`\log_2(\log 2 / \log(1 + \mathrm{rtol}/p))` of them for a sharpness growing
     like :math:`\rho^p` (some 7-8 for ``rtol=0.01``), after the bracketing steps.
+
+    Examples
+    --------
+    The adaptive radius at which the worst-case loss increase is half the clean loss:
+
+    >>> import torch
+    >>> from geoopt_quotient import calibrate_rho
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ... ).double()
+    >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    >>> def loss_fn(model, batch):
+    ...     inputs, targets = batch
+    ...     return torch.nn.functional.mse_loss(model(inputs), targets)
+    >>> rho, history = calibrate_rho(
+    ...     model, loss_fn, [batch], target=0.5, measure="adaptive", rtol=0.05, iters=5,
+    ...     return_history=True,
+    ... )
+    >>> best = min(history, key=lambda evaluation: abs(evaluation.ratio - 0.5))
+    >>> best.rho == rho, abs(best.ratio / 0.5 - 1) <= 0.05
+    (True, True)
     """
     target = check_positive_float(target, "target")
     check_choice(measure, MEASURES, "measure")

@@ -74,15 +74,19 @@ class SharpnessResult:
     histories : list of list of float
         Per batch, the loss at every Auto-PGD iterate (worst case) or sample (average).
     seconds : float
-        Wall time of the whole call; ``seconds_per_batch`` per batch.
+        Wall time of the whole call, in seconds.
+    seconds_per_batch : list of float
+        Wall time of each batch, in seconds.
     forward_passes, backward_passes : list of int
         Per batch, the evaluations of ``loss_fn`` and the backward passes through it:
         ``iters + 1`` and ``iters`` for the worst case, plus one of each per Auto-PGD
         restart; ``iters + 1`` and 0 for the average case.
     settings : dict
-        The settings used.
+        The settings used (``measure``, ``rho``, ``iters``, ``path``, ``kind``, ``seed``,
+        ``eps``, and for geodesic sharpness ``metric``, ``norm``, ``curvature``).
     plan : str
-        The symmetry plan's summary table.
+        The symmetry plan's summary table
+        (:meth:`~geoopt_quotient.symmetry.BoundPlan.summary`).
     """
 
     value: float
@@ -411,6 +415,24 @@ def geodesic_sharpness(
 ) -> SharpnessResult:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
+    The worst case (Eq. 3 of da Silva, Dangel & Oore 2025; ``kind="worst"``) is, for
+    parameters :math:`w` and batches :math:`b = 1, \dots, B`,
+
+    .. math::
+
+        S_{\max}(w) = \frac1B \sum_{b=1}^B \Big[\max_{\xi \in \mathcal H_w,\
+            |\xi|_w \le \rho} L_b(\gamma_\xi(1)) - L_b(w)\Big],
+
+    and the average case (``kind="average"``) replaces the maximum by the mean over
+    :math:`\xi \sim \mathcal N(0, \rho^2 I)` in the metric on :math:`\mathcal H_w`.
+    :math:`\gamma_\xi` is the geodesic from :math:`w` with initial velocity :math:`\xi`
+    (or the second-order retraction :math:`w + \xi - \tfrac12\Gamma_w(\xi, \xi)`),
+    :math:`\mathcal H_w` the horizontal space of the symmetry quotients and
+    :math:`|\xi|_w^2 = \sum_g |\xi_g|_{w_g}^2` the joint norm of their GL-invariant
+    metrics and of the adaptive metric :math:`\sum_i \xi_i^2 / (|w_i| + \varepsilon)^2`
+    on every parameter outside a symmetry group. The maximum is estimated by Auto-PGD
+    (:func:`~geoopt_quotient.maximize_in_ball`), which gives a lower bound.
+
     Parameters
     ----------
     model : torch.nn.Module
@@ -430,25 +452,35 @@ def geodesic_sharpness(
     batches : iterable
         Each batch gets its own maximiser run; the result is the mean over batches.
     rho : float
-        Radius of the geodesic ball.
+        Radius :math:`\rho > 0` of the ball, in the joint metric norm :math:`|\xi|_w`
+        above. The adaptive and ``inv`` norms are relative to the size of the weights
+        (invariant under scaling them); the ``mix`` norm of a pair is
+        :math:`(|\xi_G H^\top|_F^2 + |G \xi_H^\top|_F^2)^{1/2}` (for ``eps=0``), the size
+        of the first-order change of the product :math:`G H^\top`. Radii of different
+        metrics are thus on different scales (:func:`~geoopt_quotient.calibrate_rho`
+        puts them on a common one).
     symmetries : SymmetryPlan, list of SymmetryGroup, BoundPlan or None
         The symmetry groups. ``None`` discovers them (:func:`find_symmetries`) with
         ``metric`` and ``eps``; a given plan carries its own manifolds.
     metric : {"mix", "inv"}
-        Metric of the discovered quotients.
+        Metric of the discovered quotients (default ``"mix"``).
     iters : int
-        Auto-PGD iterations per batch (worst case) or samples (average case).
+        Auto-PGD iterations per batch (worst case) or samples (average case); default 20.
     path : {"second_order", "exact", "straight"}
-        Second-order retraction, exact exponential map, or straight line.
+        Second-order retraction (default), exact exponential map, or straight line.
     kind : {"worst", "average"}
+        Worst-case (Auto-PGD maximum, default) or average-case sharpness.
     seed : int
+        Seed of the average case's samples (batch ``i`` uses ``seed + i``); the worst
+        case starts at :math:`\xi = 0` and is deterministic.
     norm : bool
         ``False`` ablates the quotient norm: the adaptive ball, but geodesic paths.
     curvature : bool
         ``False`` ablates the curvature: the quotient ball, but straight paths.
         With both ``False`` the value equals :func:`adaptive_sharpness`.
     eps : float
-        Relaxation of the discovered quotients' Gram matrices.
+        Relaxation :math:`\varepsilon \ge 0` of the discovered quotients' Gram matrices
+        and offset of the adaptive metric's scale :math:`|w| + \varepsilon`; default 0.
     progress : bool or None
         Show a progress bar (default: when stderr is a terminal).
     distributed : bool or None
@@ -462,6 +494,28 @@ def geodesic_sharpness(
         ``None``: kept when that vector takes at most 64 MiB
         (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 16M
         float32 parameters). The values are the same either way.
+
+    Returns
+    -------
+    SharpnessResult
+        :attr:`~SharpnessResult.value` is the sharpness :math:`S_{\max}` (or
+        :math:`S_{\mathrm{avg}}`), the mean over batches of
+        :attr:`~SharpnessResult.per_batch`; the result also holds the clean and
+        perturbed losses, the Auto-PGD histories, the passes made and the timings.
+
+    Raises
+    ------
+    ValueError
+        For a non-positive ``rho`` or ``iters``, an unknown ``metric``, ``path`` or
+        ``kind``, no batches, parameters with NaN/Inf entries, or a symmetry group whose
+        base point is not on its manifold (a rank-deficient factor with ``eps=0``).
+    TypeError
+        For non-floating-point parameters, or a ``loss_fn`` that does not return a
+        scalar tensor.
+    IndependentLossError, StaleParameterError
+        When ``loss_fn`` does not depend on the perturbed parameters (see ``loss_fn``).
+    NonFiniteError
+        When the loss or its gradient becomes NaN/Inf during the maximisation.
 
     Warns
     -----
@@ -486,6 +540,33 @@ def geodesic_sharpness(
     float16 model, whose perturbed weights are rounded to its dtype: it warns). Measure
     in float32 (README, "Precision"). A CUDA run reads one scalar pair from the device per
     Auto-PGD iteration (the exact path adds its integration check).
+
+    References
+    ----------
+    da Silva, Dangel & Oore (2025), "Hide & Seek: Transformer Symmetries Obscure
+    Sharpness & Riemannian Geometry Finds It", ICML :cite:`dasilva2025hide`; Auto-PGD:
+    Croce & Hein (2020) :cite:`croce2020reliable`.
+
+    Examples
+    --------
+    Worst-case sharpness of one attention layer; its query/key and value/output
+    weights are found and measured on their GL(h) quotients:
+
+    >>> import torch
+    >>> from geoopt_quotient import geodesic_sharpness
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    >>> x = torch.randn(4, 5, 8, dtype=torch.float64)
+    >>> def loss_fn(model, x):
+    ...     out, _ = model(x, x, x)
+    ...     return out.pow(2).mean()
+    >>> result = geodesic_sharpness(model, loss_fn, [x], rho=0.1, iters=5)
+    >>> result.value > 0
+    True
+    >>> len(result.per_batch), result.settings["metric"]
+    (1, 'mix')
+    >>> result.plan.splitlines()[0].split()
+    ['kind', 'group', 'manifold', 'point', 'shape', 'count']
     """
     check_choice(metric, ("mix", "inv"), "metric")
     plan = resolve_plan(model, symmetries, metric, eps)
@@ -537,8 +618,88 @@ def adaptive_sharpness(
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
     The ball :math:`|\delta / (|w| + \varepsilon)|_2 \le \rho` over every trainable
-    parameter, straight-line perturbations :math:`w + \delta`. Same arguments as
-    :func:`geodesic_sharpness`.
+    parameter, straight-line perturbations :math:`w + \delta`:
+
+    .. math::
+
+        S_{\max}(w) = \frac1B \sum_{b=1}^B \Big[\max_{|\delta \oslash c|_2 \le \rho}
+            L_b(w + \delta) - L_b(w)\Big], \qquad c = |w| + \varepsilon,
+
+    that is :func:`geodesic_sharpness` with no symmetry group (the metric of
+    :class:`~geoopt_quotient.AdaptiveEuclidean` on every parameter). Entries with
+    :math:`c_i = 0` (a zero weight with ``eps=0``) are not perturbed. Not invariant
+    under the symmetries: two representatives of one network can have different
+    values.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        As for :func:`geodesic_sharpness`: never written to, and restored on return.
+    loss_fn : callable
+        ``loss_fn(model, batch) -> scalar tensor``, as for :func:`geodesic_sharpness`.
+    batches : iterable
+        Each batch gets its own maximiser run; the result is the mean over batches.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, relative to the parameters' magnitudes:
+        each entry moves by :math:`|\delta_i| \le \rho\, (|w_i| + \varepsilon)` at most.
+    iters : int
+        Auto-PGD iterations per batch (worst case) or samples (average case); default 20.
+    kind : {"worst", "average"}
+        Worst-case (default) or average-case sharpness (mean over
+        :math:`\delta = c \odot z`, :math:`z \sim \mathcal N(0, \rho^2 I)`).
+    seed : int
+        Seed of the average case's samples (batch ``i`` uses ``seed + i``).
+    eps : float
+        Offset :math:`\varepsilon \ge 0` of the scale :math:`c = |w| + \varepsilon`;
+        default 0 (Andriushchenko et al.), ASAM's :math:`\eta` (0.01 in Kwon et al.).
+    progress : bool or None
+        Show a progress bar (default: when stderr is a terminal).
+    distributed : bool or None
+        Shard the batches over the ranks of ``torch.distributed``, as for
+        :func:`geodesic_sharpness`.
+    keep_best_gradient : bool or None
+        As for :func:`geodesic_sharpness`; the values are the same either way.
+
+    Returns
+    -------
+    SharpnessResult
+        The sharpness in :attr:`~SharpnessResult.value`, with per-batch values,
+        losses, Auto-PGD histories, passes and timings.
+
+    Raises
+    ------
+    ValueError, TypeError, IndependentLossError, StaleParameterError, NonFiniteError
+        As :func:`geodesic_sharpness`.
+
+    Warns
+    -----
+    ZeroSharpnessWarning
+        When no Auto-PGD iterate increases the loss of a batch.
+
+    References
+    ----------
+    Kwon et al. (2021), "ASAM: Adaptive Sharpness-Aware Minimization for
+    Scale-Invariant Learning of Deep Neural Networks", ICML :cite:`kwon2021asam`;
+    Andriushchenko et al. (2023), "A Modern Look at the Relationship between Sharpness
+    and Generalization", ICML :cite:`andriushchenko2023modern`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_quotient import adaptive_sharpness
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ... ).double()
+    >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    >>> def loss_fn(model, batch):
+    ...     inputs, targets = batch
+    ...     return torch.nn.functional.mse_loss(model(inputs), targets)
+    >>> result = adaptive_sharpness(model, loss_fn, [batch], rho=0.05, iters=10)
+    >>> result.value > 0
+    True
+    >>> result.perturbed_losses[0] > result.clean_losses[0]
+    True
     """
     plan = SymmetryPlan(adaptive_eps=eps).bind(model)
     settings = dict(

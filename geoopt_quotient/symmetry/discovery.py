@@ -26,7 +26,7 @@ def find_symmetries(
     probe_inputs: Any = None,
     trainable_only: bool = True,
 ) -> SymmetryPlan:
-    """Discover the GL(h) symmetries of ``model`` by module structure and attributes.
+    r"""Discover the GL(h) symmetries of ``model`` by module structure and attributes.
 
     Recognised (see :mod:`geoopt_quotient.symmetry.huggingface`):
 
@@ -50,10 +50,12 @@ def find_symmetries(
     Parameters
     ----------
     model : torch.nn.Module
+        The model; only read (its module structure, attributes and parameter shapes).
     metric : {"mix", "inv"}
-        Metric of the quotients.
+        Metric of the quotients (default ``"mix"``).
     eps : float
-        Relaxation of the quotients' Gram matrices.
+        Relaxation :math:`\varepsilon \ge 0` of the quotients' Gram matrices
+        (default 0: the exact geometry).
     verify : bool
         Check every group on probe inputs (:func:`verify_plan`): a random element of
         each group (condition number 4) must leave every floating-point output
@@ -79,6 +81,28 @@ def find_symmetries(
         With ``verify=True``, if a group is not a symmetry of the model.
     PlanError
         With ``verify=True``, if no probe inputs can be built.
+
+    References
+    ----------
+    da Silva, Dangel & Oore (2025), "Hide & Seek: Transformer Symmetries Obscure
+    Sharpness & Riemannian Geometry Finds It", ICML :cite:`dasilva2025hide`.
+
+    Examples
+    --------
+    The query/key and value/output pairs of both heads of an attention layer, each
+    with its bias row (``n = m = 8 + 1``, ``h = 4``):
+
+    >>> import torch
+    >>> from geoopt_quotient import find_symmetries
+    >>> model = torch.nn.MultiheadAttention(8, 2)
+    >>> plan = find_symmetries(model)
+    >>> [(group.kind, tuple(group.shape)) for group in plan.groups]
+    [('query-key', (1, 2, 18, 4)), ('value-output', (1, 2, 17, 4))]
+
+    Bound to the model, the plan leaves the rest to the adaptive geometry:
+
+    >>> [group.name for group in plan.bind(model).adaptive_groups]
+    ['out_proj.bias']
     """
     check_choice(metric, METRICS, "metric")
     eps = check_nonnegative_float(eps, "eps")

@@ -586,6 +586,16 @@ def bert_style_pairs(model: torch.nn.Module) -> Iterator[PairSpec]:
 
     The head size comes from the module (``attention_head_size``), not from
     ``hidden / heads``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A Hugging Face BERT-like model (its ``config`` is read when present).
+
+    Yields
+    ------
+    PairSpec
+        The query-key and value-output pairs of each attention module, in module order.
     """
     context = _Context(getattr(model, "config", None), False)
     for path, module in model.named_modules():

@@ -29,6 +29,28 @@ def head_rows(
 
     Head ``i`` is ``weight[i*hd:(i+1)*hd].T`` with the bias slice appended as a row,
     then any extra per-head rows (e.g. ``bias_k`` of ``nn.MultiheadAttention``).
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        Projection weight of shape ``(num_heads * head_dim, in)`` (``nn.Linear``
+        layout: output rows).
+    num_heads : int
+        Number of heads.
+    head_dim : int
+        Size ``hd`` of each head.
+    bias : torch.Tensor or None
+        Projection bias of shape ``(num_heads * head_dim,)``, appended as one row per
+        head; ``None``: no bias row.
+    extra_rows : sequence of torch.Tensor
+        Further tensors of ``num_heads * head_dim`` entries, each appended as one more
+        row per head.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(num_heads, in + [1] + len(extra_rows), head_dim)``, built by views and
+        concatenation only (it works on index tensors too).
     """
     parts = [weight.reshape(num_heads, head_dim, -1).mT]
     if bias is not None:
@@ -38,7 +60,23 @@ def head_rows(
 
 
 def head_columns(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Per-head factors ``(heads, out, head_dim)`` of an output projection ``(out, heads*hd)``."""
+    """Per-head factors ``(heads, out, head_dim)`` of an output projection ``(out, heads*hd)``.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        Output projection weight of shape ``(out, num_heads * head_dim)``: head ``i``
+        reads columns ``i*hd:(i+1)*hd``.
+    num_heads : int
+        Number of heads.
+    head_dim : int
+        Size ``hd`` of each head.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(num_heads, out, head_dim)``, a view of ``weight``.
+    """
     return weight.reshape(weight.shape[0], num_heads, head_dim).permute(1, 0, 2)
 
 
@@ -48,6 +86,27 @@ class PairSpec:
 
     ``layout(*params)`` returns the ``(heads, n + m, h)`` point from the parameters
     named in ``params`` (name -> shape), in order.
+
+    Parameters
+    ----------
+    kind : str
+        ``"query-key"`` or ``"value-output"`` (specs of one kind and shape are stacked).
+    module : str
+        Path of the attention module in the model (used in labels).
+    params : dict of str to torch.Size
+        The parameters the layout reads, by full name, with their shapes, in the order
+        of ``layout``'s arguments.
+    layout : callable
+        ``layout(*tensors) -> torch.Tensor`` of shape ``(num_heads, n + m, head_dim)``,
+        built with indexing, views and concatenation only
+        (see :meth:`SymmetryGroup.from_layout`).
+    n, m : int
+        Rows of the factors :math:`G` and :math:`H` of each head (of
+        :class:`~geoopt_quotient.GLQuotient`).
+    head_dim : int
+        The rank :math:`h` of each pair.
+    num_heads : int
+        Number of pairs (heads) in the point.
     """
 
     kind: str
@@ -67,7 +126,25 @@ class PairSpec:
 def stack_pairs(
     specs: Sequence[PairSpec], metric: str, eps: float, manifold: Manifold | None = None
 ) -> List[SymmetryGroup]:
-    """One batched group per set of specs with equal shapes: ``(modules, heads, n+m, h)``."""
+    """One batched group per set of specs with equal shapes: ``(modules, heads, n+m, h)``.
+
+    Parameters
+    ----------
+    specs : sequence of PairSpec
+        The pairs; specs with the same kind, ``n``, ``m``, ``head_dim`` and
+        ``num_heads`` are stacked along a new leading dimension, in order.
+    metric : {"mix", "inv"}
+        Metric of the groups' :class:`~geoopt_quotient.GLQuotient`.
+    eps : float
+        Relaxation of the quotients' Gram matrices.
+    manifold : geoopt.manifolds.Manifold or None
+        A manifold for every group instead of ``GLQuotient(n, m, metric, eps)``.
+
+    Returns
+    -------
+    list of SymmetryGroup
+        One group per shape, with ``count`` the number of heads stacked.
+    """
     buckets: Dict[Tuple, List[PairSpec]] = {}
     for spec in specs:
         buckets.setdefault(spec.signature, []).append(spec)

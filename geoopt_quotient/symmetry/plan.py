@@ -268,7 +268,22 @@ class SymmetryPlan:
 
 @dataclass
 class BoundPlan:
-    """A plan checked against one model: groups cover each trainable entry exactly once."""
+    """A plan checked against one model: groups cover each trainable entry exactly once.
+
+    Made by :meth:`SymmetryPlan.bind`, which adds an adaptive group
+    (:class:`~geoopt_quotient.AdaptiveEuclidean`) for every parameter, or rest of a
+    parameter, that no symmetry group covers.
+
+    Attributes
+    ----------
+    groups : list of SymmetryGroup
+        The plan's symmetry groups, then the adaptive ones (``kind == "adaptive"``).
+    param_names : tuple of str
+        The parameters the plan covers (the model's trainable ones, by default), in
+        ``model.named_parameters()`` order.
+    notes : list of str
+        The plan's notes (what discovery recognised but did not handle).
+    """
 
     groups: List[SymmetryGroup]
     param_names: Tuple[str, ...]

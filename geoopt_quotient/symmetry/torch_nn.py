@@ -21,6 +21,22 @@ def multihead_attention_pairs(path: str, module: torch.nn.MultiheadAttention) ->
     separate ``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ from ``E``). ``bias_k``
     and ``bias_v`` are extra key/value rows after the projection, hence extra rows of
     :math:`H` (Q/K) and of :math:`G` (V/O).
+
+    Parameters
+    ----------
+    path : str
+        The module's path in the model (``""`` for the model itself), prefixed to the
+        parameter names.
+    module : torch.nn.MultiheadAttention
+        The attention module.
+
+    Returns
+    -------
+    list of PairSpec
+        The query-key pair (:math:`G` from the query rows, :math:`H` from the key rows,
+        each with its bias row) and the value-output pair (:math:`G` from the value
+        rows and bias, :math:`H` from the columns of ``out_proj.weight``), each for
+        all heads.
     """
     heads, hd = module.num_heads, module.head_dim
     prefix = f"{path}." if path else ""

@@ -62,6 +62,26 @@ def probe_inputs_for(
 ) -> Dict[str, Any]:
     """Keyword inputs for a Hugging Face model, built from its config.
 
+    Random ``input_ids`` (with an ``attention_mask`` that pads the last sequence),
+    ``decoder_input_ids`` for encoder-decoders and ``pixel_values`` for vision models,
+    as the model's ``forward`` accepts them, on the model's device.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A Hugging Face model (or a PEFT model around one) with a ``config``.
+    batch_size : int
+        Number of probe sequences or images (default 2).
+    seq_len : int
+        Length of the token sequences, at most the model's maximum (default 7).
+    generator : torch.Generator or None
+        Generator of the random inputs; default a CPU generator seeded with 0.
+
+    Returns
+    -------
+    dict
+        Keyword arguments for ``model(**inputs)``.
+
     Raises
     ------
     PlanError
@@ -210,6 +230,7 @@ def verify_plan(
         Not mutated (parameters reach it through :func:`torch.func.functional_call`); it
         runs in eval mode without gradients.
     plan : SymmetryPlan or BoundPlan
+        The plan to check; a :class:`SymmetryPlan` is bound to ``model`` first.
     probe_inputs : dict, tuple, torch.Tensor or None
         Keyword arguments, positional arguments or the single input of ``model``;
         ``None`` builds them from a Hugging Face config (:func:`probe_inputs_for`).
@@ -217,6 +238,7 @@ def verify_plan(
         Group name -> module path of each entry of the group's leading dimension, used
         to name the module that breaks.
     seed : int
+        Seed of the random group elements.
     max_condition : float
         Condition number of the random elements (singular values in
         ``[max_condition^-1/2, max_condition^1/2]``).

@@ -60,7 +60,21 @@ def host_syncs_per_iteration(
 ) -> float:
     """Synchronisations per iteration of ``run(n)``, an iterative computation of ``n`` steps:
     the difference of the counts for two step numbers over the difference of the numbers,
-    which leaves out what the computation does once (set-up, checks, the final read)."""
+    which leaves out what the computation does once (set-up, checks, the final read).
+
+    Parameters
+    ----------
+    run : callable
+        ``run(n)`` performs ``n`` iterations on the GPU (its result is ignored).
+    iters : (int, int)
+        The two step numbers ``(low, high)``, ``low < high`` (default ``(4, 8)``).
+
+    Returns
+    -------
+    float
+        :math:`(c_{high} - c_{low}) / (high - low)` with :math:`c_n` the host
+        synchronisations counted by :func:`count_host_syncs` during ``run(n)``.
+    """
     low, high = iters
     counts = []
     for n in (low, high):

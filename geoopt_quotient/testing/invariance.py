@@ -44,8 +44,31 @@ def transformed_copy(
     condition: float = 10.0,
     seed: int = 0,
 ) -> torch.nn.Module:
-    """A deep copy of ``model`` moved along every symmetric group of ``plan`` by a random
-    group element with condition number ``condition`` (default plan: discovered)."""
+    r"""A deep copy of ``model`` moved along every symmetric group of ``plan`` by a random
+    group element with condition number ``condition`` (default plan: discovered).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; not changed.
+    plan : SymmetryPlan, BoundPlan or None
+        The symmetries to move along; ``None`` discovers them
+        (:func:`~geoopt_quotient.find_symmetries`). Groups on other manifolds than
+        :class:`~geoopt_quotient.GLQuotient` and :class:`~geoopt_quotient.DiagonalQuotient`
+        are left as they are.
+    condition : float
+        Condition number :math:`\kappa \ge 1` of the random elements (default 10; see
+        :func:`random_group_elements`).
+    seed : int
+        Seed of the elements' generator (a CPU generator: the same elements on every
+        device).
+
+    Returns
+    -------
+    torch.nn.Module
+        The moved copy, which computes the same function as ``model`` when the plan's
+        groups are symmetries.
+    """
     bound = plan if isinstance(plan, BoundPlan) else (plan or find_symmetries(model)).bind(model)
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     generator = torch.Generator().manual_seed(seed)  # the same elements on every device
@@ -71,6 +94,32 @@ def assert_invariant(
 
     ``fn`` maps a model to a tensor (or nested tensors), e.g. ``lambda m: m(x)`` or a
     sharpness value. Returns the moved copy for further checks.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(model)`` returns what must not change: a tensor, a number or nested
+        containers of them.
+    model : torch.nn.Module
+        The model; not changed.
+    plan : SymmetryPlan, BoundPlan or None
+        The symmetries; ``None`` discovers them.
+    condition : float
+        Condition number of the random group elements (default 10).
+    seed : int
+        Seed of the group elements.
+    rtol, atol : float
+        Tolerances of :func:`torch.testing.assert_close` (defaults 1e-6 and 1e-8).
+
+    Returns
+    -------
+    torch.nn.Module
+        The moved copy (:func:`transformed_copy`).
+
+    Raises
+    ------
+    AssertionError
+        If ``fn`` of the moved copy differs from ``fn(model)``.
     """
     other = transformed_copy(model, plan, condition=condition, seed=seed)
     torch.testing.assert_close(fn(other), fn(model), rtol=rtol, atol=atol)

@@ -80,6 +80,29 @@ def random_group_elements(
     ``dim >= 2``; for ``dim == 1`` :math:`|A|` is log-uniform in
     :math:`[\kappa^{-1/2}, \kappa^{1/2}]` instead. Shape ``(*batch_shape, dim, dim)``.
     ``generator=None`` uses torch's global random number generator.
+
+    Parameters
+    ----------
+    batch_shape : sequence of int
+        Leading shape: one independent element per index.
+    dim : int
+        Size :math:`h` of the matrices.
+    condition : float
+        Condition number :math:`\kappa \ge 1` (default 10).
+    generator : torch.Generator or None
+        Random number generator (CPU).
+    dtype : torch.dtype
+        Floating-point dtype of the result (default float64).
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(*batch_shape, dim, dim)``.
+
+    Raises
+    ------
+    ValueError
+        For ``condition < 1``.
     """
     if condition < 1:
         raise ValueError(f"`condition` must be >= 1, got {condition}")
@@ -109,7 +132,19 @@ def _random_scalings(
 
 
 def quotient_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` for every parameter of ``module`` on a quotient manifold."""
+    """``(name, parameter)`` for every parameter of ``module`` on a quotient manifold.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Any module, e.g. one built from :mod:`geoopt_quotient.nn` layers.
+
+    Returns
+    -------
+    list of (str, torch.nn.Parameter)
+        The parameters whose ``manifold`` is a :class:`~geoopt_quotient.GLQuotient` or a
+        :class:`~geoopt_quotient.DiagonalQuotient`, in ``named_parameters`` order.
+    """
     return [
         (name, p)
         for name, p in module.named_parameters()
@@ -135,6 +170,25 @@ def group_elements_for(
     Apply them with :func:`act_on_module`. Works for every module built from
     :mod:`geoopt_quotient.nn` layers, e.g. a :class:`QuotientMultiheadAttention`
     (keys ``"qk"`` and ``"vo"``, elements of shape ``(num_heads, head_dim, head_dim)``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A module with at least one parameter on a quotient manifold
+        (:func:`quotient_parameters`).
+    min_condition, max_condition : float
+        Range of the condition number :math:`\kappa`, with
+        ``1 <= min_condition <= max_condition`` (defaults 1 and 100).
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of dicts ``{parameter name: element}``.
+
+    Raises
+    ------
+    ValueError
+        For an invalid condition range, or a module without quotient parameters.
     """
     if not 1 <= min_condition <= max_condition:
         raise ValueError("need 1 <= min_condition <= max_condition")
@@ -166,6 +220,18 @@ def act_on_module(module: nn.Module, elements: Dict[str, torch.Tensor]) -> nn.Mo
 
     Uses the manifold's ``act``: :math:`(G A^{-1}, H A^\\top)` or
     :math:`(\\alpha u, v / \\alpha)`. The copy computes the same function.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The module; not changed.
+    elements : dict of str to torch.Tensor
+        Parameter name to group element, e.g. drawn from :func:`group_elements_for`.
+
+    Returns
+    -------
+    torch.nn.Module
+        The moved copy.
     """
     moved = copy.deepcopy(module)
     for name, element in elements.items():
@@ -196,6 +262,35 @@ def attention_blocks(
     torch module, so the bias rows of the quotient factors are exercised). Both kinds
     drawn from the same seed compute the same function. The module is in eval mode
     with dropout 0.
+
+    Parameters
+    ----------
+    num_heads : int, hypothesis strategy or None
+        Number of heads (default ``st.integers(1, 3)``).
+    head_dim : int, hypothesis strategy or None
+        Size of each head (default ``st.integers(1, 4)``).
+    kinds : sequence of {"quotient", "torch"}
+        The kinds of block that may be drawn (default both).
+    metric : {"mix", "inv"}
+        Metric of the quotient blocks' factors.
+    bias : bool, hypothesis strategy or None
+        Whether the projections have biases (default ``st.booleans()``).
+    batch_first : bool
+        Input layout ``(batch, seq, feature)`` (default ``True``).
+    dtype : torch.dtype
+        Dtype of the weights (default float64).
+    weight_std : float
+        Standard deviation of the weights and biases (default 0.5).
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of attention modules.
+
+    Raises
+    ------
+    ValueError
+        If ``kinds`` is empty or names another kind.
     """
     kinds = tuple(kinds)
     if not kinds or not set(kinds) <= {"quotient", "torch"}:

@@ -302,7 +302,29 @@ def mix_worst_case(
     r"""Closed form :math:`c\,(2\sqrt2\,\rho\,|r| + 2\rho^2)` of the mix geodesic worst case.
 
     Exact for the exact geodesic while :func:`mix_closed_form_valid` holds (otherwise
-    it is the value of the geodesic continued through :math:`\beta_i = 0`).
+    it is the value of the geodesic continued through :math:`\beta_i = 0`); here
+    :math:`r = \beta_0 - \beta^*`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^* = X^\top y` of the training data.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, in the metric named above.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+
+    Returns
+    -------
+    float
+        The worst-case loss increase.
+
+    Raises
+    ------
+    ValueError
+        If ``beta0`` and ``beta_star`` differ in shape or ``rho`` is not positive.
     """
     b0, bs, rho = _prepare(beta0, beta_star, rho)
     r = float(np.linalg.norm(b0 - bs))
@@ -311,7 +333,23 @@ def mix_worst_case(
 
 def mix_closed_form_valid(beta0: ArrayLike, beta_star: ArrayLike, rho: float) -> bool:
     r"""Whether the maximiser :math:`\delta = \sqrt2\rho\,r/|r|` keeps every
-    :math:`1 + \delta_i / \beta_{0,i} > 0`, i.e. the geodesic stays on the quotient."""
+    :math:`1 + \delta_i / \beta_{0,i} > 0`, i.e. the geodesic stays on the quotient.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^*`.
+    rho : float
+        Radius :math:`\rho > 0` of the mix ball.
+
+    Returns
+    -------
+    bool
+        ``True`` when :func:`mix_worst_case` is the value of a geodesic of the quotient
+        (with :math:`r = 0`: when no :math:`\beta_{0,i}` is 0).
+    """
     b0, bs, rho = _prepare(beta0, beta_star, rho)
     r = b0 - bs
     norm = np.linalg.norm(r)
@@ -333,7 +371,34 @@ def mix_worst_case_clamped(
     beta0: ArrayLike, beta_star: ArrayLike, rho: float, *, scale: float = 1.0, grid: int = 4000
 ) -> WorstCase:
     r"""The worst case over the mix metric ball of the quotient: the Euclidean ball of
-    radius :math:`\sqrt2\rho` in :math:`\beta` within the closed orthant of :math:`\beta_0`."""
+    radius :math:`\sqrt2\rho` in :math:`\beta` within the closed orthant of :math:`\beta_0`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^* = X^\top y` of the training data.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, in the metric named above.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+    grid : int
+        Number of grid intervals of each coordinate's radius :math:`t \in [0, \rho]`
+        (default 4000; at least 2).
+
+    Returns
+    -------
+    WorstCase
+        The value (a lower bound, up to the grid), a dual upper bound, the maximising
+        :math:`\beta'` and the per-coordinate budgets.
+
+    Raises
+    ------
+    ValueError
+        If ``beta0`` and ``beta_star`` differ in shape, ``rho`` is not positive or
+        ``grid < 2``.
+    """
     return separable_worst_case(beta0, beta_star, rho, mix_clamped_interval, scale=scale, grid=grid)
 
 
@@ -341,7 +406,35 @@ def inv_worst_case(
     beta0: ArrayLike, beta_star: ArrayLike, rho: float, *, scale: float = 1.0, grid: int = 4000
 ) -> WorstCase:
     r"""The inv geodesic worst case
-    :math:`c\max_{|B| \le \rho/\sqrt2} \sum_i (\beta_{0,i}e^{2B_i} - \beta^*_i)^2 - r_i^2`."""
+    :math:`c\max_{|B| \le \rho/\sqrt2} \sum_i (\beta_{0,i}e^{2B_i} - \beta^*_i)^2 - r_i^2`,
+    with :math:`r = \beta_0 - \beta^*`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^* = X^\top y` of the training data.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, in the metric named above.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+    grid : int
+        Number of grid intervals of each coordinate's radius :math:`t \in [0, \rho]`
+        (default 4000; at least 2).
+
+    Returns
+    -------
+    WorstCase
+        The value (a lower bound, up to the grid), a dual upper bound, the maximising
+        :math:`\beta'` and the per-coordinate budgets.
+
+    Raises
+    ------
+    ValueError
+        If ``beta0`` and ``beta_star`` differ in shape, ``rho`` is not positive or
+        ``grid < 2``.
+    """
     return separable_worst_case(beta0, beta_star, rho, inv_interval, scale=scale, grid=grid)
 
 
@@ -349,13 +442,66 @@ def adaptive_worst_case(
     beta0: ArrayLike, beta_star: ArrayLike, rho: float, *, scale: float = 1.0, grid: int = 4000
 ) -> WorstCase:
     r"""The adaptive (:math:`\varepsilon = 0`, straight line) worst case
-    :math:`c\max_{|a|^2 + |b|^2 \le \rho^2} |\beta_0(1+a)(1+b) - \beta^*|^2 - |r|^2`."""
+    :math:`c\max_{|a|^2 + |b|^2 \le \rho^2} |\beta_0(1+a)(1+b) - \beta^*|^2 - |r|^2`,
+    with :math:`a = \delta_u / u`, :math:`b = \delta_v / v` and :math:`r = \beta_0 - \beta^*`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^* = X^\top y` of the training data.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, in the metric named above.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+    grid : int
+        Number of grid intervals of each coordinate's radius :math:`t \in [0, \rho]`
+        (default 4000; at least 2).
+
+    Returns
+    -------
+    WorstCase
+        The value (a lower bound, up to the grid), a dual upper bound, the maximising
+        :math:`\beta'` and the per-coordinate budgets.
+
+    Raises
+    ------
+    ValueError
+        If ``beta0`` and ``beta_star`` differ in shape, ``rho`` is not positive or
+        ``grid < 2``.
+    """
     return separable_worst_case(beta0, beta_star, rho, adaptive_interval, scale=scale, grid=grid)
 
 
 def first_order_worst_case(
     beta0: ArrayLike, beta_star: ArrayLike, rho: float, *, scale: float = 1.0
 ) -> float:
-    r"""First-order value :math:`c\,2\sqrt2\,\rho\,|\beta_0 \odot r|` shared by inv and adaptive."""
+    r"""First-order value :math:`c\,2\sqrt2\,\rho\,|\beta_0 \odot r|` shared by inv and adaptive.
+
+    The leading term in :math:`\rho` of :func:`inv_worst_case` and
+    :func:`adaptive_worst_case`, with :math:`r = \beta_0 - \beta^*`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    beta_star : array-like, shape (d,)
+        The least-squares solution :math:`\beta^* = X^\top y` of the training data.
+    rho : float
+        Radius :math:`\rho > 0` of the ball, in the metric named above.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+
+    Returns
+    -------
+    float
+        The worst-case loss increase.
+
+    Raises
+    ------
+    ValueError
+        If ``beta0`` and ``beta_star`` differ in shape or ``rho`` is not positive.
+    """
     b0, bs, rho = _prepare(beta0, beta_star, rho)
     return scale * 2.0 * SQRT2 * rho * float(np.linalg.norm(b0 * (b0 - bs)))

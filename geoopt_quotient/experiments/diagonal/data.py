@@ -98,7 +98,30 @@ def l1_statistical_dimension(s: int, dim: int) -> float:
 
 
 def recovery_threshold(dim: int, sparsity: float = DEFAULT_SPARSITY) -> int:
-    r"""The default number of training samples :math:`n = \lceil\delta(s, d)\rceil`, at least 2."""
+    r"""The default number of training samples :math:`n = \lceil\delta(s, d)\rceil`, at least 2.
+
+    :math:`\delta(s, d)` is the statistical dimension of the :math:`\ell_1` descent cone
+    (:func:`l1_statistical_dimension`), where :math:`\ell_1` recovery of an
+    :math:`s`-sparse vector from :math:`n` Gaussian measurements sets in.
+
+    Parameters
+    ----------
+    dim : int
+        Dimension :math:`d` of the coefficients.
+    sparsity : float
+        Fraction of zero coefficients, in [0, 1) (default 0.9), giving
+        :math:`s = \max(1, \lceil (1 - \text{sparsity})\, d \rceil)` non-zeros.
+
+    Returns
+    -------
+    int
+        The number of training samples :math:`n`.
+
+    Raises
+    ------
+    ValueError
+        For ``sparsity`` outside [0, 1).
+    """
     return max(2, math.ceil(l1_statistical_dimension(support_size(dim, sparsity), dim)))
 
 
@@ -212,6 +235,7 @@ def make_sparse_regression(
     Returns
     -------
     SparseRegression
+        The training and test data and the ground truth :math:`\beta^\star`.
     """
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
         raise ValueError(f"`dim` must be an int >= 2, got {dim!r}")

@@ -183,6 +183,21 @@ def measure_names(paths: Sequence[str] = PATHS) -> Tuple[str, ...]:
 
     ``measure_names()`` is ``("adaptive", "inv", "mix", "inv_second_order",
     "mix_second_order", "mix_unclamped")``.
+
+    Parameters
+    ----------
+    paths : sequence of {"exact", "second_order"}
+        The geodesic paths measured (default both).
+
+    Returns
+    -------
+    tuple of str
+        The measures' names; a name without suffix is the exact path.
+
+    Raises
+    ------
+    ValueError
+        For no path or an unknown one.
     """
     unknown = [p for p in paths if p not in PATH_SUFFIX]
     if unknown or not paths:
@@ -467,6 +482,7 @@ def run_diagonal(
     iters : int
         Auto-PGD iterations per ball.
     device : str or torch.device
+        Where the data, the models and the sharpness computations live.
     progress : bool
         tqdm bars for training and sharpness (on a terminal only).
     setup : {"phase-transition", "step-size"}
@@ -637,8 +653,23 @@ def _per_model(
 def summarize_runs(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     r"""Kendall :math:`\tau` over population seeds: per seed, mean and (sample) std.
 
-    Returns ``{"seeds": [...], "measures": {name: {"per_seed", "mean", "std", "paper"}}}``
-    (``std`` is 0 for a single seed).
+    Parameters
+    ----------
+    runs : sequence of dict
+        Results of :func:`run_diagonal`, one per population seed; each has
+        ``settings["seed"]`` and ``tau[measure]["tau"]``.
+
+    Returns
+    -------
+    dict
+        ``{"seeds": [...], "measures": {name: {"per_seed", "mean", "std", "paper"}}}``
+        (``std`` is 0 for a single seed; ``paper`` is the paper's :math:`\tau`, or
+        ``None`` for a diagnostic measure).
+
+    Raises
+    ------
+    ValueError
+        For no runs.
     """
     if not runs:
         raise ValueError("no runs to summarise")
@@ -662,6 +693,16 @@ def format_table(summary: Mapping[str, Any]) -> str:
     One row per measure, one column per path (exact geodesic, second-order retraction;
     adaptive sharpness has only its straight line, in the first column); with several
     seeds each cell is mean ± std and the per-seed values follow the table.
+
+    Parameters
+    ----------
+    summary : dict
+        The result of :func:`summarize_runs`.
+
+    Returns
+    -------
+    str
+        The table, lines joined by newlines.
     """
     seeds = summary["seeds"]
     many = len(seeds) > 1

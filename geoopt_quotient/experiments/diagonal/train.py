@@ -122,7 +122,9 @@ class TrainedPopulation:
     train_loss : torch.Tensor
         ``(M,)`` final training loss.
     target_loss : float
+        The stopping threshold on the training loss.
     max_steps : int
+        The step budget per model.
     seconds : float
         Wall time of the training.
     stochastic : torch.Tensor, optional
@@ -168,6 +170,30 @@ def sample_hyperparameters(
 
     Drawn from :class:`numpy.random.Generator` seeded with ``(seed, 2)`` (independent of
     the data's stream).
+
+    Parameters
+    ----------
+    models : int
+        Number :math:`M` of models.
+    seed : int
+        The population's seed.
+    init_range : (float, float)
+        Range of the initialisation scale :math:`\alpha` (:math:`u_0 = \alpha\mathbf 1`);
+        default (0.01, 1).
+    step_factor_range : (float, float)
+        Range of the step factor :math:`f` of :func:`step_sizes_for`; default (0.2, 1).
+
+    Returns
+    -------
+    init_scales : numpy.ndarray
+        ``(M,)`` initialisation scales :math:`\alpha`.
+    step_factors : numpy.ndarray
+        ``(M,)`` step factors :math:`f`.
+
+    Raises
+    ------
+    ValueError
+        For a range that is not ``0 < low <= high``.
     """
     rng = np.random.default_rng([seed, 2])
     return _log_uniform(rng, *init_range, models), _log_uniform(rng, *step_factor_range, models)
@@ -230,6 +256,7 @@ def train_population(
     Parameters
     ----------
     data : SparseRegression
+        The training data (``x_train``, ``y_train``).
     init_scales, step_sizes : torch.Tensor
         ``(M,)``: :math:`\alpha` and :math:`\eta` per model.
     target_loss : float
@@ -247,6 +274,7 @@ def train_population(
     Returns
     -------
     TrainedPopulation
+        The trained ``(M, 2, d)`` points, with per-model losses, steps and restarts.
     """
     if not (target_loss > 0 and max_steps >= 1):
         raise ValueError(f"need target_loss > 0 and max_steps >= 1, got {target_loss}, {max_steps}")
@@ -320,12 +348,27 @@ def sample_step_size_hyperparameters(
     batch size 1 (odd indices); each step size is log-uniform on its algorithm's range
     in ``ranges``, drawn from :class:`numpy.random.Generator` seeded with ``(seed, 2)``.
 
+    Parameters
+    ----------
+    models : int
+        Number :math:`M` of models.
+    seed : int
+        The population's seed.
+    ranges : dict
+        ``{"gd": (low, high), "sgd": (low, high)}``: the step-size range of each
+        algorithm (default :data:`STEP_SIZE_RANGES`).
+
     Returns
     -------
     stochastic : numpy.ndarray
         ``(M,)`` bool, ``True`` for SGD.
     step_sizes : numpy.ndarray
         ``(M,)``.
+
+    Raises
+    ------
+    ValueError
+        For a range that is not ``0 < low <= high``.
     """
     rng = np.random.default_rng([seed, 2])
     stochastic = np.arange(models) % 2 == 1
@@ -389,6 +432,7 @@ def train_schedule_population(
     Parameters
     ----------
     data : SparseRegression
+        The training data (``x_train``, ``y_train``).
     stochastic : torch.Tensor
         ``(M,)`` bool: SGD (``True``) or full-batch gradient descent.
     step_sizes : torch.Tensor

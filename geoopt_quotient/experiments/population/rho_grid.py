@@ -91,6 +91,16 @@ def parse_rho_scales(text: str) -> Tuple[float, ...]:
 
     Comma-separated finite numbers > 0, each once; returned in increasing order.
 
+    Parameters
+    ----------
+    text : str
+        The argument as given on the command line.
+
+    Returns
+    -------
+    tuple of float
+        The scales, in increasing order.
+
     Raises
     ------
     argparse.ArgumentTypeError
@@ -119,7 +129,23 @@ def parse_rho_scales(text: str) -> Tuple[float, ...]:
 
 
 def study_scales(rho_scales: Optional[Sequence[float]]) -> Tuple[float, ...]:
-    """The scales a study measures: 1 (the study's own radii) and those given, sorted."""
+    """The scales a study measures: 1 (the study's own radii) and those given, sorted.
+
+    Parameters
+    ----------
+    rho_scales : sequence of float or None
+        Multiples of the study's radii to measure as well (``None``: none).
+
+    Returns
+    -------
+    tuple of float
+        The distinct scales, 1 included, in increasing order.
+
+    Raises
+    ------
+    ValueError
+        For a scale that is not a finite number > 0.
+    """
     for scale in rho_scales or ():
         if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"every scale must be a finite number > 0, got {scale!r}")
@@ -201,6 +227,24 @@ def format_tau_by_rho(
     Each cell is :math:`\tau` and its interval, ``-0.61 [-0.72, -0.48]``; the row label
     gives the measure's radius at scale 1, and ``reference`` (``measure -> tau``, e.g. a
     paper's values) adds a last column.
+
+    Parameters
+    ----------
+    records : sequence of dict
+        The records of :func:`tau_by_rho` (``scale``, ``rho``, ``measure``, ``path``,
+        ``tau``, ``ci``).
+    reference : dict of str to float or None
+        A reference :math:`\tau` per measure, shown in a last column.
+
+    Returns
+    -------
+    str
+        The table, lines joined by newlines.
+
+    Raises
+    ------
+    ValueError
+        For no records.
     """
     if not records:
         raise ValueError("no records to format")
@@ -251,6 +295,29 @@ def tau_by_rho_figure(
     line styles the paths (solid exact, dashed second order, dotted straight).
     ``reference`` (``measure -> tau``) draws a thin horizontal line per measure in its
     colour. Writes a PNG to ``path`` and returns the path.
+
+    Parameters
+    ----------
+    records : sequence of dict
+        The records of :func:`tau_by_rho`.
+    path : str
+        Where to write the PNG.
+    title : str or None
+        Title of the figure.
+    reference : dict of str to float or None
+        A reference :math:`\tau` per measure.
+    ylabel : str
+        Label of the y axis (default ``"Kendall τ"``).
+
+    Returns
+    -------
+    str
+        ``path``.
+
+    Raises
+    ------
+    ValueError
+        For no records.
     """
     if not records:
         raise ValueError("no records to draw")

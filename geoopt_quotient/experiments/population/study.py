@@ -105,7 +105,17 @@ MIN_MODELS = 8
 def few_models_warning(models: int, *, interval: bool = True) -> Optional[str]:
     """The warning for a population of ``models`` models, or None from :data:`MIN_MODELS` on.
 
-    ``interval``: the warning also speaks of tau's bootstrap interval.
+    Parameters
+    ----------
+    models : int
+        Number of models in the population.
+    interval : bool
+        Whether the warning also speaks of tau's bootstrap interval (default ``True``).
+
+    Returns
+    -------
+    str or None
+        The warning, or ``None`` for :data:`MIN_MODELS` models or more.
     """
     if models >= MIN_MODELS:
         return None
@@ -126,6 +136,7 @@ class StudySettings:
     iters : int
         Auto-PGD iterations per batch (worst case) or samples (average case).
     kind : {"worst", "average"}
+        Worst-case or average-case sharpness.
     path : {"second_order", "exact", "straight"}
         The geodesic: second-order retraction or exact exponential map.
     seed : int
@@ -203,7 +214,28 @@ def measure_path(settings: StudySettings, measure: str) -> str:
 # ---------------------------------------------------------------- inputs
 def find_checkpoints(root: str, format: str = "hf") -> List[str]:
     """The checkpoints directly under ``root``, sorted: the directories with a config.json
-    (``format="hf"``), or the ``*.pt`` files (``format="model-soups"``)."""
+    (``format="hf"``), or the ``*.pt`` files (``format="model-soups"``).
+
+    Parameters
+    ----------
+    root : str
+        The directory that holds the population's checkpoints.
+    format : {"hf", "model-soups"}
+        Hugging Face checkpoint directories (default) or model-soups state dicts.
+
+    Returns
+    -------
+    list of str
+        The checkpoints' paths, sorted.
+
+    Raises
+    ------
+    InputError
+        If ``root`` is not a directory, is itself one checkpoint, or holds fewer than 3
+        checkpoints.
+    ValueError
+        For an unknown ``format``.
+    """
     check_choice(format, FORMATS, "format")
     path = Path(root)
     if not path.is_dir():
@@ -238,6 +270,25 @@ def read_gaps(path: str, names: Sequence[str]) -> Dict[str, float]:
     Columns: ``checkpoint`` (the directory name) and either ``gap`` or both
     ``train_error`` and ``test_error`` (gap = test error - train error). Every name in
     ``names`` must have one finite value.
+
+    Parameters
+    ----------
+    path : str
+        The CSV file (UTF-8).
+    names : sequence of str
+        The checkpoints' names (directory or file names) whose gaps are wanted; a
+        ``checkpoint`` entry is reduced to its last path component.
+
+    Returns
+    -------
+    dict of str to float
+        The gap of each name, in the order of ``names``.
+
+    Raises
+    ------
+    InputError
+        For an unreadable file, a missing column, a value that is not a finite number,
+        a checkpoint listed twice, or a name without a gap.
     """
     import csv
 
@@ -320,6 +371,31 @@ def measure_model(
     The symmetries are discovered once per metric (and checked on ``probe_inputs`` when
     ``settings.verify``). Batches are not sharded over processes here: in a population,
     models are.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    loss_fn : callable
+        ``loss_fn(model, batch) -> scalar tensor``.
+    batches : sequence
+        The sharpness batches, the same for every model of the population.
+    settings : StudySettings
+        The measures, radii and Auto-PGD options.
+    probe_inputs : object
+        Inputs for the symmetry check (``settings.verify``), as for
+        :func:`~geoopt_quotient.find_symmetries`; ``None`` builds them from the model's
+        config.
+    on_measure : callable or None
+        Called with each measure's name before it is measured (e.g. for a progress
+        line).
+
+    Returns
+    -------
+    dict
+        Per measure: ``value``, ``per_batch``, ``clean_loss``, ``perturbed_loss`` and
+        ``seconds``; with a geodesic measure also ``"_plan"``, the symmetric groups
+        (name to count of heads) and the plan's notes.
     """
     plans: Dict[str, Any] = {}
 
@@ -533,6 +609,25 @@ def tau_table(
 
     Each row also has ``warning``: :func:`few_models_warning` (None from
     :data:`MIN_MODELS` models on).
+
+    Parameters
+    ----------
+    values : dict of str to sequence of float
+        Per measure, the sharpness of each model.
+    gaps : sequence of float
+        The generalization gap of each model, in the same order.
+    resamples : int
+        Bootstrap resamples (default 2000).
+    confidence : float
+        Coverage of the interval (default 0.95).
+    seed : int
+        Seed of the bootstrap.
+
+    Returns
+    -------
+    dict
+        Per measure: ``tau``, ``p_value``, ``ci_low``, ``ci_high``, ``models`` and
+        ``warning``.
     """
     table = {}
     warning = few_models_warning(len(gaps))
@@ -557,6 +652,18 @@ def format_tau_table(table: Mapping[str, Mapping[str, Any]], confidence: float =
 
     Rows with a ``warning`` (too few models) have ``!`` beside tau, and the warning is
     printed under the table.
+
+    Parameters
+    ----------
+    table : dict
+        The result of :func:`tau_table`.
+    confidence : float
+        The interval's coverage, for the column header (default 0.95).
+
+    Returns
+    -------
+    str
+        The table, lines joined by newlines.
     """
     papers = list(PAPER_TAU)
     width = max(len("measure"), *map(len, table)) + 2
@@ -582,7 +689,24 @@ def format_tau_table(table: Mapping[str, Mapping[str, Any]], confidence: float =
 def scatter_figure(
     models: Sequence[Mapping[str, Any]], measures: Sequence[str], path: str, title: str = ""
 ) -> str:
-    """Sharpness (x, log scale) against generalization gap (y), one panel per measure."""
+    """Sharpness (x, log scale) against generalization gap (y), one panel per measure.
+
+    Parameters
+    ----------
+    models : sequence of dict
+        Per model, ``gap`` and ``measures[name]["value"]`` (the records of a study).
+    measures : sequence of str
+        The measures to plot, one panel each.
+    path : str
+        Where to write the PNG.
+    title : str
+        Title of the figure (default none).
+
+    Returns
+    -------
+    str
+        ``path``.
+    """
     gaps = [m["gap"] for m in models]
     panels = {name: [m["measures"][name]["value"] for m in models] for name in measures}
     return sharpness_scatter(
@@ -670,13 +794,18 @@ def run_population(
         (``format="hf"``), or an ``ImageFolder`` directory (``format="model-soups"``:
         ``settings.max_examples`` of its images, drawn with a fixed seed).
     settings : StudySettings
+        The measures, radii and Auto-PGD options.
     gaps : mapping, optional
         Checkpoint name -> generalization gap. Without it, ``train_data`` and
         ``test_data`` are required and each gap is measured: test error - train error.
+    train_data, test_data : str, optional
+        The examples on which each model's train and test error are measured (same
+        formats as ``data``); used when ``gaps`` is not given.
     records : RecordFile, optional
         Finished models are appended as they finish; records there with the same
         settings, data and checkpoint weights are reused (resume).
     device : torch device
+        Where the models and batches are put.
     progress : bool
         A progress bar over models (the current measure in its postfix).
     resamples : int
