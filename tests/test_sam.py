@@ -313,3 +313,78 @@ def test_training_with_geodesic_sam_lowers_the_loss():
     _, final = train_pair("geodesic", 10.0, steps=30)
     block, data = attention_block(), attention_data()
     assert final < 0.8 * attention_loss(block, data).item()
+
+
+# ------------------------------------------------------------------ zero weights, NaN/Inf
+def fresh_lora_bert(dtype=torch.float32):
+    """A tiny BERT classifier with fresh PEFT LoRA adapters (B = 0) on Q and V: only the
+    adapters are trainable, and the loss's gradient lives on B alone."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["query", "value"])
+    return peft.get_peft_model(tiny_bert().to(dtype), config).train()
+
+
+def all_finite(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+@pytest.mark.parametrize("ball", BALLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fresh_lora_adapters_never_get_nan(ball, dtype):
+    """With eps = 0 the adaptive part of the ball cannot move B = 0 and A has no gradient:
+    the ascent is skipped with a warning naming lora_B (never 0 * inf = NaN), training goes
+    on, and from the second step (B no longer 0) the ascent is taken."""
+    model, batch = fresh_lora_bert(dtype), bert_batch()
+    optimizer = GeodesicSAM(model, torch.optim.SGD, rho=0.05, ball=ball, lr=0.5)
+
+    def closure():
+        loss = bert_loss(model, batch)
+        loss.backward()
+        return loss
+
+    losses = []
+    for step in range(4):
+        optimizer.zero_grad()
+        if ball != "euclidean" and step == 0:
+            with pytest.warns(gq.optim.ZeroAscentWarning, match=r"lora_B.*eps > 0"):
+                losses.append(optimizer.step(closure).item())
+            assert all(float(a.abs().max()) == 0 for a in optimizer.last_ascent)
+        else:
+            losses.append(optimizer.step(closure).item())
+            assert any(float(a.abs().max()) > 0 for a in optimizer.last_ascent)
+        assert all_finite(model), (ball, step)
+    assert all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("ball", BALLS)
+def test_a_non_finite_ascent_raises_and_leaves_the_weights(ball):
+    block, data = attention_block(), attention_data()
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    optimizer = GeodesicSAM(block, torch.optim.SGD, rho=0.05, ball=ball, lr=0.1)
+    attention_loss(block, data).backward()
+    name, param = next(iter(block.named_parameters()))
+    param.grad[(0,) * param.grad.dim()] = float("nan")
+    with pytest.raises(gq.NonFiniteError, match=r"no parameter was changed.*NaN/Inf") as info:
+        optimizer.first_step()
+    assert name in str(info.value)
+    for n, p in block.named_parameters():
+        assert torch.equal(p, before[n]), n
+    attention_loss(block, data).backward()  # the optimizer is usable afterwards
+    optimizer.zero_grad()
+    attention_loss(block, data).backward()
+    optimizer.first_step()
+    optimizer.second_step()
+    assert all_finite(block)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_zero_sharpness_of_fresh_lora_names_the_zero_weights():
+    model, batch = fresh_lora_bert(torch.float64), bert_batch()
+    with pytest.warns(gq.ZeroSharpnessWarning, match=r"exactly 0 .*lora_B.*eps > 0"):
+        result = gq.geodesic_sharpness(model, bert_loss, [batch], rho=0.05, iters=3)
+    assert result.value == 0
+    with pytest.warns(gq.ZeroSharpnessWarning) as caught:  # a zero that is not the weights'
+        gq.adaptive_sharpness(model, lambda m, b: bert_loss(m, b).round(), [batch], rho=1e-6)
+    assert "lora_B" in str(caught[0].message)  # B = 0 is still named, as one cause

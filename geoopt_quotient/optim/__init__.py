@@ -2,6 +2,6 @@
 sharpness-aware minimisation on the quotient (:class:`GeodesicSAM`)."""
 
 from .riemannian import RiemannianAdam, RiemannianSGD
-from .sam import GeodesicSAM
+from .sam import GeodesicSAM, ZeroAscentWarning
 
-__all__ = ["GeodesicSAM", "RiemannianAdam", "RiemannianSGD"]
+__all__ = ["GeodesicSAM", "RiemannianAdam", "RiemannianSGD", "ZeroAscentWarning"]

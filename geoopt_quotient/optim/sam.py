@@ -23,6 +23,7 @@ symmetry groups use the adaptive geometry (ASAM's ascent for them).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
@@ -33,7 +34,8 @@ from .._checks import GEODESIC_PATHS, check_choice, check_positive_float
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.tangent import tangent_space
-from ..sharpness.measure import Symmetries
+from ..sharpness.apgd import NonFiniteError
+from ..sharpness.measure import Symmetries, zero_weight_cause, zero_weight_parameters
 from ..sharpness.precision import AutocastState
 from ..symmetry import find_symmetries
 from ..symmetry.plan import (
@@ -44,9 +46,13 @@ from ..symmetry.plan import (
     whole_parameter_group,
 )
 
-__all__ = ["BALLS", "GeodesicSAM"]
+__all__ = ["BALLS", "GeodesicSAM", "ZeroAscentWarning"]
 
 BALLS = ("geodesic", "adaptive", "euclidean")
+
+
+class ZeroAscentWarning(UserWarning):
+    """GeodesicSAM's ascent step was skipped: the gradient is 0 in the ball's metric."""
 
 
 class GeodesicSAM(torch.optim.Optimizer):
@@ -86,6 +92,20 @@ class GeodesicSAM(torch.optim.Optimizer):
     ------
     ValueError
         For an unknown ``ball`` or ``path``, or a non-positive ``rho``.
+    NonFiniteError
+        From :meth:`first_step` (and :meth:`step`) when the ascent point would have a
+        NaN/Inf entry (NaN/Inf gradients, or a gradient too small to scale to ``rho``);
+        the message names the groups and the likely cause, and no parameter is changed.
+
+    Warns
+    -----
+    ZeroAscentWarning
+        From :meth:`first_step` when the gradient is 0 in the ball's metric: there is no
+        ascent direction, so :math:`w' = w` and the step is the base optimizer's alone.
+        With ``eps=0`` this happens when the gradient lives only on weights that are
+        exactly 0 (a freshly initialised LoRA adapter, :math:`B = 0`): the adaptive metric
+        :math:`\sum \xi^2 / |w|^2` cannot move them. The warning names them; ``eps > 0``
+        perturbs them.
 
     Notes
     -----
@@ -240,7 +260,9 @@ class GeodesicSAM(torch.optim.Optimizer):
         squares = [n.pow(2) for n in torch._foreach_norm(scaled)] if scaled else []
         squares += [spaces[i].inner(r, r) for i, r in rgrads.items()]
         norm = torch.stack([q.to(torch.float64) for q in squares]).sum().sqrt()
-        factor = self.param_groups[0]["rho"] / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+        rho = self.param_groups[0]["rho"]
+        # a zero gradient in the ball's metric has no ascent direction: xi = 0, w' = w
+        factor = torch.where(norm > 0, rho / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0)
         ascent: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
         moved: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
         if scales is not None:  # c^2 g, in new tensors
@@ -255,7 +277,43 @@ class GeodesicSAM(torch.optim.Optimizer):
             ascent[i] = r * factor.to(r.dtype)
             moved[i] = self._move(spaces[i], ascent[i])
         self.last_ascent = ascent
-        return [m.to(d) for m, d in zip(moved, dtypes)]
+        moved = [m.to(d) for m, d in zip(moved, dtypes)]
+        finite = torch.stack([torch.isfinite(m).all() for m in moved]).all()
+        no_ascent, bad = torch.stack([norm == 0, ~finite]).tolist()  # one host read
+        if bad:
+            raise NonFiniteError(self._non_finite_message(moved, grads, float(norm)))
+        if no_ascent:
+            warnings.warn(self._no_ascent_message(params), ZeroAscentWarning, stacklevel=4)
+        return moved
+
+    def _non_finite_message(
+        self, moved: List[torch.Tensor], grads: Dict[str, torch.Tensor], norm: float
+    ) -> str:
+        groups = self.plan.groups
+        where = [g.name for g, m in zip(groups, moved) if not torch.isfinite(m).all()]
+        text = (
+            f"GeodesicSAM: the ascent step to w' is not finite in {', '.join(where)}; no "
+            "parameter was changed. "
+        )
+        bad_grads = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+        if bad_grads:
+            return text + (
+                f"The gradients at w have NaN/Inf entries ({', '.join(bad_grads[:4])}): the "
+                "loss or its backward pass overflowed; check the loss at w"
+            )
+        return text + (
+            f"The gradient's norm in the ball's metric is {norm:.3g}, too small to scale to "
+            f"rho = {self.param_groups[0]['rho']:g} in the parameters' dtype (weights at or "
+            "near 0 with `eps=0`?); pass `eps > 0` (ASAM's 0.01) or use a larger dtype"
+        )
+
+    def _no_ascent_message(self, params: Dict[str, torch.Tensor]) -> str:
+        text = (
+            "GeodesicSAM: the gradient is 0 in the ball's metric, so the ascent step is "
+            "skipped (w' = w) and this step is the base optimizer's alone"
+        )
+        zero = zero_weight_parameters(self.plan, params)
+        return f"{text}. Likely cause: {zero_weight_cause(zero)}" if zero else text
 
     def _move(self, space, u: torch.Tensor) -> torch.Tensor:
         """The path of a quotient group (only the geodesic ball has any)."""

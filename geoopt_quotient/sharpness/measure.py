@@ -221,7 +221,9 @@ def _measure(
         raise ValueError("`batches` is empty: give at least one batch")
     per_batch = [r["top"] - r["clean"] for r in records]
     if kind == "worst":
-        warn_if_no_ascent([r["index"] for r in records if r["top"] == r["clean"]], len(records))
+        flat = [r["index"] for r in records if r["top"] == r["clean"]]
+        zero_weights = zero_weight_parameters(plan, base) if flat else []
+        warn_if_no_ascent(flat, len(records), zero_weights)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
@@ -297,14 +299,45 @@ class ZeroSharpnessWarning(UserWarning):
     """Worst-case sharpness exactly 0: no perturbation increased the loss."""
 
 
-def warn_if_no_ascent(batches: List[int], total: int) -> None:
-    """Warn when Auto-PGD found no iterate above the clean loss on some batches."""
+def zero_weight_parameters(plan: BoundPlan, params: Dict[str, torch.Tensor]) -> List[str]:
+    """The parameters of ``plan``'s adaptive groups with ``eps = 0`` whose entries are all 0.
+
+    The adaptive ball cannot move a weight that is exactly 0 (its metric weight
+    :math:`1 / |w|^2` is infinite), so a loss whose gradient lives only on such weights (a
+    freshly initialised LoRA adapter, :math:`B = 0`) has no ascent direction in it.
+    """
+    return [
+        name
+        for group in plan.adaptive_groups
+        if getattr(group.manifold, "eps", None) == 0
+        for name in group.param_names
+        if not params[name].any()
+    ]
+
+
+def zero_weight_cause(names: Sequence[str]) -> str:
+    """The likely cause that :func:`zero_weight_parameters` found, as a sentence part."""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"weights that are exactly 0 ({shown}): with `eps=0` the adaptive ball cannot move "
+        "them, and the gradient may live only there (e.g. a freshly initialised LoRA "
+        "adapter, B = 0); pass `eps > 0` (ASAM's 0.01) to perturb them"
+    )
+
+
+def warn_if_no_ascent(batches: List[int], total: int, zero_weights: Sequence[str] = ()) -> None:
+    """Warn when Auto-PGD found no iterate above the clean loss on some batches.
+
+    ``zero_weights``: parameters all of whose entries are 0 in the adaptive ball with
+    ``eps = 0`` (:func:`zero_weight_parameters`), named first among the likely causes.
+    """
     if not batches:
         return
     which = "every batch" if len(batches) == total else f"batches {batches} of {total}"
+    first = f"{zero_weight_cause(zero_weights)}, " if zero_weights else ""
     warnings.warn(
         f"worst-case sharpness is exactly 0 on {which}: no Auto-PGD iterate increased the "
-        "loss. Likely causes: a loss that does not change under small perturbations (a "
+        f"loss. Likely causes: {first}a loss that does not change under small perturbations (a "
         "piecewise-constant loss such as an accuracy, or one rounded to float16/bfloat16: "
         "compute it in float32), a gradient exactly 0 at the unperturbed parameters (a "
         "stationary point), `rho` so large that every step overshoots (try a smaller one), "
