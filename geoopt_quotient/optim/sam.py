@@ -119,7 +119,8 @@ class GeodesicSAM(torch.optim.Optimizer):
     or ``optimizer.step(closure)`` with a closure that zeroes nothing, computes the loss
     and calls ``backward`` (called twice: at :math:`w` and at :math:`w'`). A step costs two
     forward and backward passes, as SAM; the geometry adds small :math:`h \times h` algebra
-    per attention head. :meth:`first_step` keeps a copy of the parameters, which
+    per attention head, and :meth:`first_step` reads two flags from the device (is the
+    ascent finite, is it zero). :meth:`first_step` keeps a copy of the parameters, which
     :meth:`second_step` writes back bitwise. After :meth:`first_step`,
     :attr:`last_ascent` holds :math:`\xi` (one tangent vector per group of :attr:`plan`).
     ``state_dict()`` is the base optimizer's.
