@@ -14,11 +14,10 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-try:
-    HERE = Path(__file__).resolve().parent
-except NameError:  # run interactively: from the repository root
-    HERE = Path.cwd() / "examples"
-RESULTS = HERE.parent / "benchmarks" / "results"
+# the repository's benchmarks/results/, found from the working directory (the repository
+# root or examples/, where the documentation build runs the script)
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir())
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def load(name):

@@ -41,6 +41,8 @@ it; its recorded results are in ``benchmarks/results/sam/``::
 The third line redraws the documentation's figure from the recorded JSON.
 """
 
+# sphinx_gallery_thumbnail_path = "sam/sam_digits.png"
+
 from __future__ import annotations
 
 import argparse
