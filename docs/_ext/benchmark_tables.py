@@ -645,6 +645,8 @@ def cpu_sharpness_iteration(results: Results) -> Table:
 
 def cpu_memory(results: Results) -> Table:
     doc = results.json("cpu/memory.json").data
+    repeats = dig(doc, "repeats") or 1
+    processes = f" (median of {repeats} processes)" if repeats > 1 else ""
     rows = []
     for mode in ("train", "adaptive", *GEODESIC):
         peak = dig(doc, "runs", mode, "peak_mib")
@@ -660,8 +662,8 @@ def cpu_memory(results: Results) -> Table:
     return Table(
         ["run", "peak RSS", "ratio to training step", "above model and batch", "parameter copies"],
         rows,
-        "python benchmarks/bench_memory.py --repeats 3 --json benchmarks/results/cpu/memory.json",
-        ["Peak resident set size of a fresh process per run (median over processes)."],
+        "python benchmarks/bench_memory.py --json benchmarks/results/cpu/memory.json",
+        [f"Peak resident set size of a fresh process per run{processes}."],
     )
 
 
