@@ -21,7 +21,8 @@ into one flat group), interleaved, medians of ``--repeats`` (after one call of e
 Where ``torch.compile`` cannot build a kernel (no C++ compiler), the report says so and
 times the eager steps only.
 
-    python benchmarks/bench_compiled_update.py --model bert-base --json compiled_update.json
+    python benchmarks/bench_compiled_update.py --model bert-base \\
+        --json benchmarks/results/cpu/compiled_update.json
     python benchmarks/bench_compiled_update.py --quick      # seconds, for CI
 """
 

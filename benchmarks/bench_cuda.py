@@ -1,6 +1,6 @@
 """Sharpness on a CUDA GPU: iteration cost, peak memory, the paper's protocol, torch.compile.
 
-    python benchmarks/bench_cuda.py --json cuda.json             # everything, ~6 min (H100)
+    python benchmarks/bench_cuda.py --json benchmarks/results/gpu/bench_cuda.json  # ~6 min (H100)
     python benchmarks/bench_cuda.py --sections iteration,memory --json part1.json
     python benchmarks/bench_cuda.py --sections protocol,compile --json part2.json
     python benchmarks/bench_cuda.py --models vit-b32 --precisions bf16-autocast

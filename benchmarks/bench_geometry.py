@@ -11,7 +11,8 @@
 Ratios are measured side by side in one run (interleaved repetitions, medians, a short
 pause before each timed call of part 1: see ``--settle``).
 
-    python benchmarks/bench_geometry.py --json geometry.json
+    python benchmarks/bench_geometry.py --json benchmarks/results/cpu/geometry.json
+    python benchmarks/bench_geometry.py --device cuda --json benchmarks/results/gpu/geometry.json
     python benchmarks/bench_geometry.py --dtype float32
     python benchmarks/bench_geometry.py --quick
 """

@@ -9,7 +9,7 @@ run does once. The loss's own synchronisations (a plain forward and backward pas
 same loss) are counted alike and reported beside them: the engine's share is the
 difference.
 
-    python benchmarks/bench_host_syncs.py --json syncs.json
+    python benchmarks/bench_host_syncs.py --json benchmarks/results/gpu/host_syncs.json
 """
 
 from __future__ import annotations

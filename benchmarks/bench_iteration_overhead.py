@@ -21,7 +21,8 @@ Models: ``tiny-vit`` (the 18k-parameter ViT of ``reproduce transformers`` on 8x8
 random tokens) and ``bert-base`` (BERT-base sizes, random weights from its config);
 nothing is downloaded.
 
-    python benchmarks/bench_iteration_overhead.py --json overhead.json
+    python benchmarks/bench_iteration_overhead.py \\
+        --json benchmarks/results/cpu/iteration_overhead.json
     python benchmarks/bench_iteration_overhead.py --models tiny-vit --repeats 7
     python benchmarks/bench_iteration_overhead.py --quick      # seconds, for CI
 

@@ -9,7 +9,7 @@ step is also given in copies of the parameters (model-sized buffers). Peak RSS i
 the allocator's free but unreturned memory, so it varies by a few percent between runs:
 ``--repeats`` reports the median of several processes per mode.
 
-    python benchmarks/bench_memory.py --json memory.json
+    python benchmarks/bench_memory.py --json benchmarks/results/cpu/memory.json
     python benchmarks/bench_memory.py --quick
 """
 

@@ -10,10 +10,11 @@ difference of two losses, so its absolute error is set by how finely the loss is
 resolved, whatever the value. In every mode the geometry (ball, paths, iterates) runs in
 float32 or better; only the model's arithmetic changes.
 
-    python benchmarks/bench_precision.py --json precision.json              # on a GPU
+    python benchmarks/bench_precision.py --json benchmarks/results/gpu/precision.json  # on a GPU
     python benchmarks/bench_precision.py --quick --device cpu               # tiny, for CI
 
-Measured on an H100 (docs/gpu/precision.txt) and summarised in the README, "Precision".
+Measured on an H100 (the printed rows: benchmarks/results/gpu/precision.txt); the
+documentation's performance page renders them.
 """
 
 from __future__ import annotations

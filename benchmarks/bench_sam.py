@@ -13,7 +13,7 @@ SAM-type step is two forward and backward passes around ``first_step`` (the asce
 gradient's norm in the ball's metric, the move, a copy of the parameters) and
 ``second_step`` (restore, base step); ``first_step`` is also timed on its own.
 
-    python benchmarks/bench_sam.py --out docs/sam             # writes docs/sam/bench_sam.json
+    python benchmarks/bench_sam.py --out benchmarks/results/sam  # writes bench_sam.json there
     python benchmarks/bench_sam.py --profile                  # and where the time goes
     python benchmarks/bench_sam.py --quick --json /tmp/b.json # tiny sizes, seconds
 """

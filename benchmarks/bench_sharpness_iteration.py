@@ -8,7 +8,8 @@ for each measure alike, so the ratio of run times is the ratio of iteration cost
 one forward+backward per restart of Auto-PGD from an earlier best iterate, whose gradient
 is recomputed; there is none while the loss rises at every step).
 
-    python benchmarks/bench_sharpness_iteration.py --json bench.json
+    python benchmarks/bench_sharpness_iteration.py \\
+        --json benchmarks/results/cpu/sharpness_iteration.json
     python benchmarks/bench_sharpness_iteration.py --quick       # tiny model, seconds
 """
 

@@ -16,7 +16,7 @@ each pair timed interleaved, medians of ``--repeats``:
   the 3 x 3 Gram matrix), per group, and on the two groups stacked into one batch as
   the sharpness engine does (``geoopt_quotient.sharpness.fusion.fuse_quotients``).
 
-    python benchmarks/bench_small_kernels.py --json small_kernels.json
+    python benchmarks/bench_small_kernels.py --json benchmarks/results/cpu/small_kernels.json
     python benchmarks/bench_small_kernels.py --quick      # seconds, for CI
 """
 

@@ -14,7 +14,8 @@ The symmetries of each model are discovered once per metric and reused. The JSON
 has every model's numbers, the evaluations of each calibration, and per measure the
 median over models.
 
-    python benchmarks/calibrate_transformers.py --json calibrate.json           # ~minutes
+    python benchmarks/calibrate_transformers.py \\
+        --json benchmarks/results/cpu/calibrate_transformers.json  # ~minutes
     python benchmarks/calibrate_transformers.py --quick --json /tmp/c.json      # seconds
 """
 

@@ -8,7 +8,7 @@ of kernel times), the number of kernel launches and of operators dispatched on t
 host. A wall time far above the busy time with many launches means the host's Python
 and dispatch, not the GPU, set the pace.
 
-    python benchmarks/profile_cuda_iteration.py --json profile.json
+    python benchmarks/profile_cuda_iteration.py --json benchmarks/results/gpu/profile.json
 """
 
 from __future__ import annotations

@@ -1,0 +1,804 @@
+"""Tables of benchmark results, generated at build time from ``benchmarks/results/``.
+
+``.. benchmark-table:: NAME`` renders the table ``NAME`` of :data:`TABLES` from the
+result files that the benchmark scripts write (``--json``, or the printed rows for
+``precision.txt``), followed by the files each figure comes from, with the device,
+threads and software that each file records, and the command that writes the file.
+A row whose file does not exist, or whose file holds no result for it, says
+"not measured": nothing is omitted and nothing is filled in by hand.
+
+The directory is the configuration value ``benchmark_results_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
+
+NOT_MEASURED = "not measured"
+
+#: Rendered row labels of the models and precisions that the GPU benchmark knows.
+MODELS = {"bert-base": "BERT-base", "vit-b32": "ViT-B/32"}
+PRECISIONS = {"float32": "float32", "bf16-autocast": "bf16 autocast"}
+GEODESIC = {"geodesic-inv": "geodesic inv", "geodesic-mix": "geodesic mix"}
+
+
+# ------------------------------------------------------------------------------ files
+
+
+@dataclass
+class Source:
+    """One result file: where it is, what it holds (``None``: no such file)."""
+
+    path: str  # relative to the results directory
+    data: Any = None
+    text: Optional[str] = None
+
+    @property
+    def exists(self) -> bool:
+        return self.data is not None or self.text is not None
+
+
+class Results:
+    """The results directory, read lazily; remembers every file a table asked for."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.asked: List[Source] = []
+
+    def json(self, path: str) -> Source:
+        file = self.root / path
+        data = json.loads(file.read_text()) if file.is_file() else None
+        source = Source(path, data)
+        self.asked.append(source)
+        return source
+
+    def text(self, path: str) -> Source:
+        file = self.root / path
+        source = Source(path, text=file.read_text() if file.is_file() else None)
+        self.asked.append(source)
+        return source
+
+    def glob(self, pattern: str) -> List[Source]:
+        return [self.json(str(p.relative_to(self.root))) for p in sorted(self.root.glob(pattern))]
+
+
+def environment(source: Source) -> str:
+    """Device, threads and software recorded in a result file, in words."""
+    doc = source.data
+    if not isinstance(doc, dict):
+        return "device and threads not recorded in the file"
+    env = dict(doc.get("environment") or {})
+    for key in ("gpu", "device", "threads", "torch", "cuda", "machine"):
+        if key in doc and not isinstance(doc[key], (dict, list)):
+            env.setdefault(key, doc[key])
+    if isinstance(doc.get("projection"), dict):
+        env.setdefault("device", doc["projection"].get("device"))
+    settings = doc.get("settings") or {}
+    if "threads" in settings:
+        env.setdefault("threads", settings["threads"])
+    parts = []
+    named_device = env.get("device") not in (None, "cpu", "cuda")
+    gpu = env.get("gpu") or (env["device"] if named_device else None)
+    if gpu:
+        parts.append(str(gpu))
+    elif env.get("device") == "cuda":
+        parts.append("a CUDA GPU")
+    else:
+        parts.append(f"CPU ({env['machine']})" if env.get("machine") else "CPU")
+    threads = env.get("cpu_threads", env.get("threads"))
+    parts.append(f"{threads} CPU thread(s)" if threads else "threads not recorded")
+    if env.get("torch"):
+        parts.append(f"torch {env['torch']}")
+    if env.get("cuda"):
+        parts.append(f"CUDA {env['cuda']}")
+    if env.get("transformers"):
+        parts.append(f"transformers {env['transformers']}")
+    status = doc.get("status")
+    if status and status != "complete":
+        parts.append(f"run status {status!r}: the run stopped before its end")
+    if settings.get("quick"):
+        parts.append("a --quick run (reduced sizes, not a measurement)")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+@dataclass
+class Table:
+    header: Sequence[str]
+    rows: List[Sequence[str]]
+    command: str
+    notes: List[str] = field(default_factory=list)
+
+
+def fmt(value: Any, spec: str = ".3g", suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return NOT_MEASURED
+    return f"{value:{spec}}{suffix}"
+
+
+def dig(doc: Any, *keys: Any) -> Any:
+    for key in keys:
+        if isinstance(doc, dict) and key in doc:
+            doc = doc[key]
+        elif isinstance(doc, list) and isinstance(key, int) and -len(doc) <= key < len(doc):
+            doc = doc[key]
+        else:
+            return None
+    return doc
+
+
+def unit_state(unit: Any) -> Optional[str]:
+    """``None`` for a unit with results; else what a row's cells say instead."""
+    if not isinstance(unit, dict) or not unit:
+        return NOT_MEASURED
+    if "error" in unit:
+        return "failed (the file has the error)"
+    if "skipped" in unit:
+        return NOT_MEASURED
+    return None
+
+
+def model_precision_rows(
+    doc: Any, section: str, cells: Callable[[Dict], List[str]], width: int
+) -> List[List[str]]:
+    rows = []
+    for model, model_label in MODELS.items():
+        for precision, precision_label in PRECISIONS.items():
+            unit = dig(doc, section, "results", model, precision)
+            state = unit_state(unit)
+            values = [state] * width if state else cells(unit)
+            rows.append([f"{model_label}, {precision_label}", *values])
+    return rows
+
+
+def gpu_iteration(results: Results) -> Table:
+    source = results.json("gpu/bench_cuda.json")
+
+    def cells(unit: Dict) -> List[str]:
+        seconds = unit.get("seconds_per_iteration", {})
+        ratio = unit.get("ratio_to_adaptive", {})
+        per_pass = unit.get("ratio_to_adaptive_per_pass", {})
+        out = [fmt(seconds.get(k), ".3f") for k in ("forward-backward", "adaptive", *GEODESIC)]
+        for key in GEODESIC:
+            out.append(f"{fmt(ratio.get(key), '.2f')} ({fmt(per_pass.get(key), '.2f')})")
+        return out
+
+    return Table(
+        [
+            "model, precision",
+            "forward+backward (s)",
+            "adaptive (s)",
+            "geodesic inv (s)",
+            "geodesic mix (s)",
+            "inv / adaptive (per pass)",
+            "mix / adaptive (per pass)",
+        ],
+        model_precision_rows(source.data, "iteration", cells, 6),
+        "python benchmarks/bench_cuda.py --sections iteration "
+        "--json benchmarks/results/gpu/bench_cuda.json",
+    )
+
+
+def gpu_memory(results: Results) -> Table:
+    source = results.json("gpu/bench_cuda.json")
+
+    def cells(unit: Dict) -> List[str]:
+        ratio = unit.get("peak_ratio_to_training_step", {})
+        train = dig(unit, "runs", "train-step", "peak_bytes")
+        return [
+            fmt(train / 2**30 if train else None, ".2f", " GiB"),
+            *(fmt(ratio.get(k), ".2f") for k in ("adaptive", *GEODESIC)),
+        ]
+
+    return Table(
+        ["model, precision", "training step", "adaptive", "geodesic inv", "geodesic mix"],
+        model_precision_rows(source.data, "memory", cells, 4),
+        "python benchmarks/bench_cuda.py --sections memory "
+        "--json benchmarks/results/gpu/bench_cuda.json",
+        [
+            "Peak memory (``torch.cuda.max_memory_allocated``) of each measure divided by "
+            "that of a training step on the same batch."
+        ],
+    )
+
+
+def gpu_protocol(results: Results) -> Table:
+    sources = [results.json("gpu/bench_cuda.json"), *results.glob("gpu/protocol_*.json")]
+    sources = list({s.path: s for s in sources}.values())
+    rows = []
+    for model, model_label in MODELS.items():
+        for precision, precision_label in PRECISIONS.items():
+            cells, used = [], []
+            for measure in ("geodesic-mix", "adaptive"):
+                found = NOT_MEASURED
+                for source in sources:
+                    entry = dig(source.data, "protocol", "results", model, precision, "measures")
+                    entry = dig(entry, measure)
+                    if isinstance(entry, dict) and "seconds" in entry:
+                        passes = dig(entry, "passes", "forward_backward")
+                        found = f"{entry['seconds']:.1f} s ({passes} passes)"
+                        used.append(Path(source.path).name)
+                        break
+                cells.append(found)
+            files = ", ".join(dict.fromkeys(used)) or "none"
+            rows.append([model_label, precision_label, *cells, files])
+    return Table(
+        ["model", "precision", "geodesic mix", "adaptive", "from"],
+        rows,
+        "python benchmarks/bench_cuda.py --sections protocol --models MODEL "
+        "--precisions PRECISION --json benchmarks/results/gpu/protocol_NAME.json",
+        [
+            "20 Auto-PGD iterations per batch; BERT-base: 1024 pairs in 8 batches of 128, "
+            "ViT-B/32: 2048 images in 8 batches of 256. The passes are the forward+backward "
+            "passes made (Auto-PGD's restarts add to the 8 x 20)."
+        ],
+    )
+
+
+def gpu_host_syncs(results: Results) -> Table:
+    doc = results.json("gpu/host_syncs.json").data
+    columns = [
+        ("loss_forward_backward", "the loss alone"),
+        ("adaptive", "adaptive"),
+        ("geodesic-inv-second_order", "inv, second order"),
+        ("geodesic-inv-straight", "inv, straight"),
+        ("geodesic-inv-exact", "inv, exact"),
+        ("geodesic-mix-second_order", "mix, second order"),
+        ("geodesic-mix-straight", "mix, straight"),
+        ("geodesic-mix-exact", "mix, exact"),
+    ]
+    labels = {"encoder": "two nn.TransformerEncoderLayer", "tiny-bert": "tiny BERT"}
+    rows = []
+    for model, label in labels.items():
+        counts = dig(doc, "per_iteration", model)
+        rows.append([label, *(fmt(dig(counts, key), "g") for key, _ in columns)])
+    return Table(
+        ["model", *(label for _, label in columns)],
+        rows,
+        "python benchmarks/bench_host_syncs.py --json benchmarks/results/gpu/host_syncs.json",
+        [
+            "Host synchronisations per Auto-PGD iteration, counted with "
+            "``torch.cuda.set_sync_debug_mode`` from runs of two iteration counts."
+        ],
+    )
+
+
+def geometry_projection(results: Results) -> Table:
+    rows = []
+    for device, path in (("CPU", "cpu/geometry.json"), ("GPU", "gpu/geometry.json")):
+        p = dig(results.json(path).data, "projection")
+        if not isinstance(p, dict):
+            rows.append([device, *[NOT_MEASURED] * 6])
+            continue
+        rows.append(
+            [
+                device,
+                f"{p['pairs']} pairs, n = {p['n']}, h = {p['h']}, {p['dtype']}",
+                fmt(dig(p, "median_seconds", "batched"), ".3f", " s"),
+                fmt(dig(p, "median_seconds", "scipy_loop"), ".3f", " s"),
+                fmt(p.get("speedup"), ".1f", "x"),
+                fmt(p.get("max_abs_difference"), ".1e"),
+                fmt(p.get("settle_seconds"), "g", " s"),
+            ]
+        )
+    return Table(
+        ["device", "problem", "batched", "SciPy loop", "speed-up", "max |difference|", "pause"],
+        rows,
+        "python benchmarks/bench_geometry.py [--device cuda] --repeats 5 "
+        "--json benchmarks/results/{cpu,gpu}/geometry.json",
+        [
+            "The inv-metric horizontal projection batched on the device, against a per-pair "
+            "``scipy.linalg.solve_sylvester`` loop on the CPU of the same machine."
+        ],
+    )
+
+
+def geometry_scaling(results: Results) -> Table:
+    rows = []
+    for device, path in (("CPU", "cpu/geometry.json"), ("GPU", "gpu/geometry.json")):
+        scaling = dig(results.json(path).data, "scaling")
+        if not isinstance(scaling, list) or not scaling:
+            rows.append([device, NOT_MEASURED, NOT_MEASURED, *[NOT_MEASURED] * 3])
+            continue
+        heads = max(r["heads"] for r in scaling)
+        for r in scaling:
+            if r["heads"] == heads:
+                rows.append(
+                    [
+                        device,
+                        r["metric"],
+                        f"{r['heads']} heads, h = {r['h']}",
+                        *(fmt(r[k] * 1e3, ".2f", " ms") for k in ("proju", "egrad2rgrad", "retr")),
+                    ]
+                )
+    return Table(
+        ["device", "metric", "points", "proju", "egrad2rgrad", "retr"],
+        rows,
+        "python benchmarks/bench_geometry.py [--device cuda] "
+        "--json benchmarks/results/{cpu,gpu}/geometry.json",
+        [
+            "Median time of one call for the largest number of heads in the file (the file "
+            "has the others)."
+        ],
+    )
+
+
+def gpu_compile(results: Results) -> Table:
+    doc = results.json("gpu/compile.json").data
+    rows = []
+    for metric in ("inv", "mix"):
+        r = dig(doc, "compile", "results", metric, "symmetric")
+        if not isinstance(r, dict) or "eager_ms" not in r:
+            rows.append([metric, *[NOT_MEASURED] * 5])
+            continue
+        rows.append(
+            [
+                metric,
+                f"{r['groups']} groups, {r['entries']:,} entries",
+                fmt(r["eager_ms"], ".2f", " ms"),
+                fmt(r["compiled_ms"], ".2f", " ms"),
+                fmt(r["speedup"], ".2f", "x"),
+                f"{fmt(r['compile_seconds'], '.1f', ' s')}, {r['graph_breaks']} graph breaks",
+            ]
+        )
+    return Table(
+        ["metric", "groups", "eager", "compiled", "speed-up", "compiling"],
+        rows,
+        "python benchmarks/bench_cuda.py --sections compile "
+        "--json benchmarks/results/gpu/compile.json",
+        [
+            "``torch.compile`` of the geometry of one iteration (Riemannian gradient, metric, "
+            "second-order retraction) for the two GL(h) groups of BERT-base."
+        ],
+    )
+
+
+def gpu_profile(results: Results) -> Table:
+    runs = dig(results.json("gpu/profile.json").data, "runs") or {}
+    rows = []
+    for name in ("float32 forward-backward", "float32 adaptive"):
+        r = runs.get(name)
+        if not isinstance(r, dict):
+            rows.append([name, *[NOT_MEASURED] * 4])
+            continue
+        rows.append(
+            [
+                name,
+                fmt(r.get("wall_seconds_per_iteration"), ".3f", " s"),
+                fmt(r.get("gpu_busy_seconds_per_iteration"), ".3f", " s"),
+                fmt(r.get("kernel_launches_per_iteration"), ",.0f"),
+                fmt(r.get("aten_operators_per_iteration"), ",.0f"),
+            ]
+        )
+    return Table(
+        ["BERT-base, under the profiler", "wall", "GPU busy", "kernel launches", "operators"],
+        rows,
+        "python benchmarks/profile_cuda_iteration.py --json benchmarks/results/gpu/profile.json",
+        ["Per iteration (per pass for the plain forward and backward pass)."],
+    )
+
+
+PRECISION_LINE = re.compile(
+    r"^\s+(?P<measure>\S+)\s+rho (?P<rho>\S+)\s+(?P<mode>\S+)\s+value (?P<value>\S+)"
+    r"\s+rel\.err (?P<rel>\S+)"
+)
+
+
+def precision_rows(results: Results) -> Tuple[List[Dict[str, Any]], Source]:
+    """The rows of ``bench_precision``: its JSON, else the rows it printed."""
+    source = results.json("gpu/precision.json")
+    if source.exists:
+        rows = [
+            {**row, "model": model}
+            for model, model_rows in source.data.get("models", {}).items()
+            for row in model_rows
+        ]
+        for row in rows:
+            row.setdefault("rel_error", 0.0)
+        return rows, source
+    results.asked.pop()  # no JSON: the printed rows are the source
+    source = results.text("gpu/precision.txt")
+    rows, model = [], None
+    for line in (source.text or "").splitlines():
+        if line.startswith("BERT-"):
+            model = "bert-" + line[len("BERT-") :].strip()
+            continue
+        match = PRECISION_LINE.match(line)
+        if match and model:
+            rows.append(
+                {
+                    "model": model,
+                    "measure": match["measure"],
+                    "rho": float(match["rho"]),
+                    "mode": match["mode"],
+                    "value": float(match["value"]),
+                    "rel_error": float(match["rel"]),
+                }
+            )
+    return rows, source
+
+
+def precision(results: Results) -> Table:
+    rows, _ = precision_rows(results)
+    modes = [
+        "float32",
+        "tf32",
+        "bf16-autocast",
+        "fp16-autocast",
+        "bf16-model",
+        "fp16-model",
+    ]
+    base_keys = sorted({(r["measure"], r["rho"]) for r in rows if r["model"] == "bert-base"})
+    reference = {
+        (r["measure"], r["rho"]): r["value"]
+        for r in rows
+        if r["model"] == "bert-base" and r["mode"] == "float64"
+    }
+    header = ["precision"]
+    for measure, rho in base_keys:
+        header.append(f"BERT-base {measure}, ρ = {rho:g} (value {reference[measure, rho]:.2g})")
+    header.append("tiny BERT, every measure and radius")
+    table_rows = []
+    for mode in modes:
+        row = [mode]
+        for key in base_keys:
+            match = [
+                r
+                for r in rows
+                if r["model"] == "bert-base"
+                and r["mode"] == mode
+                and (r["measure"], r["rho"]) == key
+            ]
+            row.append(fmt(match[0]["rel_error"] * 100, ".2g", "%") if match else NOT_MEASURED)
+        tiny = [r["rel_error"] for r in rows if r["model"] == "bert-tiny" and r["mode"] == mode]
+        row.append(f"{min(tiny) * 100:.2g}% to {max(tiny) * 100:.2g}%" if tiny else NOT_MEASURED)
+        table_rows.append(row)
+    if not rows:
+        header = ["precision", "relative error against float64"]
+        table_rows = [[mode, NOT_MEASURED] for mode in modes]
+    return Table(
+        header,
+        table_rows,
+        "python benchmarks/bench_precision.py --json benchmarks/results/gpu/precision.json",
+        [
+            "Relative error of the worst-case sharpness against the float64 value, same batch, "
+            "seed and 10 Auto-PGD iterations."
+        ],
+    )
+
+
+def sam_step_cost(results: Results) -> Table:
+    doc = results.json("sam/bench_sam.json").data
+    methods = ["sgd", "sam", "asam", "geodesic-mix", "geodesic-inv"]
+    rows = []
+    for model in ("vit", "bert"):
+        m = dig(doc, "models", model)
+        label = (m or {}).get("model", model)
+        for method in methods:
+            step = dig(m, "median_seconds_per_step", method)
+            if step is None:
+                rows.append([label, method, *[NOT_MEASURED] * 3])
+                continue
+            ascent = dig(m, "median_ascent_seconds_per_step", method)
+            rows.append(
+                [
+                    label,
+                    method,
+                    fmt(step * 1e3, ".2f", " ms"),
+                    fmt(ascent * 1e3, ".2f", " ms") if ascent else "–",
+                    fmt(dig(m, "ratio_to_sam", method), ".3f"),
+                ]
+            )
+    return Table(
+        ["model, batch", "method", "step", "first_step (ascent)", "ratio to SAM"],
+        rows,
+        "python benchmarks/bench_sam.py --profile --out benchmarks/results/sam",
+        [
+            "Medians of interleaved repeats; every method steps its own copy of the model "
+            "with ``torch.optim.SGD`` (momentum 0.9) as the base optimizer."
+        ],
+    )
+
+
+SAM_LABEL = {"sgd": "SGD (momentum)", "sam": "SAM", "asam": "ASAM", "geodesic": "GeodesicSAM"}
+
+
+def sam_digits(results: Results) -> Table:
+    doc = results.json("sam/sam_digits.json").data
+    summary = dig(doc, "summary") or []
+    rows = []
+
+    def pm(row: Dict, key: str, scale: float = 1.0, spec: str = ".2f") -> str:
+        value = row.get(key)
+        if not isinstance(value, dict):
+            return "–"
+        return f"{value['mean'] * scale:{spec}} ± {value['std'] * scale:{spec}}"
+
+    for row in summary:
+        rows.append(
+            [
+                SAM_LABEL.get(row["method"], row["method"]),
+                "–" if row["rho"] is None else f"{row['rho']:g}",
+                pm(row, "test_accuracy", 100),
+                pm(row, "test_accuracy_minus_sgd", 100),
+                pm(row, "test_loss", spec=".3f"),
+                pm(row, "train_accuracy", 100),
+                pm(row, "geodesic_sharpness", spec=".4f"),
+                pm(row, "adaptive_sharpness", spec=".4f"),
+                fmt(dig(row, "train_seconds", "mean"), ".1f"),
+            ]
+        )
+    if not rows:
+        rows = [[NOT_MEASURED] * 9]
+    return Table(
+        [
+            "method",
+            "ρ",
+            "test acc. %",
+            "vs SGD (points)",
+            "test loss",
+            "train acc. %",
+            "geodesic sharpness",
+            "adaptive sharpness",
+            "s/run",
+        ],
+        rows,
+        "python examples/sam_digits.py --out benchmarks/results/sam",
+        [
+            'Mean ± standard deviation over the seeds; "vs SGD" is the difference to SGD '
+            "with the same seed; s/run is the training's wall time."
+        ],
+    )
+
+
+def sam_calibration(results: Results) -> Table:
+    doc = results.json("sam/calibration.json").data
+    rows = []
+    calibration = dig(doc, "calibration") or []
+    epochs = sorted({r["epoch"] for r in calibration})
+    for epoch in epochs:
+        at = [r for r in calibration if r["epoch"] == epoch]
+        for method in ("sam", "asam", "geodesic"):
+            cells = [
+                f"{r['rho']:g}: {r['loss_increase']:+.4f}" for r in at if r["method"] == method
+            ]
+            rows.append(
+                [str(epoch), f"{at[0]['clean_loss']:.4f}", SAM_LABEL[method], "   ".join(cells)]
+            )
+    if not rows:
+        rows = [[NOT_MEASURED] * 4]
+    return Table(
+        ["epoch", "training loss", "ball", "ρ: L(w') − L(w) of one ascent step"],
+        rows,
+        "python examples/sam_digits.py --calibrate --out benchmarks/results/sam",
+        ["A pilot model trained with plain SGD (a seed outside the experiment)."],
+    )
+
+
+def cpu_iteration_overhead(results: Results) -> Table:
+    doc = results.json("cpu/iteration_overhead.json").data
+    rows = []
+    labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
+    for model, label in labels.items():
+        m = dig(doc, "models", model)
+        if not isinstance(m, dict) or "plain_ms" not in m:
+            rows.append([label, *[NOT_MEASURED] * 5])
+            continue
+        passes = sorted(
+            {
+                f"{m[k]['forward_passes_per_batch']} f / {m[k]['backward_passes_per_batch']} b"
+                for k in ("adaptive", "inv", "mix")
+                if k in m
+            }
+        )
+        rows.append(
+            [
+                label,
+                fmt(m["plain_ms"], ".1f", " ms"),
+                *(fmt(dig(m, k, "ratio"), ".2f", "x") for k in ("adaptive", "inv", "mix")),
+                ", ".join(passes),
+            ]
+        )
+    return Table(
+        ["model", "plain forward+backward", "adaptive", "inv", "mix", "passes per batch"],
+        rows,
+        "python benchmarks/bench_iteration_overhead.py "
+        "--json benchmarks/results/cpu/iteration_overhead.json",
+        [
+            "Time of a 20-iteration sharpness run per iteration, over a plain forward and "
+            "backward pass of the same loss (interleaved, medians)."
+        ],
+    )
+
+
+def cpu_sharpness_iteration(results: Results) -> Table:
+    doc = results.json("cpu/sharpness_iteration.json").data
+    rows = []
+    for measure in ("adaptive", *GEODESIC):
+        seconds = dig(doc, "seconds_per_iteration", measure)
+        rows.append(
+            [
+                measure,
+                fmt(seconds, ".3f", " s"),
+                fmt(dig(doc, "ratio_to_adaptive", measure), ".3f"),
+            ]
+        )
+    model = f"{doc['model']}, batch {'x'.join(map(str, doc['batch']))}" if doc else NOT_MEASURED
+    return Table(
+        ["measure", "seconds per iteration", "ratio to adaptive"],
+        rows,
+        "python benchmarks/bench_sharpness_iteration.py "
+        "--json benchmarks/results/cpu/sharpness_iteration.json",
+        [f"Model: {model}."],
+    )
+
+
+def cpu_memory(results: Results) -> Table:
+    doc = results.json("cpu/memory.json").data
+    repeats = dig(doc, "repeats") or 1
+    processes = f" (median of {repeats} processes)" if repeats > 1 else ""
+    rows = []
+    for mode in ("train", "adaptive", *GEODESIC):
+        peak = dig(doc, "runs", mode, "peak_mib")
+        rows.append(
+            [
+                mode,
+                fmt(peak, ",.0f", " MiB"),
+                fmt(dig(doc, "peak_ratio_to_training_step", mode), ".2f"),
+                fmt(dig(doc, "increment_ratio_to_training_step", mode), ".2f"),
+                fmt(dig(doc, "excess_over_training_step_in_parameter_copies", mode), ".2f"),
+            ]
+        )
+    return Table(
+        ["run", "peak RSS", "ratio to training step", "above model and batch", "parameter copies"],
+        rows,
+        "python benchmarks/bench_memory.py --json benchmarks/results/cpu/memory.json",
+        [f"Peak resident set size of a fresh process per run{processes}."],
+    )
+
+
+def cpu_compiled_update(results: Results) -> Table:
+    doc = results.json("cpu/compiled_update.json").data
+    models = dig(doc, "models") or {}
+    rows = []
+    steps = [
+        "eager gram",
+        "compiled gram",
+        "eager combination + perturbed point",
+        "compiled combination + perturbed point",
+        "copy",
+    ]
+    for model in models or {"bert-base": None}:
+        seconds = dig(models, model, "seconds") or {}
+        ms = [fmt(seconds[s] * 1e3 if s in seconds else None, ".1f", " ms") for s in steps]
+        rows.append([model, *ms])
+    return Table(
+        ["model", *steps],
+        rows,
+        "python benchmarks/bench_compiled_update.py --model bert-base "
+        "--json benchmarks/results/cpu/compiled_update.json",
+        [
+            "The element-wise update of an adaptive Auto-PGD iteration, eager PyTorch against "
+            "``torch.compile`` kernels."
+        ],
+    )
+
+
+def cpu_small_kernels(results: Results) -> Table:
+    doc = results.json("cpu/small_kernels.json").data
+    geometry = dig(doc, "models", "geometry") or {}
+    ops = ["retraction", "pullback", "riemannian_gradient", "gram_3x3"]
+    rows = [[group, *(fmt(v.get(o), ".0f", " µs") for o in ops)] for group, v in geometry.items()]
+    if not rows:
+        rows = [["tiny ViT's GL(h) groups", *[NOT_MEASURED] * 4]]
+    return Table(
+        ["group (shape)", *ops],
+        rows,
+        "python benchmarks/bench_small_kernels.py --json benchmarks/results/cpu/small_kernels.json",
+        [
+            "One call of each fused GL(h) operation of an Auto-PGD evaluation at the tiny "
+            "ViT's base point, per group and stacked."
+        ],
+    )
+
+
+#: Every table a page can ask for.
+TABLES: Dict[str, Callable[[Results], Table]] = {
+    "gpu-iteration": gpu_iteration,
+    "gpu-memory": gpu_memory,
+    "gpu-protocol": gpu_protocol,
+    "gpu-host-syncs": gpu_host_syncs,
+    "gpu-compile": gpu_compile,
+    "gpu-profile": gpu_profile,
+    "geometry-projection": geometry_projection,
+    "geometry-scaling": geometry_scaling,
+    "precision": precision,
+    "sam-step-cost": sam_step_cost,
+    "sam-digits": sam_digits,
+    "sam-calibration": sam_calibration,
+    "cpu-iteration-overhead": cpu_iteration_overhead,
+    "cpu-sharpness-iteration": cpu_sharpness_iteration,
+    "cpu-memory": cpu_memory,
+    "cpu-compiled-update": cpu_compiled_update,
+    "cpu-small-kernels": cpu_small_kernels,
+}
+
+
+# ------------------------------------------------------------------------------ docutils
+
+
+def table_node(header: Sequence[str], rows: Iterable[Sequence[str]]) -> nodes.table:
+    table = nodes.table(classes=["benchmark-table"])
+    group = nodes.tgroup(cols=len(header))
+    table += group
+    group.extend(nodes.colspec(colwidth=1) for _ in header)
+
+    def row(cells: Sequence[str]) -> nodes.row:
+        out = nodes.row()
+        for cell in cells:
+            entry = nodes.entry()
+            entry += nodes.paragraph(text=str(cell))
+            out += entry
+        return out
+
+    head = nodes.thead()
+    head += row(header)
+    body = nodes.tbody()
+    body.extend(row(r) for r in rows)
+    group += head
+    group += body
+    return table
+
+
+class BenchmarkTableDirective(SphinxDirective):
+    """``.. benchmark-table:: NAME`` (one of :data:`TABLES`)."""
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> List[nodes.Node]:
+        name = self.arguments[0]
+        if name not in TABLES:
+            raise self.error(f"unknown benchmark table {name!r}; known: {', '.join(TABLES)}")
+        root = Path(self.config.benchmark_results_dir)
+        results = Results(root)
+        table = TABLES[name](results)
+        out: List[nodes.Node] = [table_node(table.header, table.rows)]
+        for note in table.notes:
+            out.extend(self.parse_text_to_nodes(note))
+        sources = nodes.bullet_list(classes=["benchmark-sources"])
+        for source in {s.path: s for s in results.asked}.values():
+            self.env.note_dependency(str(root / source.path))
+            item = nodes.list_item()
+            para = nodes.paragraph()
+            para += nodes.literal(text=f"benchmarks/results/{source.path}")
+            if source.exists:
+                para += nodes.Text(f": {environment(source)}")
+            else:
+                para += nodes.Text(f": no such file ({NOT_MEASURED})")
+            item += para
+            sources += item
+        intro = nodes.paragraph(text="From:")
+        command = nodes.paragraph()
+        command += nodes.Text("Written by: ")
+        command += nodes.literal(text=table.command)
+        container = nodes.container(classes=["benchmark-provenance"])
+        container.extend([intro, sources, command])
+        out.append(container)
+        return out
+
+
+def setup(app):
+    app.add_config_value("benchmark_results_dir", "", "env", [str])
+    app.add_directive("benchmark-table", BenchmarkTableDirective)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
