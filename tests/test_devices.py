@@ -69,7 +69,7 @@ LOW_PRECISION_EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 def check_low_precision(name, dtype, low, reference) -> None:
     """Within 16 units of the low precision, relative, where the sharpness is at least 2% of
-    the clean loss (README, "Precision": below that, low precision loses it). Measured:
+    the clean loss (user guide, "Precision": below that, low precision loses it). Measured:
     up to 7 units on an H100, 4.4 on a CPU."""
     assert reference.value >= 0.02 * reference.clean_losses[0], "not the regime tested"
     error = abs(low.value - reference.value) / reference.value

@@ -399,8 +399,8 @@ def warn_if_low_precision(params: Dict[str, torch.Tensor]) -> None:
         warnings.warn(
             f"the model has {names} parameters: a perturbation is rounded to that resolution "
             "when it is written into the model, which can change a sharpness value by tens "
-            "of percent or round it to exactly 0 (README, 'Precision'); measure a float32 "
-            "copy (model.float()), under torch.autocast for speed",
+            "of percent or round it to exactly 0 (user guide, 'Precision'); measure a "
+            "float32 copy (model.float()), under torch.autocast for speed",
             stacklevel=4,
         )
 
@@ -571,7 +571,7 @@ def geodesic_sharpness(
     ``torch.autocast``, only ``loss_fn`` runs in the autocast precision; the ball, the
     paths and the Auto-PGD iterates stay in float32 or better (also for a bfloat16 or
     float16 model, whose perturbed weights are rounded to its dtype: it warns). Measure
-    in float32 (README, "Precision"). A CUDA run reads one scalar pair from the device per
+    in float32 (user guide, "Precision"). A CUDA run reads one scalar pair from the device per
     Auto-PGD iteration (the exact path adds its integration check).
 
     References

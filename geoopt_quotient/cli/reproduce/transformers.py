@@ -89,7 +89,7 @@ of {DEFAULTS.batch_size}. About 13-18 minutes on
 2 CPU cores with --threads 1 (the default), half training, half sharpness; --ablations
 makes the sharpness part about 2.5 times longer. --rho-scales adds one sharpness part
 per scale other than 1 (about 4 minutes each): '--rho-scales 0.3,1,3,10,30' took 29
-minutes (9 training, 19 sharpness; the README's grid).
+minutes (9 training, 19 sharpness; the grid of the docs' reproduction page).
 --quick: {QUICK["models"]} models trained for 2-4 epochs, {QUICK["iters"]} iterations on \
 {QUICK["max_examples"]} images (about 30 s; for tests).
 

@@ -486,8 +486,8 @@ def run_diagonal(
     progress : bool
         tqdm bars for training and sharpness (on a terminal only).
     setup : {"phase-transition", "step-size"}
-        The population (:data:`SETUPS`; the README and the modules :mod:`.data` and
-        :mod:`.train` describe both).
+        The population (:data:`SETUPS`; the documentation's reproduction page and the
+        modules :mod:`.data` and :mod:`.train` describe both).
     paths : sequence of {"exact", "second_order"}
         The paths of the geodesic measures (:func:`measure_names`).
     rho_scales : sequence of float, optional

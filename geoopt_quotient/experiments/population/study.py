@@ -71,7 +71,6 @@ __all__ = [
     "scaled_settings",
     "scatter_figure",
     "sharpness_to_clean_loss",
-    "study_scales",
     "tau_table",
 ]
 
