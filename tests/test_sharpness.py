@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TinyTransformer, cross_entropy_loss, random_gl
 from scipy.optimize import brentq
+from torch._subclasses.fake_tensor import FakeTensor
 
 from geoopt_quotient import (
     AdaptiveEuclidean,
@@ -237,17 +238,26 @@ def test_auto_pgd_keeps_three_perturbations_during_an_evaluation():
     a = torch.randn(400, dtype=torch.float64)
     large = []
 
-    def objective(points):
+    def large_storages():
+        """Storages of the live (real, not fake) tensors as large as the point."""
         with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
             warnings.simplefilter("ignore", FutureWarning)
-            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        large.append(
-            len({t.untyped_storage().data_ptr() for t in tensors if t.numel() >= w.numel()})
-        )
+            tensors = [
+                t
+                for t in gc.get_objects()
+                if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+            ]
+        return {t.untyped_storage().data_ptr(): t for t in tensors if t.numel() >= w.numel()}
+
+    def objective(points):
+        new = large_storages().keys() - alive_before.keys()  # not another test's leftovers
+        large.append(len(new) + 1)  # and the base point
         return torch.sin(points[0] @ a).sum() + points[0].pow(3).sum()
 
     for keep, most in ((False, 5), (True, 6)):
         large.clear()
+        gc.collect()
+        alive_before = large_storages()  # the references keep these storages from reuse
         result = maximize_in_ball(
             [(w, AdaptiveEuclidean())], objective, rho=1.0, iters=12, keep_best_gradient=keep
         )
