@@ -30,7 +30,13 @@ from pathlib import Path
 import geoopt
 import pytest
 import torch
-from conftest import TINY_BERT_WORDS, TinyTransformer, cross_entropy_loss, save_tiny_bert_classifier
+from conftest import (
+    TINY_BERT_WORDS,
+    TinyTransformer,
+    cross_entropy_loss,
+    save_tiny_bert_classifier,
+    tiny_bert_classifier,
+)
 
 from geoopt_quotient import (
     AdaptiveEuclidean,
@@ -44,6 +50,7 @@ from geoopt_quotient import (
     SymmetryVerificationError,
     adaptive_sharpness,
     average_in_ball,
+    calibrate_rho,
     geodesic_sharpness,
     hessian_top_eigenvalue,
     hessian_trace,
@@ -891,3 +898,56 @@ def test_same_seed_is_bitwise_identical_in_separate_processes(kind):
     assert outputs[0] == outputs[1]
     value, per_batch, *_ = ast.literal_eval(outputs[0])
     assert math.isfinite(value) and value > 0 and len(per_batch) == 2
+
+
+# ---------------------------------------------------------------- common mistakes
+def hf_classifier_and_batch():
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "input_ids": torch.randint(0, 30, (4, 6), generator=g),
+        "labels": torch.randint(0, 3, (4,), generator=g),
+    }
+    return tiny_bert_classifier(), batch
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "hint"),
+    [
+        (lambda m, b: m(**b), "return the model output's loss (m(**b).loss)"),
+        (lambda m, b: m(input_ids=b["input_ids"]), "with no loss: pass the labels in the batch"),
+        (lambda m, b: None, "got None: it returned nothing (a missing `return`?)"),
+        (lambda m, b: m(**b).logits, "got a tensor of shape (4, 3): reduce it"),
+    ],
+)
+def test_a_loss_fn_returning_the_wrong_thing_is_told_what_to_return(loss_fn, hint):
+    model, batch = hf_classifier_and_batch()
+    with raises(TypeError, "(loss_fn) must return a scalar tensor", hint):
+        geodesic_sharpness(model, loss_fn, [batch], rho=0.05, iters=2)
+
+
+@pytest.mark.parametrize("function", ["geodesic", "adaptive", "hessian_trace", "calibrate_rho"])
+def test_a_single_dict_for_batches_is_refused(function):
+    model, batch = hf_classifier_and_batch()
+
+    def loss_fn(m, b):
+        return m(**b).loss
+
+    calls = {
+        "geodesic": lambda: geodesic_sharpness(model, loss_fn, batch, rho=0.05, iters=2),
+        "adaptive": lambda: adaptive_sharpness(model, loss_fn, batch, rho=0.05, iters=2),
+        "hessian_trace": lambda: hessian_trace(model, loss_fn, batch, probes=1),
+        "calibrate_rho": lambda: calibrate_rho(
+            model, loss_fn, batch, target=0.1, measure="adaptive", iters=2
+        ),
+    }
+    with raises(TypeError, "`batches` is a single batch (a dict", "[batch] or a DataLoader"):
+        calls[function]()
+
+
+def test_float32_inputs_to_a_float64_model_are_named():
+    model = torch.nn.Linear(3, 1).double()
+    batch = torch.randn(2, 3)  # float32
+    with pytest.raises(RuntimeError) as info:
+        adaptive_sharpness(model, lambda m, b: m(b).sum(), [batch], rho=0.05, iters=2)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "the batch holds float32 tensors but the model's parameters are float64" in notes

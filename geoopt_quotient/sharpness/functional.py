@@ -33,6 +33,8 @@ __all__ = [
     "PerturbedLoss",
     "StaleParameterError",
     "add_note",
+    "check_batches",
+    "check_loss_value",
     "noting_batch",
     "trainable_parameters",
 ]
@@ -112,8 +114,9 @@ class PerturbedLoss:
         swapped = self._under_every_name(params)
         if not self._first_call:
             return self._call(swapped, batch)
-        with _StaleParameterGuard(self.model, params):
+        with _StaleParameterGuard(self.model, params), _noting_dtype_mismatch(params, batch):
             value = self._call(swapped, batch)
+        check_loss_value(value)
         self._first_call = False
         warn_if_low_precision_loss(value)
         return value
@@ -133,6 +136,67 @@ class PerturbedLoss:
 
     def _call(self, swapped: Dict[str, torch.Tensor], batch: Any) -> Any:
         return functional_call(self._carrier, swapped, (batch,), strict=False, tie_weights=False)
+
+
+def check_batches(batches: Any) -> None:
+    """Refuse a single batch given where an iterable of batches is expected."""
+    if isinstance(batches, Mapping):
+        raise TypeError(
+            "`batches` is a single batch (a dict; iterating it gives its keys): pass an "
+            "iterable of batches, e.g. [batch] or a DataLoader"
+        )
+
+
+def check_loss_value(value: Any) -> None:
+    """Refuse what ``loss_fn`` returned unless it is a scalar tensor, saying what to return."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return
+        got, hint = f"a tensor of shape {tuple(value.shape)}", ": reduce it (e.g. .mean())"
+    elif value is None:
+        got, hint = "None", ": it returned nothing (a missing `return`?)"
+    elif _model_output_loss(value) is not None:
+        got, hint = type(value).__name__, ": return the model output's loss (m(**b).loss)"
+    elif hasattr(value, "loss"):  # a Hugging Face ModelOutput without a loss
+        got = type(value).__name__
+        hint = (
+            " with no loss: pass the labels in the batch (labels=...) and return .loss, or "
+            "compute the loss from the logits"
+        )
+    else:
+        got, hint = type(value).__name__, ""
+    raise TypeError(f"the objective (loss_fn) must return a scalar tensor, got {got}{hint}")
+
+
+def _model_output_loss(value: Any) -> Any:
+    """The ``loss`` of a model output (a Hugging Face ``ModelOutput`` or a dict), or None."""
+    if isinstance(value, Mapping):
+        return value.get("loss")
+    return None if isinstance(value, torch.nn.Module) else getattr(value, "loss", None)
+
+
+@contextlib.contextmanager
+def _noting_dtype_mismatch(params: Mapping[str, torch.Tensor], batch: Any) -> Iterator[None]:
+    """An error in the loss names a batch whose floating tensors have another dtype than
+    the model's parameters (e.g. float32 inputs to a float64 model)."""
+    try:
+        yield
+    except Exception as error:
+        wanted = {p.dtype for p in params.values() if p.is_floating_point()}
+        leaves, _ = tree_flatten(batch)
+        given = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if wanted and given and not given <= wanted:
+            add_note(
+                error,
+                f"(the batch holds {_dtype_names(given)} tensors but the model's parameters are "
+                f"{_dtype_names(wanted)}: convert the batch's floating tensors to the model's "
+                "dtype, or the model to the batch's)",
+            )
+        raise
+
+
+def _dtype_names(dtypes: Any) -> str:
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def _tied_aliases(model: torch.nn.Module) -> Dict[str, Tuple[str, ...]]:

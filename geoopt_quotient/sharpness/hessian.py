@@ -28,6 +28,7 @@ from .apgd import NonFiniteError, _generator, as_scalar
 from .functional import (
     RESOLUTION,
     PerturbedLoss,
+    check_batches,
     check_depends_on_perturbation,
     noting_batch,
     trainable_parameters,
@@ -139,6 +140,7 @@ class HessianResult:
 
 def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast):
     """One pullback per batch, after the same checks as the sharpness functions."""
+    check_batches(batches)
     loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
     base = trainable_parameters(model)

@@ -39,6 +39,7 @@ from .apgd import (
 from .functional import (
     RESOLUTION,
     PerturbedLoss,
+    check_batches,
     check_depends_on_perturbation,
     noting_batch,
     trainable_parameters,
@@ -157,6 +158,7 @@ def _measure(
     iters = check_positive_int(iters, "iters")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
+    check_batches(batches)
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     start = time.perf_counter()
     records: List[Dict[str, Any]] = []
