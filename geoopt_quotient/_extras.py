@@ -13,6 +13,7 @@ EXTRAS: Dict[str, tuple] = {
     "matplotlib": ("experiments", "matplotlib"),
     "sklearn": ("experiments", "scikit-learn"),
     "PIL": ("experiments", "Pillow"),
+    "pandas": ("experiments", "pandas"),
     "hypothesis": ("testing", "hypothesis"),
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import warnings
 
 import geoopt
@@ -628,3 +629,32 @@ def test_same_seed_gives_bitwise_identical_results(tiny_transformer, token_batch
         tiny_transformer, cross_entropy_loss, token_batches, kind="average", **kw
     )
     assert c.histories == d.histories
+
+
+# ---------------------------------------------------------------- tables
+def test_sharpness_result_as_rows_csv_and_data_frame(tmp_path, monkeypatch):
+    import csv
+
+    model, loss_fn = TinyTransformer(), cross_entropy_loss
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 2, (4,), generator=g))
+        for _ in range(2)
+    ]
+    result = geodesic_sharpness(model, loss_fn, batches, rho=0.05, iters=3, metric="inv")
+    rows = result.rows()
+    assert [r["batch"] for r in rows] == [0, 1]
+    assert [r["sharpness"] for r in rows] == result.per_batch
+    assert all(r["measure"] == result.settings["measure"] and r["rho"] == 0.05 for r in rows)
+    path = result.to_csv(str(tmp_path / "result.csv"))
+    with open(path, newline="") as file:
+        read = list(csv.DictReader(file))
+    assert [float(r["sharpness"]) for r in read] == result.per_batch  # repr round-trips
+    assert [float(r["clean_loss"]) for r in read] == result.clean_losses
+    pandas = pytest.importorskip("pandas")
+    frame = result.to_frame()
+    assert list(frame["perturbed_loss"]) == result.perturbed_losses
+    assert frame.equals(pandas.read_csv(path)[frame.columns].astype(frame.dtypes))
+    monkeypatch.setitem(sys.modules, "pandas", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'geoopt-quotient\[experiments\]'"):
+        result.to_frame()

@@ -14,6 +14,7 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 
 from __future__ import annotations
 
+import csv
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import check_choice, check_positive_float, check_positive_int
+from .._extras import require
 from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
 from ..symmetry import find_symmetries
@@ -103,7 +105,50 @@ class SharpnessResult:
     plan: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
+        """Every attribute, as plain Python values (JSON-serialisable)."""
         return asdict(self)
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """One flat record per batch: its index, sharpness, clean and perturbed loss,
+        passes and seconds, followed by the settings (the same in every row)."""
+        columns = zip(
+            self.per_batch,
+            self.clean_losses,
+            self.perturbed_losses,
+            self.forward_passes or [None] * len(self.per_batch),
+            self.backward_passes or [None] * len(self.per_batch),
+            self.seconds_per_batch,
+        )
+        return [
+            {
+                "batch": index,
+                "sharpness": sharpness,
+                "clean_loss": clean,
+                "perturbed_loss": perturbed,
+                "forward_passes": forward,
+                "backward_passes": backward,
+                "seconds": seconds,
+                **self.settings,
+            }
+            for index, (sharpness, clean, perturbed, forward, backward, seconds) in enumerate(
+                columns
+            )
+        ]
+
+    def to_csv(self, path: str) -> str:
+        """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
+        rows = self.rows()
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["batch"])
+            writer.writeheader()
+            writer.writerows(rows)
+        return path
+
+    def to_frame(self):
+        """:meth:`rows` as a :class:`pandas.DataFrame` (pandas comes with the
+        ``experiments`` extra)."""
+        pandas = require("pandas", "SharpnessResult.to_frame")
+        return pandas.DataFrame(self.rows())
 
 
 def resolve_plan(
