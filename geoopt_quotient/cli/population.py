@@ -96,11 +96,11 @@ protocols (explicit --max-examples, --batch-size, --iters override them):
 
 output:
   stdout   the tau table; nothing with --quiet; only the JSON document with --json -
-  stderr   a progress bar over models (on a terminal; not with --quiet or --json -);
-           errors. A data error (a missing or malformed data file, a --checkpoints
-           directory without 3 checkpoints, a gaps CSV that does not match them, a
-           checkpoint that cannot be loaded) is one line 'geoopt-quotient
-           population: error: ...' and exit status 2
+  stderr   progress over models: a bar on a terminal, else a line every 10% (not with
+           --quiet or --json -); errors. A data error (a missing or malformed data
+           file, a --checkpoints directory without 3 checkpoints, a gaps CSV that does
+           not match them, a checkpoint that cannot be loaded) is one line
+           'geoopt-quotient population: error: ...' and exit status 2
   files    OUT/population-records.jsonl (one line per finished model; --resume
            continues from it), OUT/population.json (settings, per-model values and
            gaps, tau with CI, timings, versions), OUT/population.png (sharpness vs
@@ -484,7 +484,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             test_data=test,
             records=records,
             device=device,
-            progress=not silent and sys.stderr.isatty(),
+            progress=not silent,
             resamples=args.bootstrap,
             format=args.format,
             workers=args.workers,

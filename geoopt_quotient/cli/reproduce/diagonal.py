@@ -65,8 +65,8 @@ EPILOG = """\
 output:
   stdout   the tau table (mean ± std and per seed with --seeds K > 1) and the files
            written; nothing with --quiet; only the JSON document with --json -
-  stderr   tqdm progress bars for training and sharpness, only on a terminal and
-           not with --quiet or --json -; errors always
+  stderr   progress: bars for training and sharpness on a terminal, else a line every
+           10% of the sharpness; not with --quiet or --json -; errors always
   files    OUT/diagonal-records.jsonl (one line per finished model and scale,
            written as it finishes; --resume continues from it after an interruption),
            OUT/diagonal.json (settings, per-model values, tau table, timings,

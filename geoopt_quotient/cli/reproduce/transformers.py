@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict
 
-from tqdm.auto import tqdm
-
+from ..._progress import progress_bar
 from ...experiments.population.digits import (
     load_digits_split,
     train_population,
@@ -61,8 +59,8 @@ Runs on CPU; nothing is downloaded.
 EPILOG = f"""\
 output:
   stdout   the tau table; nothing with --quiet; only the JSON document with --json -
-  stderr   progress bars for training and sharpness (on a terminal; not with --quiet
-           or --json -)
+  stderr   progress of training and sharpness: bars on a terminal, else a line every
+           10% (not with --quiet or --json -)
   files    OUT/data/{{train,test}}.npz, OUT/checkpoints/model-XX/ (safetensors and
            training.json: hyper-parameters, errors), OUT/gaps.csv,
            OUT/transformers-records.jsonl, OUT/transformers.json, OUT/transformers.png
@@ -168,11 +166,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     settings = settings_from_args(args, DEFAULTS)
     silent = args.quiet or args.json == "-"
-    progress = not silent and sys.stderr.isatty()
+    progress = not silent
     out = Path(args.out)
     split = load_digits_split(args.population_seed)
     train_file, _ = write_split(split, str(out / "data"))
-    bar = tqdm(total=args.models, desc="training", unit="model", disable=not progress)
+    bar = progress_bar(total=args.models, desc="training", unit="model", show=progress)
     with bar:
         trained = train_population(
             args.models,

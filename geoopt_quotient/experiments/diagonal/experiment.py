@@ -78,10 +78,10 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..._checks import GEODESIC_PATHS as PATHS
 from ..._checks import MEASURES, STRAIGHT, check_positive_float
+from ..._progress import progress_bar
 from ...manifolds import AdaptiveEuclidean, DiagonalQuotient
 from ...sharpness.apgd import BallGroup, maximize_in_ball
 from ...sharpness.stats import kendall_tau
@@ -251,7 +251,8 @@ def measure_population(
     scales : sequence of float
         Multiples of the radii, each > 0.
     progress : bool
-        Show a tqdm bar (on a terminal only).
+        Show the progress: a tqdm bar on a terminal, else a line every 10%
+        (:func:`~geoopt_quotient._progress.progress_bar`).
     done : mapping, optional
         ``(model index, scale) -> {measure: value}`` already computed (a resumed run):
         skipped.
@@ -279,11 +280,11 @@ def measure_population(
     done = dict(done or {})
     values = {s: {m: [] for m in measures} for s in scales}
     seconds: Dict[str, float] = {m: 0.0 for m in measures}
-    bar = tqdm(
+    bar = progress_bar(
         total=points.shape[0] * len(scales),
         desc="sharpness",
         unit="ball set",
-        disable=None if progress else True,
+        show=progress,
         leave=False,
     )
     for index, point in enumerate(points):
@@ -484,7 +485,8 @@ def run_diagonal(
     device : str or torch.device
         Where the data, the models and the sharpness computations live.
     progress : bool
-        tqdm bars for training and sharpness (on a terminal only).
+        Progress of training (a tqdm bar, on a terminal only) and sharpness (a bar on a
+        terminal, else a line every 10%).
     setup : {"phase-transition", "step-size"}
         The population (:data:`SETUPS`; the documentation's reproduction page and the
         modules :mod:`.data` and :mod:`.train` describe both).

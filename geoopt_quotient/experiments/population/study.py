@@ -33,9 +33,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..._checks import METRICS, PATHS, STRAIGHT, check_choice, check_positive_float
+from ..._progress import progress_bar
 from ...sharpness import adaptive_sharpness, geodesic_sharpness
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ...symmetry import find_symmetries
@@ -806,7 +806,8 @@ def run_population(
     device : torch device
         Where the models and batches are put.
     progress : bool
-        A progress bar over models (the current measure in its postfix).
+        Progress over models: a bar on a terminal (the current measure in its postfix),
+        else a line every 10% (:func:`~geoopt_quotient._progress.progress_bar`).
     resamples : int
         Bootstrap resamples of the tau confidence intervals.
     format : {"hf", "model-soups"}
@@ -864,12 +865,12 @@ def run_population(
         c for c, n in zip(checkpoints, names) if any((n, scale) not in done for scale in scales)
     ]
     append_now = records is not None and world == 1
-    bar = tqdm(
+    bar = progress_bar(
         total=len(checkpoints),
         initial=len(done),
         desc="models",
         unit="model",
-        disable=not progress or rank > 0,
+        show=progress and rank == 0,
         dynamic_ncols=True,
     )
     with bar:
