@@ -141,11 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    finished = False
     try:
         require_all(getattr(args, "needs", ()), f"{args.parser.prog}")
         with torch_threads(getattr(args, "threads", None)):
-            return int(args.handler(args, args.parser) or 0)
+            status = int(args.handler(args, args.parser) or 0)
+        finished = True
+        return status
     except (InputError, MissingExtraError) as error:
         args.parser.exit(2, f"{args.parser.prog}: error: {error_line(error)}\n")
     finally:
-        end_distributed()
+        end_distributed(synchronize=finished)

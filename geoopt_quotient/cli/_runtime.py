@@ -67,15 +67,26 @@ def start_distributed(device: torch.device) -> Tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def end_distributed() -> None:
+def end_distributed(synchronize: bool = False) -> None:
     """Leave the process group, if one was joined.
 
     A gloo process that exits with its group still alive can abort in the group's
-    destructor ("terminate called without an active exception") and fail the launch.
+    destructor ("terminate called without an active exception") and fail the launch; so
+    can one whose peer tears the group down while it still receives. With
+    ``synchronize`` (a command that finished on this rank, so every rank ran the same
+    collectives), a barrier first lets every rank finish its communication.
+
+    Parameters
+    ----------
+    synchronize : bool
+        Wait for every rank at a barrier before leaving (default ``False``: leave at
+        once, as after an error, where the other ranks may never reach the barrier).
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
 
 
