@@ -23,7 +23,7 @@ from geoopt.manifolds.base import Manifold
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.tangent import tangent_space
-from .functional import check_depends_on_perturbation
+from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
 
 __all__ = [
@@ -320,12 +320,9 @@ def _explicit_path(
 
 
 def as_scalar(value: object) -> torch.Tensor:
-    """``value`` as a 0-dim tensor, or a TypeError saying what the objective must return."""
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise TypeError(
-            "the objective (loss_fn) must return a scalar tensor, got "
-            f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}"
-        )
+    """``value`` as a 0-dim tensor, or a TypeError saying what the objective must return
+    (:func:`~geoopt_quotient.sharpness.functional.check_loss_value`)."""
+    check_loss_value(value)
     return value.reshape(())
 
 

@@ -27,7 +27,6 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
-from .functional import check_batches
 from .measure import (
     LossFn,
     SharpnessResult,
@@ -220,7 +219,6 @@ def calibrate_rho(
         raise ValueError(f"`rho_start` {rho_start} is outside `rho_bounds` ({low}, {high})")
     max_evals = check_positive_int(max_evals, "max_evals")
     options = _check_options(measure, options)
-    check_batches(batches)
     if iter(batches) is batches:  # a one-shot iterator: keep its batches for every call
         batches = list(batches)
     sharpness = _sharpness_of_rho(model, loss_fn, batches, measure, options)
