@@ -92,9 +92,12 @@ __all__ = [
     "inv_interval",
     "inv_worst_case",
     "loss_increase",
+    "mix_ball_worst_case",
     "mix_clamped_interval",
     "mix_closed_form_valid",
     "mix_interval",
+    "mix_retraction_one_coordinate",
+    "mix_retraction_product",
     "mix_worst_case",
     "mix_worst_case_clamped",
     "mix_worst_case_dense",
@@ -505,3 +508,212 @@ def first_order_worst_case(
     """
     b0, bs, rho = _prepare(beta0, beta_star, rho)
     return scale * 2.0 * SQRT2 * rho * float(np.linalg.norm(b0 * (b0 - bs)))
+
+
+# ----------------------------------------------------------------------------- any data
+def _quadratic(
+    beta0: ArrayLike, x: ArrayLike, y: ArrayLike, scale: float
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(beta0, g, Q)`` of the loss increase :math:`g^\\top\\delta + \\delta^\\top Q\\delta`."""
+    b0, targets = _as_array(beta0, "beta0"), _as_array(y, "y")
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().to(torch.float64).numpy()
+    design = np.asarray(x, dtype=np.float64)
+    if design.shape != (targets.shape[0], b0.shape[0]):
+        raise ValueError(
+            f"`x` must have shape (n, d) = ({targets.shape[0]}, {b0.shape[0]}), got {design.shape}"
+        )
+    residual = design @ b0 - targets
+    return b0, 2.0 * scale * design.T @ residual, scale * design.T @ design
+
+
+def mix_ball_worst_case(
+    beta0: ArrayLike, x: ArrayLike, y: ArrayLike, rho: float, *, scale: float = 1.0
+) -> WorstCase:
+    r"""Exact worst case of :math:`c\,|X\beta - y|^2` over the mix geodesic ball continued
+    through :math:`\beta_i = 0`, for any data :math:`X`: the Euclidean ball
+    :math:`|\beta' - \beta_0| \le \sqrt2\rho`.
+
+    A horizontal :math:`\eta = (Bu, Bv)` has :math:`|\eta|^2_{\text{mix}} =
+    2\sum_i B_i^2\beta_{0,i}^2` and its geodesic ends at :math:`\beta_0 + \delta`,
+    :math:`\delta = 2B\odot\beta_0`, so :math:`|\delta| = \sqrt2|\eta|`: the map
+    :math:`\eta \mapsto \delta` is a linear isometry up to the factor :math:`\sqrt2`,
+    and the ball is *exactly* Euclidean in :math:`\beta` (the quotient's own ball is its
+    intersection with the closed orthant of :math:`\beta_0`,
+    :func:`mix_worst_case_clamped`). With :math:`g = 2cX^\top(X\beta_0 - y)` and
+    :math:`Q = cX^\top X`, the increase :math:`g^\top\delta + \delta^\top Q\delta` is a
+    convex quadratic; its maximum over :math:`|\delta| \le R = \sqrt2\rho` is on the
+    sphere, at :math:`\delta = \tfrac12(\mu I - Q)^{-1}g` with the multiplier
+    :math:`\mu \ge \lambda_{\max}(Q)` solving :math:`|\delta(\mu)| = R` (bisection;
+    :math:`\mu = \lambda_{\max}` plus a top-eigenvector component in the "hard case").
+    Hence
+
+    .. math::
+
+        2\rho^2\lambda_{\max}(Q) \;\le\; S(\rho) \;\le\; 2\rho^2\lambda_{\max}(Q)
+            + \sqrt2\rho\,|g|,
+
+    the same for every model up to :math:`\sqrt2\rho|g|`, which vanishes at an
+    interpolant. With :math:`X^\top X = I` it is :func:`mix_worst_case`.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    x : array-like, shape (n, d)
+        The inputs :math:`X` of the loss.
+    y : array-like, shape (n,)
+        The targets.
+    rho : float
+        Radius :math:`\rho > 0` of the mix ball.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+
+    Returns
+    -------
+    WorstCase
+        ``value`` (exact up to the bisection, float64), ``upper_bound`` the bound
+        :math:`2\rho^2\lambda_{\max} + \sqrt2\rho|g|`, ``beta`` the maximiser
+        :math:`\beta_0 + \delta`, ``budgets`` the per-coordinate radii
+        :math:`|\delta_i| / \sqrt2` and ``multiplier`` :math:`\mu`.
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree, an entry is not finite or ``rho`` is not positive.
+    """
+    b0, g, q = _quadratic(beta0, x, y, check_positive_float(scale, "scale"))
+    radius = SQRT2 * check_positive_float(rho, "rho")
+    eigenvalues, vectors = np.linalg.eigh(q)
+    top = float(eigenvalues[-1])
+    g_eig = vectors.T @ g
+    g_norm = float(np.linalg.norm(g))
+
+    def step(mu: float) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(mu > eigenvalues, g_eig / (2.0 * (mu - eigenvalues)), 0.0)
+
+    low, high = top, top + g_norm / (2.0 * radius)
+    for _ in range(200):  # |delta(mu)| decreases in mu on (top, inf); |delta(high)| <= R
+        mid = 0.5 * (low + high)
+        if np.linalg.norm(step(mid)) > radius:
+            low = mid
+        else:
+            high = mid
+    mu, coef = high, step(high)
+    # hard case (g has no component on the top eigenvector): fill the sphere along it
+    candidates = [coef]
+    shortfall = radius**2 - float(coef @ coef)
+    if shortfall > 1e-12 * radius**2:
+        root = math.sqrt(coef[-1] ** 2 + shortfall)
+        for extra in (-coef[-1] + root, -coef[-1] - root):
+            filled = coef.copy()
+            filled[-1] += extra
+            candidates.append(filled)
+    deltas = [vectors @ c for c in candidates]
+    delta = max(deltas, key=lambda d: float(g @ d + d @ q @ d))
+    value = float(g @ delta + delta @ q @ delta)
+    return WorstCase(
+        value=value,
+        upper_bound=radius**2 * top + radius * g_norm,
+        beta=b0 + delta,
+        budgets=np.abs(delta) / SQRT2,
+        multiplier=float(mu),
+    )
+
+
+def mix_retraction_product(beta0: ArrayLike, rates: ArrayLike) -> np.ndarray:
+    r"""The product :math:`\beta_0(1 + B - B^2/2)^2` at the end of the second-order
+    retraction of the mix metric along a horizontal :math:`\eta = (Bu, Bv)`.
+
+    For horizontal :math:`\eta` the mix Christoffel term is
+    :math:`\Gamma(\eta, \eta) = B^2(u, v)`, so the retraction
+    :math:`X + \eta - \tfrac12\Gamma(\eta,\eta)` is :math:`(u, v)(1 + B - B^2/2)`; the exact
+    geodesic ends at :math:`\beta_0(1 + 2B)`. The two agree to
+    :math:`O(B^3)`: :math:`(1 + B - B^2/2)^2 = 1 + 2B - B^3 + B^4/4`. Spending the whole
+    budget :math:`\rho` on one coordinate allows :math:`|B_i| = \rho/(\sqrt2|\beta_{0,i}|)`,
+    where the retraction reaches :math:`\beta'_i \approx \rho^4/(16\beta_{0,i}^3)` against
+    the geodesic's :math:`\beta_{0,i} \pm \sqrt2\rho`: on coordinates with
+    :math:`|\beta_{0,i}| \ll \rho` the retraction leaves every bounded set.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`.
+    rates : array-like, shape (d,)
+        The horizontal rates :math:`B = \eta_u / u = \eta_v / v`.
+
+    Returns
+    -------
+    numpy.ndarray
+        :math:`\beta_0(1 + B - B^2/2)^2`, shape (d,).
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree or an entry is not finite.
+    """
+    b0, b = _as_array(beta0, "beta0"), _as_array(rates, "rates")
+    if b0.shape != b.shape:
+        raise ValueError(f"`beta0` {b0.shape} and `rates` {b.shape} differ in shape")
+    return b0 * (1.0 + b - 0.5 * b**2) ** 2
+
+
+def mix_retraction_one_coordinate(
+    beta0: ArrayLike, x: ArrayLike, y: ArrayLike, rho: float, *, scale: float = 1.0
+) -> WorstCase:
+    r"""The best loss increase along the mix second-order retraction that spends the whole
+    budget on one coordinate: a feasible lower bound of that worst case, and its value
+    where one coordinate with :math:`|\beta_{0,i}| \ll \rho` dominates.
+
+    For each :math:`i` and sign, :math:`B_i = \pm\rho/(\sqrt2|\beta_{0,i}|)` (so
+    :math:`|\eta|_{\text{mix}} = \rho`), :math:`\delta_i = \beta_{0,i}((1 + B_i -
+    B_i^2/2)^2 - 1)` (:func:`mix_retraction_product`) and the increase is
+    :math:`g_i\delta_i + Q_{ii}\delta_i^2`, with :math:`g` and :math:`Q` as in
+    :func:`mix_ball_worst_case`. For :math:`|\beta_{0,i}| \ll \rho` this is about
+    :math:`Q_{ii}\rho^8/(256\,\beta_{0,i}^6)`: a function of the smallest coefficients,
+    not of the curvature of the loss.
+
+    Parameters
+    ----------
+    beta0 : array-like, shape (d,)
+        The network's coefficients :math:`\beta_0 = u \odot v`, no entry 0.
+    x : array-like, shape (n, d)
+        The inputs :math:`X` of the loss.
+    y : array-like, shape (n,)
+        The targets.
+    rho : float
+        Radius :math:`\rho > 0` of the mix ball.
+    scale : float
+        The loss is :math:`c\,|X\beta - y|^2` with :math:`c =` ``scale`` (default 1).
+
+    Returns
+    -------
+    WorstCase
+        ``value`` = ``upper_bound`` the best single-coordinate increase, ``beta`` its
+        point, ``budgets`` :math:`\rho` on that coordinate and 0 elsewhere,
+        ``multiplier`` 0.
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree, an entry is not finite or zero, or ``rho`` is not positive.
+    """
+    b0, g, q = _quadratic(beta0, x, y, check_positive_float(scale, "scale"))
+    rho = check_positive_float(rho, "rho")
+    if np.any(b0 == 0):
+        raise ValueError("`beta0` has zero entries: the quotient excludes beta_i = 0")
+    rate = rho / (SQRT2 * np.abs(b0))
+    diag = np.diag(q)
+    best, best_i, best_delta = -np.inf, 0, 0.0
+    for sign in (1.0, -1.0):
+        delta = mix_retraction_product(b0, sign * rate) - b0
+        gains = g * delta + diag * delta**2
+        i = int(np.argmax(gains))
+        if gains[i] > best:
+            best, best_i, best_delta = float(gains[i]), i, float(delta[i])
+    beta = b0.copy()
+    beta[best_i] += best_delta
+    budgets = np.zeros_like(b0)
+    budgets[best_i] = rho
+    return WorstCase(value=best, upper_bound=best, beta=beta, budgets=budgets, multiplier=0.0)
