@@ -78,8 +78,15 @@ def test_history_records_every_evaluation_and_ends_at_the_answer(single_thread):
     assert all(isinstance(h, RhoEvaluation) for h in history)
     assert history[-1].rho == rho
     assert abs(history[-1].ratio - 1.0) <= 0.01
-    # bracketing doubles from rho_start=0.05 until the target (rho* = 0.414) is passed
-    assert [h.rho for h in history[:5]] == [0.05, 0.1, 0.2, 0.4, 0.8]
+    # bracketing doubles from rho_start=0.05 once, then follows the log-log secant of the
+    # ratio 2 rho + rho^2 through the last two radii past the target (rho* = 0.414)
+    ratios = [2 * r + r**2 for r in (0.05, 0.1)]
+    slope = math.log(ratios[1] / ratios[0]) / math.log(2)
+    secant = 0.1 * (1.0 / ratios[1]) ** (1 / slope)
+    assert [h.rho for h in history[:2]] == [0.05, 0.1]
+    assert history[2].rho == pytest.approx(secant, rel=1e-12)
+    assert secant > quadratic_answer(1.0, 1)  # bracketed in three evaluations
+    assert len(history) <= 8
     for h in history:  # the closed form at every evaluated radius
         assert math.isclose(h.value, 2.0 * (h.rho + h.rho**2 / 2), rel_tol=1e-12)
         assert h.clean_loss == 1.0
@@ -217,8 +224,9 @@ def test_target_above_at_the_smallest_radius(single_thread):
 
 
 def test_bracketing_budget_is_enforced(single_thread):
-    with pytest.raises(CalibrationError, match="not bracketed in `max_evals`=3"):
-        calibrate_rho(Ones(), quadratic_loss, [1.0], target=1.0, measure="adaptive", max_evals=3)
+    # the target needs three evaluations to be bracketed (see the history test above)
+    with pytest.raises(CalibrationError, match="not bracketed in `max_evals`=2"):
+        calibrate_rho(Ones(), quadratic_loss, [1.0], target=1.0, measure="adaptive", max_evals=2)
 
 
 def test_zero_clean_loss_makes_the_rule_undefined(single_thread):
@@ -249,3 +257,53 @@ def test_transformers_benchmark_runs_in_quick_mode(single_thread, tmp_path, monk
         assert calibrated["rho"] > 0 and isinstance(calibrated["within_rtol"], bool)
         assert (calibrated["rho"], calibrated["ratio"]) in map(tuple, calibrated["evaluations"])
         assert row["default_rho"] == report["settings"]["default_radii"][measure]
+
+
+# ---------------------------------------------------------- an estimate that loses the maximum
+def _fake_estimate(monkeypatch, estimate):
+    """Replace the sharpness by ``estimate(rho)`` (clean loss 1); a 0 warns as Auto-PGD does."""
+    import geoopt_quotient.sharpness.calibrate as calibrate_module
+
+    calls = []
+
+    def make(model, loss_fn, batches, measure, options):
+        def evaluate(rho):
+            calls.append(rho)
+            value = estimate(rho)
+            if value == 0:
+                warnings.warn("no increase", gq.ZeroSharpnessWarning, stacklevel=2)
+            return RhoEvaluation(rho=rho, value=value, clean_loss=1.0)
+
+        return evaluate
+
+    monkeypatch.setattr(calibrate_module, "_sharpness_of_rho", make)
+    return calls
+
+
+def test_an_estimate_that_collapses_at_larger_radii_stops_early_with_one_error(monkeypatch):
+    # the estimate of the issue's tiny Llama (mix, iters=3): 0.009 x the clean loss at
+    # rho = 0.05 and 0.1, then 0 at every larger radius
+    calls = _fake_estimate(monkeypatch, lambda rho: 0.00924 if rho <= 0.1 else 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning escapes before the error
+        with pytest.raises(CalibrationError, match="stopped growing with the radius") as info:
+            calibrate_rho(Ones(), quadratic_loss, [1.0], target=0.2, measure="mix")
+    assert "2 of these evaluations found no loss increase" in str(info.value)
+    assert calls == [0.05, 0.1, 0.2, 0.4]  # the running maximum is flat from 0.05 to 0.4
+
+
+def test_zero_estimates_warn_once_and_the_search_goes_on(monkeypatch):
+    # the truth is rho^2; the estimate loses the maximum (returns 0) on radii in (0.3, 0.6)
+    def estimate(rho):
+        return 0.0 if 0.3 < rho < 0.6 else rho**2
+
+    calls = _fake_estimate(monkeypatch, estimate)
+    with pytest.warns(RuntimeWarning) as record:
+        rho = calibrate_rho(
+            Ones(), quadratic_loss, [1.0], target=0.5, measure="adaptive", rho_start=0.4
+        )
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "no loss increase at all at 2" in messages[0]
+    assert not any(issubclass(w.category, gq.ZeroSharpnessWarning) for w in record)
+    assert rho == pytest.approx(math.sqrt(0.5), rel=0.01)
+    assert len(calls) <= 8

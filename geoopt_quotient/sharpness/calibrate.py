@@ -30,6 +30,7 @@ from .._checks import MEASURES, check_choice, check_positive_float, check_positi
 from .measure import (
     LossFn,
     SharpnessResult,
+    ZeroSharpnessWarning,
     _show_progress,
     adaptive_sharpness,
     geodesic_sharpness,
@@ -44,9 +45,18 @@ __all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_rho"]
 #: Factor by which the radius grows or shrinks while the target is being bracketed.
 GROWTH = 2.0
 
+#: Largest factor of one bracketing step (a log-log secant step is clipped to it).
+MAX_GROWTH = 16.0
+LOG_MAX_GROWTH = math.log(MAX_GROWTH)
+
+#: A running maximum that does not grow over this factor of the radius (and over at
+#: least two evaluations) while the target is still above it means that the estimate
+#: lost the maximum (or the loss saturates).
+FLAT_SPAN = 8.0
+
 #: Bisection stops when the bracket is narrower than this, in :math:`\log\rho`: the
 #: Auto-PGD estimate then jumps across the target between two indistinguishable radii.
-LOG_RHO_RESOLUTION = 1e-4
+LOG_RHO_RESOLUTION = 1e-3
 
 #: Options the calibration sets itself, never passed by the user.
 _RESERVED = ("rho", "metric", "progress")
@@ -100,10 +110,15 @@ def calibrate_rho(
     Solves :math:`S_{\max}(\rho) = t\,\bar L` for :math:`\rho`, with :math:`S_{\max}` the
     worst-case sharpness of ``measure`` (:func:`adaptive_sharpness`, or
     :func:`geodesic_sharpness` with ``metric=measure``) and :math:`\bar L` the mean clean
-    loss over ``batches``. From ``rho_start`` the radius is multiplied (or divided) by 2
-    until :math:`S_{\max} - t\bar L` changes sign, then the bracket
-    :math:`[\rho_-, \rho_+]` is bisected in :math:`\log\rho` (next radius
-    :math:`\sqrt{\rho_-\rho_+}`) until
+    loss over ``batches``. The search works on the running maximum
+    :math:`\hat S(\rho) = \max\{S_{\max}(\rho') : \rho' \le \rho \text{ evaluated}\}`,
+    a lower bound of the true worst case at :math:`\rho` (the balls are nested) that is
+    monotone even where Auto-PGD loses the maximum at a larger radius. From
+    ``rho_start`` the radius is doubled (or halved), then moved along the log-log secant
+    of the last two radii (a factor 2 to 16 per step), until :math:`\hat S - t\bar L`
+    changes sign; the bracket :math:`[\rho_-, \rho_+]` is then narrowed in
+    :math:`\log\rho` (log-log secant kept inside the middle 80%, bisection when it
+    stalls) until
 
     .. math::
 
@@ -148,9 +163,9 @@ def calibrate_rho(
     Returns
     -------
     float
-        The radius :math:`\rho^\star`: the evaluated radius whose sharpness is closest
-        to the target (relative error at most ``rtol`` unless a warning said
-        otherwise). With ``return_history``, ``(rho, evaluations)``.
+        The radius :math:`\rho^\star`: the evaluated radius whose running maximum
+        :math:`\hat S` is closest to the target (relative error at most ``rtol`` unless a
+        warning said otherwise). With ``return_history``, ``(rho, evaluations)``.
 
     Raises
     ------
@@ -158,7 +173,9 @@ def calibrate_rho(
         The clean loss is not positive (the rule is undefined), the sharpness is still
         below the target at the largest radius (it saturates, or Auto-PGD overshoots
         every step), or already above it at the smallest, or ``max_evals`` ran out
-        before the target was bracketed.
+        before the target was bracketed, or the running maximum stopped growing over a
+        factor :data:`FLAT_SPAN` of the radius below the target (Auto-PGD loses the
+        maximum at larger radii, typically with few ``iters``).
     ValueError
         For a non-positive ``target``, an unknown ``measure``, ``rtol`` outside (0, 1),
         ``rho_start`` outside ``rho_bounds``, or ``kind`` other than ``"worst"``.
@@ -171,6 +188,9 @@ def calibrate_rho(
     RuntimeWarning
         When bisection stops before ``rtol`` is met (``max_evals`` used up, or the
         estimate jumps across the target between indistinguishable radii).
+        Once per call (instead of one :class:`ZeroSharpnessWarning` per evaluation) when
+        some estimates were 0 or below that of a smaller radius: the running maximum
+        replaced them.
 
     Notes
     -----
@@ -303,7 +323,16 @@ def _sharpness_of_rho(
 
 
 class _Search:
-    """Bracketing then bisection in log rho, keeping every evaluation."""
+    r"""Bracketing then bisection in log rho on the running maximum, keeping every evaluation.
+
+    The true worst case is non-decreasing in :math:`\rho` (a larger ball contains the
+    smaller one), so :math:`\hat S(\rho) = \max\{S(\rho') : \rho' \le \rho\}` over the
+    evaluated radii is a lower bound of it at :math:`\rho` that is monotone by
+    construction; the search compares :math:`\hat S`, not the raw Auto-PGD estimate, with
+    the target. Steps are log-log secants (a sharpness growing like :math:`\rho^p` is hit
+    in one step), kept within a factor :data:`GROWTH` to :data:`MAX_GROWTH` while
+    bracketing and within the middle of the bracket while bisecting.
+    """
 
     def __init__(
         self,
@@ -319,6 +348,7 @@ class _Search:
         self.rtol = rtol
         self.max_evals = max_evals
         self.history: List[RhoEvaluation] = []
+        self.zero_radii: List[float] = []
         self.bar = tqdm(
             desc=f"calibrating rho ({measure}, target {target:g})",
             unit="eval",
@@ -332,70 +362,106 @@ class _Search:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.bar.close()
+        if exc_info[0] is None:
+            self.warn_not_monotone()
 
     # ------------------------------------------------------------ evaluations
-    def evaluate(self, rho: float) -> RhoEvaluation:
-        point = self.sharpness(rho)
+    def evaluate(self, rho: float) -> float:
+        """Evaluate the sharpness at ``rho``; ZeroSharpnessWarning is collected, not shown."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ZeroSharpnessWarning)
+            point = self.sharpness(rho)
         if not point.clean_loss > 0:
             raise CalibrationError(
                 f"the mean clean loss is {point.clean_loss:.6g}: the rule 'sharpness = target "
                 "x clean loss' needs a positive clean loss"
             )
+        for warning in caught:
+            if issubclass(warning.category, ZeroSharpnessWarning):
+                self.zero_radii.append(rho)
+            else:
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
         self.history.append(point)
         self.bar.update(1)
         self.bar.set_postfix(rho=f"{rho:.4g}", ratio=f"{point.ratio:.4g}")
-        return point
+        return rho
 
-    def error(self, point: RhoEvaluation) -> float:
-        """Relative error of the sharpness with respect to the target."""
-        return point.ratio / self.target - 1
+    def lower(self, rho: float) -> float:
+        """Running maximum of the sharpness over the evaluated radii up to ``rho``."""
+        return max(p.value for p in self.history if p.rho <= rho)
 
-    def converged(self, point: RhoEvaluation) -> bool:
-        return abs(self.error(point)) <= self.rtol
+    def ratio(self, rho: float) -> float:
+        return self.lower(rho) / self.history[0].clean_loss
+
+    def error(self, rho: float) -> float:
+        """Relative error of the running maximum with respect to the target."""
+        return self.ratio(rho) / self.target - 1
+
+    def converged(self, rho: float) -> bool:
+        return abs(self.error(rho)) <= self.rtol
 
     def budget_left(self) -> bool:
         return len(self.history) < self.max_evals
 
     def best(self) -> RhoEvaluation:
-        return min(self.history, key=lambda p: abs(self.error(p)))
+        rho = min({p.rho for p in self.history}, key=lambda r: abs(self.error(r)))
+        return RhoEvaluation(rho, self.lower(rho), self.history[0].clean_loss)
+
+    def secant(self, a: float, b: float) -> float | None:
+        """log rho where the log-log line through (a, S(a)) and (b, S(b)) meets the target."""
+        sa, sb = self.ratio(a), self.ratio(b)
+        if not (sa > 0 and sb > 0 and sa != sb and a != b):
+            return None
+        slope = (math.log(sb) - math.log(sa)) / (math.log(b) - math.log(a))
+        return math.log(b) + (math.log(self.target) - math.log(sb)) / slope
 
     # ------------------------------------------------------------ the search
     def run(self, rho_start: float, low: float, high: float) -> RhoEvaluation:
-        point = self.evaluate(rho_start)
-        if self.converged(point):
-            return point
-        below, above = self.bracket(point, low, high)
-        if self.converged(below):
-            return below
-        if self.converged(above):
-            return above
+        rho = self.evaluate(rho_start)
+        if self.converged(rho):
+            return self.best()
+        below, above = self.bracket(rho, low, high)
+        if self.converged(below) or self.converged(above):
+            return self.best()
         return self.bisect(below, above)
 
-    def bracket(
-        self, point: RhoEvaluation, low: float, high: float
-    ) -> Tuple[RhoEvaluation, RhoEvaluation]:
+    def bracket(self, rho: float, low: float, high: float) -> Tuple[float, float]:
         """(a radius below the target, a radius above it), adjacent in the search."""
-        growing = self.error(point) < 0
-        while (self.error(point) < 0) == growing:
-            if self.converged(point):
-                return point, point
+        growing = self.error(rho) < 0
+        previous: float | None = None
+        flat_since, flat_evals = rho, 0
+        while (self.error(rho) < 0) == growing:
+            if self.converged(rho):
+                return rho, rho
             edge = high if growing else low
-            if point.rho == edge:
-                raise self.unbracketed(point, growing)
+            if rho == edge:
+                raise self.unbracketed(rho, growing)
+            if growing and self.ratio(rho) > self.ratio(flat_since):
+                flat_since, flat_evals = rho, 0
+            elif rho != flat_since:
+                flat_evals += 1
+            if growing and flat_evals >= 2 and rho / flat_since >= FLAT_SPAN:
+                raise self.flat(flat_since, rho)
             if not self.budget_left():
                 raise CalibrationError(
                     f"the target was not bracketed in `max_evals`={self.max_evals} "
-                    f"evaluations (last: rho={point.rho:.4g}, sharpness/clean loss "
-                    f"{point.ratio:.4g}, target {self.target:g}); raise `max_evals` or start "
-                    "closer with `rho_start`"
+                    f"evaluations (last: rho={rho:.4g}, sharpness/clean loss "
+                    f"{self.ratio(rho):.4g}, target {self.target:g}); raise `max_evals` or "
+                    "start closer with `rho_start`"
                 )
-            previous = point
-            rho = min(point.rho * GROWTH, high) if growing else max(point.rho / GROWTH, low)
-            point = self.evaluate(rho)
-        return (previous, point) if growing else (point, previous)
+            factor = GROWTH
+            guess = None if previous is None else self.secant(previous, rho)
+            if guess is not None:
+                factor = min(max(abs(guess - math.log(rho)), math.log(GROWTH)), LOG_MAX_GROWTH)
+                factor = math.exp(factor)
+            previous = rho
+            rho = self.evaluate(min(rho * factor, high) if growing else max(rho / factor, low))
+        return (previous, rho) if growing else (rho, previous)
 
-    def unbracketed(self, point: RhoEvaluation, growing: bool) -> CalibrationError:
-        ratio = f"sharpness/clean loss is {point.ratio:.4g} at rho={point.rho:.4g}"
+    def unbracketed(self, rho: float, growing: bool) -> CalibrationError:
+        ratio = f"sharpness/clean loss is {self.ratio(rho):.4g} at rho={rho:.4g}"
         if growing:
             return CalibrationError(
                 f"{ratio}, the largest radius of `rho_bounds`, still below the target "
@@ -409,22 +475,41 @@ class _Search:
             "nearly 0); choose a larger target or lower `rho_bounds`"
         )
 
-    def bisect(self, below: RhoEvaluation, above: RhoEvaluation) -> RhoEvaluation:
-        """Halve ``[below.rho, above.rho]`` in log rho until the target is met."""
+    def flat(self, since: float, rho: float) -> CalibrationError:
+        zeros = sum(1 for r in self.zero_radii if r > since)
+        return CalibrationError(
+            f"the sharpness estimate stopped growing with the radius: sharpness/clean loss "
+            f"{self.ratio(rho):.4g} from rho={since:.4g} to rho={rho:.4g}, below the target "
+            f"{self.target:g} ({zeros} of these evaluations found no loss increase at all). "
+            "Auto-PGD loses the maximum at the larger radii (too few `iters`: its first "
+            "steps overshoot), or the worst case saturates; raise `iters`, or choose a "
+            "smaller target"
+        )
+
+    def bisect(self, below: float, above: float) -> float:
+        """Shrink ``[below, above]`` in log rho until the target is met."""
+        kept: List[str] = []
         while self.budget_left():
-            if abs(math.log(above.rho / below.rho)) < LOG_RHO_RESOLUTION:
+            if abs(math.log(above / below)) < LOG_RHO_RESOLUTION:
                 self.warn_unconverged(
                     "the Auto-PGD estimate jumps across the target between radii that "
                     f"differ by less than {LOG_RHO_RESOLUTION:g} in log rho"
                 )
                 return self.best()
-            point = self.evaluate(math.sqrt(below.rho * above.rho))
-            if self.converged(point):
-                return point
-            if self.error(point) < 0:
-                below = point
+            lo, hi = math.log(below), math.log(above)
+            guess = self.secant(below, above)
+            if guess is None or kept[-2:] in (["below", "below"], ["above", "above"]):
+                guess = 0.5 * (lo + hi)  # plain bisection when the secant stalls
+            guess = min(max(guess, lo + 0.1 * (hi - lo)), hi - 0.1 * (hi - lo))
+            rho = self.evaluate(math.exp(guess))
+            if self.converged(rho):
+                return self.best()
+            if self.error(rho) < 0:
+                below = rho
+                kept.append("above")
             else:
-                above = point
+                above = rho
+                kept.append("below")
         self.warn_unconverged(f"`max_evals`={self.max_evals} evaluations were used up")
         return self.best()
 
@@ -433,7 +518,24 @@ class _Search:
         warnings.warn(
             f"calibrate_rho did not reach `rtol`={self.rtol:g}: {reason}; returning "
             f"rho={best.rho:.6g}, whose sharpness/clean loss {best.ratio:.6g} is "
-            f"{100 * abs(self.error(best)):.3g}% from the target {self.target:g}",
+            f"{100 * abs(self.error(best.rho)):.3g}% from the target {self.target:g}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def warn_not_monotone(self) -> None:
+        """One warning for every evaluation below the running maximum (and every zero)."""
+        lost = [p.rho for p in self.history if p.value < self.lower(p.rho)]
+        if not lost and not self.zero_radii:
+            return
+        warnings.warn(
+            f"calibrate_rho: the Auto-PGD estimate fell below that of a smaller radius at "
+            f"{len(lost)} of {len(self.history)} radii and found no loss increase at all at "
+            f"{len(self.zero_radii)} (rho = "
+            + ", ".join(f"{r:.3g}" for r in sorted(set(lost + self.zero_radii))[:8])
+            + "): Auto-PGD lost the maximum there (too few `iters`). The search used the "
+            "running maximum over smaller radii, a lower bound of the worst case; more "
+            "`iters` make the radius more accurate",
             RuntimeWarning,
             stacklevel=4,
         )
