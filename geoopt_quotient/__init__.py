@@ -51,6 +51,7 @@ EXPORTS: Dict[str, str] = {
             "ZeroSharpnessWarning",
             "adaptive_sharpness",
             "average_in_ball",
+            "calibrate_radii",
             "calibrate_rho",
             "geodesic_sharpness",
             "hessian_top_eigenvalue",

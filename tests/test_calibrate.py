@@ -287,7 +287,7 @@ def test_an_estimate_that_collapses_at_larger_radii_stops_early_with_one_error(m
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning escapes before the error
         with pytest.raises(CalibrationError, match="stopped growing with the radius") as info:
-            calibrate_rho(Ones(), quadratic_loss, [1.0], target=0.2, measure="mix")
+            calibrate_rho(Ones(), quadratic_loss, [1.0], target=0.2, measure="mix", rho_start=0.05)
     assert "2 of these evaluations found no loss increase" in str(info.value)
     assert calls == [0.05, 0.1, 0.2, 0.4]  # the running maximum is flat from 0.05 to 0.4
 
@@ -307,3 +307,43 @@ def test_zero_estimates_warn_once_and_the_search_goes_on(monkeypatch):
     assert not any(issubclass(w.category, gq.ZeroSharpnessWarning) for w in record)
     assert rho == pytest.approx(math.sqrt(0.5), rel=0.01)
     assert len(calls) <= 8
+
+
+# ---------------------------------------------------------------- every measure at once
+def test_calibrate_radii_puts_every_measure_at_the_target(single_thread, monkeypatch):
+    import geoopt_quotient.sharpness.calibrate as calibrate_module
+
+    seen = []
+    real = calibrate_module.calibrate_rho
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "calibrate_rho", spy)
+    radii, histories = gq.calibrate_radii(
+        Ones(2),
+        quadratic_loss,
+        iter([1.0, 3.0]),  # a one-shot iterator serves every measure
+        target=0.5,
+        measures=("adaptive", "mix"),
+        iters=5,
+        path="exact",
+        return_history=True,
+    )
+    assert list(radii) == ["adaptive", "mix"]
+    assert radii["adaptive"] == pytest.approx(quadratic_answer(0.5, 2), rel=TOLERANCE)
+    for measure, history in histories.items():
+        assert history[0].rho == gq.sharpness.DEFAULT_RADII[measure]  # started at the default
+        best = max(h.value for h in history if h.rho <= radii[measure])
+        assert abs(best / history[0].clean_loss / 0.5 - 1) <= 0.01
+    # the geodesic-only option is not passed to adaptive sharpness
+    assert "path" not in seen[0] and seen[1]["path"] == "exact"
+
+
+@pytest.mark.parametrize(
+    "measures, match", [((), "empty"), (("mix", "mix"), "repeated"), (("geodesic",), "unknown")]
+)
+def test_calibrate_radii_refuses_bad_measures(measures, match):
+    with pytest.raises(ValueError, match=match):
+        gq.calibrate_radii(Ones(), quadratic_loss, [1.0], target=1.0, measures=measures)

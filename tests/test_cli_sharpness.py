@@ -104,7 +104,7 @@ def test_radius_per_measure(checkpoint, data, capsys):
     def radii(*extra):
         return radii_from_args(build_parser().parse_args([*base, *extra]), defaults)
 
-    assert radii() == {"rho_adaptive": 0.05, "rho_inv": 0.05, "rho_mix": 0.05}
+    assert radii() == {"rho_adaptive": 0.2, "rho_inv": 0.05, "rho_mix": 0.01}
     assert radii("--rho", "0.1", "--rho-mix", "0.01") == {
         "rho_adaptive": 0.1,
         "rho_inv": 0.1,

@@ -2,7 +2,8 @@
 
 from .._moved import moved_attribute
 from .apgd import BallGroup, BallMaxResult, NonFiniteError, average_in_ball, maximize_in_ball
-from .calibrate import CalibrationError, RhoEvaluation, calibrate_rho
+from .calibrate import CalibrationError, RhoEvaluation, calibrate_radii, calibrate_rho
+from .defaults import DEFAULT_RADII, default_radius
 from .functional import IndependentLossError, LossFnError, StaleParameterError
 from .hessian import HessianResult, hessian_top_eigenvalue, hessian_trace, riemannian_hvp
 from .measure import (
@@ -14,6 +15,7 @@ from .measure import (
 from .stats import kendall_tau, kendall_tau_bootstrap
 
 __all__ = [
+    "DEFAULT_RADII",
     "BallGroup",
     "BallMaxResult",
     "CalibrationError",
@@ -27,7 +29,9 @@ __all__ = [
     "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
+    "calibrate_radii",
     "calibrate_rho",
+    "default_radius",
     "geodesic_sharpness",
     "hessian_top_eigenvalue",
     "hessian_trace",

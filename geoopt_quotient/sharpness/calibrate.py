@@ -21,12 +21,13 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 from tqdm.auto import tqdm
 
 from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
+from .defaults import default_radius
 from .measure import (
     LossFn,
     SharpnessResult,
@@ -37,7 +38,7 @@ from .measure import (
     resolve_plan,
 )
 
-__all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_rho"]
+__all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_radii", "calibrate_rho"]
 
 #: The measures a radius can be calibrated for: adaptive sharpness, and geodesic
 #: sharpness in the ``inv`` and ``mix`` metrics.
@@ -98,7 +99,7 @@ def calibrate_rho(
     target: float,
     measure: str,
     rtol: float = 0.01,
-    rho_start: float = 0.05,
+    rho_start: float | None = None,
     rho_bounds: Tuple[float, float] = (1e-6, 1e3),
     max_evals: int = 40,
     progress: bool | None = None,
@@ -139,8 +140,9 @@ def calibrate_rho(
         Relative tolerance on the sharpness, in (0, 1); default 0.01, so the returned
         radius gives a sharpness within 1% of :math:`t\bar L` (as estimated by
         Auto-PGD with these options).
-    rho_start : float
-        First radius tried; the closer to the answer, the fewer evaluations.
+    rho_start : float or None
+        First radius tried; the closer to the answer, the fewer evaluations. Default
+        ``None``: the measure's default radius (:data:`DEFAULT_RADII`).
     rho_bounds : (float, float)
         The radii searched; a target not bracketed inside them raises
         :class:`CalibrationError`.
@@ -234,6 +236,7 @@ def calibrate_rho(
     check_choice(measure, MEASURES, "measure")
     rtol = _check_rtol(rtol)
     low, high = _check_bounds(rho_bounds)
+    rho_start = default_radius(measure) if rho_start is None else rho_start
     rho_start = check_positive_float(rho_start, "rho_start")
     if not low <= rho_start <= high:
         raise ValueError(f"`rho_start` {rho_start} is outside `rho_bounds` ({low}, {high})")
@@ -246,6 +249,95 @@ def calibrate_rho(
     with search:
         best = search.run(rho_start, low, high)
     return (best.rho, list(search.history)) if return_history else best.rho
+
+
+def calibrate_radii(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    *,
+    target: float,
+    measures: Sequence[str] = MEASURES,
+    return_history: bool = False,
+    **options: Any,
+) -> Union[Dict[str, float], Tuple[Dict[str, float], Dict[str, List[RhoEvaluation]]]]:
+    r"""Comparable balls: the radius of every measure at which worst-case sharpness is the
+        same multiple ``target`` of the mean clean loss on ``batches``.
+
+        Calls :func:`calibrate_rho` once per measure with the same ``target``, batches and
+        options, each search started at the measure's default radius
+        (:data:`DEFAULT_RADII`). The radii returned make the measures comparable in one
+        stated sense, :math:`S^{(m)}_{\max}(
+    ho_m) = t\,ar L` for every measure
+        :math:`m`: a loss increase of the same size, reached in balls of different shapes.
+
+        Parameters
+        ----------
+        model, loss_fn, batches
+            As for :func:`calibrate_rho` (the batches are listed once, so a one-shot iterator
+            serves every measure).
+        target : float
+            :math:`t > 0`, the worst-case loss increase as a multiple of the clean loss.
+        measures : sequence of {"adaptive", "inv", "mix"}
+            The measures calibrated (default all three), in this order.
+        return_history : bool
+            Also return every measure's evaluations (:class:`RhoEvaluation`).
+        **options
+            Options of :func:`calibrate_rho` (``rtol``, ``rho_bounds``, ``max_evals``,
+            ``progress``) and of the sharpness functions (``iters``, ``seed``, ``path``...),
+            the same for every measure; options of the geodesic measures only (``path``,
+            ``symmetries``, ``norm``, ``curvature``) are not passed to adaptive sharpness.
+
+        Returns
+        -------
+        dict
+            ``measure -> radius``. With ``return_history``, ``(radii, {measure:
+            evaluations})``.
+
+        Raises
+        ------
+        CalibrationError
+            For the first measure whose target cannot be bracketed (see
+            :func:`calibrate_rho`).
+        ValueError
+            For an unknown or repeated measure, or no measure.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from geoopt_quotient import calibrate_radii
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        ... ).double()
+        >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+        >>> def loss_fn(model, batch):
+        ...     inputs, targets = batch
+        ...     return torch.nn.functional.mse_loss(model(inputs), targets)
+        >>> radii = calibrate_radii(
+        ...     model, loss_fn, [batch], target=0.5, measures=["adaptive"], rtol=0.05, iters=5
+        ... )
+        >>> sorted(radii), radii["adaptive"] > 0
+        (['adaptive'], True)
+    """
+    measures = list(measures)
+    if not measures:
+        raise ValueError("`measures` is empty")
+    for measure in measures:
+        check_choice(measure, MEASURES, "measure")
+    if len(set(measures)) != len(measures):
+        raise ValueError(f"`measures` has repeated entries: {measures}")
+    if iter(batches) is batches:
+        batches = list(batches)
+    geodesic_only = ("path", "symmetries", "norm", "curvature")
+    radii: Dict[str, float] = {}
+    histories: Dict[str, List[RhoEvaluation]] = {}
+    for measure in measures:
+        kept = {k: v for k, v in options.items() if measure != "adaptive" or k not in geodesic_only}
+        radii[measure], histories[measure] = calibrate_rho(
+            model, loss_fn, batches, target=target, measure=measure, return_history=True, **kept
+        )
+    return (radii, histories) if return_history else radii
 
 
 def _check_rtol(rtol: float) -> float:

@@ -38,6 +38,7 @@ from .apgd import (
     maximize_in_ball,
     path_function,
 )
+from .defaults import default_radius
 from .functional import (
     RESOLUTION,
     PerturbedLoss,
@@ -479,7 +480,7 @@ def geodesic_sharpness(
     loss_fn: LossFn,
     batches: Iterable[Any],
     *,
-    rho: float,
+    rho: float | None = None,
     symmetries: Symmetries = None,
     metric: str = "mix",
     iters: int = 20,
@@ -538,7 +539,8 @@ def geodesic_sharpness(
         :math:`(|\xi_G H^\top|_F^2 + |G \xi_H^\top|_F^2)^{1/2}` (for ``eps=0``), the size
         of the first-order change of the product :math:`G H^\top`. Radii of different
         metrics are thus on different scales (:func:`~geoopt_quotient.calibrate_rho`
-        puts them on a common one).
+        puts them on a common one). Default ``None``: the metric's default radius
+        (:data:`~geoopt_quotient.sharpness.DEFAULT_RADII`, ``inv`` 0.05, ``mix`` 0.01).
     symmetries : SymmetryPlan, list of SymmetryGroup, BoundPlan or None
         The symmetry groups. ``None`` discovers them (:func:`find_symmetries`) with
         ``metric`` and ``eps``; a given plan carries its own manifolds.
@@ -649,6 +651,7 @@ def geodesic_sharpness(
     ['kind', 'group', 'manifold', 'point', 'shape', 'count']
     """
     check_choice(metric, ("mix", "inv"), "metric")
+    rho = default_radius(metric) if rho is None else rho
     plan = resolve_plan(model, symmetries, metric, eps)
     settings = dict(
         measure="geodesic",
@@ -686,7 +689,7 @@ def adaptive_sharpness(
     loss_fn: LossFn,
     batches: Iterable[Any],
     *,
-    rho: float,
+    rho: float | None = None,
     iters: int = 20,
     kind: str = "worst",
     seed: int = 0,
@@ -722,6 +725,7 @@ def adaptive_sharpness(
     rho : float
         Radius :math:`\rho > 0` of the ball, relative to the parameters' magnitudes:
         each entry moves by :math:`|\delta_i| \le \rho\, (|w_i| + \varepsilon)` at most.
+        Default ``None``: 0.2 (:data:`~geoopt_quotient.sharpness.DEFAULT_RADII`).
     iters : int
         Auto-PGD iterations per batch (worst case) or samples (average case); default 20.
     kind : {"worst", "average"}
@@ -781,6 +785,7 @@ def adaptive_sharpness(
     >>> result.perturbed_losses[0] > result.clean_losses[0]
     True
     """
+    rho = default_radius("adaptive") if rho is None else rho
     plan = SymmetryPlan(adaptive_eps=eps).bind(model)
     settings = dict(
         measure="adaptive", rho=rho, iters=iters, path="straight", kind=kind, seed=seed, eps=eps

@@ -36,7 +36,7 @@ import torch
 
 from ..._checks import METRICS, PATHS, STRAIGHT, check_choice, check_positive_float
 from ..._progress import progress_bar
-from ...sharpness import adaptive_sharpness, geodesic_sharpness
+from ...sharpness import DEFAULT_RADII, adaptive_sharpness, geodesic_sharpness
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ...symmetry import find_symmetries
 from ..classifiers import (
@@ -129,7 +129,8 @@ class StudySettings:
     Attributes
     ----------
     rho_adaptive, rho_inv, rho_mix : float
-        Ball radii of adaptive sharpness and of the geodesic balls per metric. The
+        Ball radii of adaptive sharpness and of the geodesic balls per metric (defaults
+        :data:`~geoopt_quotient.sharpness.DEFAULT_RADII`: 0.2, 0.05, 0.01). The
         no-norm ablations use the adaptive ball (``rho_adaptive``); the no-curvature
         ablations the quotient ball of their metric.
     iters : int
@@ -151,9 +152,9 @@ class StudySettings:
         Relaxation of the quotients' Gram matrices (0: exact quotient).
     """
 
-    rho_adaptive: float = 0.05
-    rho_inv: float = 0.05
-    rho_mix: float = 0.05
+    rho_adaptive: float = DEFAULT_RADII["adaptive"]
+    rho_inv: float = DEFAULT_RADII["inv"]
+    rho_mix: float = DEFAULT_RADII["mix"]
     iters: int = 20
     kind: str = "worst"
     path: str = "second_order"

@@ -1,0 +1,52 @@
+r"""The default radius of every sharpness measure: one table, used by the Python API and the CLI.
+
+The balls live on different scales (:doc:`/user_guide/radii`): the adaptive ball bounds
+relative changes of every parameter, the ``inv`` ball relative changes of the products
+:math:`W_q W_k^\top` and :math:`W_v W_o`, the ``mix`` ball their absolute changes. One
+radius for all three compares nothing, so each measure has its own default. The values
+are round radii at which, on small transformers, worst-case sharpness is a moderate
+fraction of the clean loss (the table of :doc:`/user_guide/radii` measures it for a
+BERT, a ViT and a Llama): a local measure. For balls calibrated to one rule on your own
+model and batches, use :func:`~geoopt_quotient.sharpness.calibrate_radii`.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from .._checks import MEASURES, check_choice
+
+__all__ = ["DEFAULT_RADII", "default_radius"]
+
+#: Default radius of each measure: ``"adaptive"``, geodesic ``"inv"`` and ``"mix"``
+#: (read-only). The sharpness functions, :func:`calibrate_rho` (its first radius) and the
+#: ``sharpness`` and ``population`` commands all take their defaults from here.
+DEFAULT_RADII: Mapping[str, float] = MappingProxyType({"adaptive": 0.2, "inv": 0.05, "mix": 0.01})
+
+
+def default_radius(measure: str) -> float:
+    """The default radius of ``measure`` (:data:`DEFAULT_RADII`).
+
+    Parameters
+    ----------
+    measure : {"adaptive", "inv", "mix"}
+        Adaptive sharpness, or geodesic sharpness in that metric.
+
+    Returns
+    -------
+    float
+        The radius.
+
+    Raises
+    ------
+    ValueError
+        For an unknown measure.
+
+    Examples
+    --------
+    >>> from geoopt_quotient.sharpness import default_radius
+    >>> default_radius("adaptive"), default_radius("inv"), default_radius("mix")
+    (0.2, 0.05, 0.01)
+    """
+    return DEFAULT_RADII[check_choice(measure, MEASURES, "measure")]
