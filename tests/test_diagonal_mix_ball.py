@@ -183,3 +183,25 @@ def test_new_closed_forms_reject_bad_input():
         analytic.mix_retraction_one_coordinate(np.zeros(3), x, y, 0.1)
     with pytest.raises(ValueError, match="shape"):
         analytic.mix_retraction_product(beta0, beta0[:2])
+
+
+def test_readings_benchmark_runs_in_quick_mode(tmp_path, monkeypatch):
+    import json
+    import pathlib
+
+    benchmarks = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import diagonal_readings
+
+    out = tmp_path / "readings.json"
+    doc = diagonal_readings.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert [r["setup"] for r in doc["runs"]] == ["phase-transition", "step-size"]
+    for run in doc["runs"]:
+        assert set(run["tau"]) == set(doc["readings"])
+        checks = run["checks"]
+        # Auto-PGD never beats the exact maximum over the same (Euclidean) ball
+        assert checks["apgd_over_exact_euclidean_max"] <= 1 + 1e-9
+        assert checks["euclidean_exact_min"] >= checks["euclidean_floor_2rho2_lambda_max"] * (
+            1 - 1e-12
+        )

@@ -747,6 +747,161 @@ def transformers_seeds(results: Results) -> Table:
     )
 
 
+def _tau_cell(taus: List[float]) -> str:
+    if not taus:
+        return NOT_MEASURED
+    if len(taus) == 1:
+        return f"{taus[0]:+.2f}"
+    return f"{statistics.median(taus):+.2f} [{min(taus):+.2f}, {max(taus):+.2f}]"
+
+
+def _diagonal_runs(results: Results) -> Tuple[Source, Dict[str, List[Dict]]]:
+    source = results.json("reproductions/diagonal_readings.json")
+    by_setup: Dict[str, List[Dict]] = {}
+    for run in dig(source.data, "runs") or []:
+        by_setup.setdefault(run["setup"], []).append(run)
+    return source, by_setup
+
+
+DIAGONAL_COMMAND = (
+    "python benchmarks/diagonal_readings.py --seeds 0,1,2 "
+    "--json benchmarks/results/reproductions/diagonal_readings.json"
+)
+
+
+def diagonal_readings(results: Results) -> Table:
+    source, by_setup = _diagonal_runs(results)
+    readings = dig(source.data, "readings") or {}
+    paper = dig(source.data, "paper_tau") or {}
+    setups = ("phase-transition", "step-size")
+    rows = []
+    for name, description in readings.items():
+        measure = name.split("_")[0]
+        cells = [_tau_cell([r["tau"][name] for r in by_setup.get(s, [])]) for s in setups]
+        reference = paper.get(measure)
+        rows.append([description, *cells, "—" if reference is None else f"{reference:+.2f}"])
+    if not rows:
+        rows = [["-", NOT_MEASURED, NOT_MEASURED, "-"]]
+    seeds = sorted({r["seed"] for runs in by_setup.values() for r in runs})
+    return Table(
+        ["reading of 'sharpness at radius rho'", *setups, "paper"],
+        rows,
+        DIAGONAL_COMMAND,
+        [
+            f"Kendall's tau with the test loss over the 50 models of each population, median "
+            f"[min, max] over population seeds {', '.join(map(str, seeds)) or '-'}; "
+            "rho = 0.1 for every ball (|beta*| = 1), 100 Auto-PGD iterations."
+        ],
+    )
+
+
+def diagonal_checks(results: Results) -> Table:
+    _, by_setup = _diagonal_runs(results)
+
+    def span(runs: List[Dict], key: str, spec: str = ".3g") -> str:
+        values = [dig(r, "checks", key) for r in runs]
+        values = [v for v in values if isinstance(v, (int, float))]
+        if not values:
+            return NOT_MEASURED
+        return f"{min(values):{spec}} to {max(values):{spec}}"
+
+    def pair_span(runs: List[Dict], low: str, high: str, spec: str = ".3g") -> str:
+        lows = [dig(r, "checks", low) for r in runs]
+        highs = [dig(r, "checks", high) for r in runs]
+        if not lows or None in lows or None in highs:
+            return NOT_MEASURED
+        return f"{min(lows):{spec}} to {max(highs):{spec}}"
+
+    def second_order_range(runs: List[Dict]) -> str:
+        ranges = [dig(r, "checks", "second_order_range") for r in runs]
+        if not ranges or None in ranges:
+            return NOT_MEASURED
+        return f"{min(a for a, _ in ranges):.2g} to {max(b for _, b in ranges):.2g}"
+
+    rows = []
+    for setup, runs in by_setup.items():
+        rows.append(
+            [
+                setup,
+                span(runs, "euclidean_exact_relative_spread", ".2g"),
+                pair_span(
+                    runs, "apgd_over_exact_euclidean_min", "apgd_over_exact_euclidean_max", ".4f"
+                ),
+                second_order_range(runs),
+                pair_span(
+                    runs,
+                    "second_order_apgd_over_one_coordinate_min",
+                    "second_order_apgd_over_one_coordinate_max",
+                    ".3f",
+                ),
+                span(runs, "tau_second_order_vs_one_coordinate", "+.2f"),
+                span(runs, "tau_inverse_min_abs_beta_vs_test_loss", "+.2f"),
+            ]
+        )
+    if not rows:
+        rows = [["-", *[NOT_MEASURED] * 6]]
+    return Table(
+        [
+            "setup",
+            "Euclidean ball: (max - min) / median over models",
+            "Auto-PGD / exact, Euclidean ball",
+            "second-order worst case",
+            "second-order Auto-PGD / one-coordinate value",
+            "tau(second order, one-coordinate value)",
+            "tau(1 / min |beta0_i|, test loss)",
+        ],
+        rows,
+        DIAGONAL_COMMAND,
+        [
+            "Ranges over the population seeds. The exact worst case over the Euclidean ball is "
+            "mix_ball_worst_case; the one-coordinate value is mix_retraction_one_coordinate."
+        ],
+    )
+
+
+def default_radii(results: Results) -> Table:
+    source = results.json("cpu/default_radii.json")
+    models = dig(source.data, "models") or {}
+    target = dig(source.data, "settings", "target")
+    labels = {"bert": "tiny BERT", "vit": "tiny ViT", "llama": "tiny Llama"}
+    rows = []
+    for name, model in models.items():
+        calibrated = dig(model, "calibrated", "radii") or {}
+        for key, row in model["at_default_radius"].items():
+            measure, path = key.split("/")
+            rows.append(
+                [
+                    labels.get(name, name),
+                    measure,
+                    path.replace("_", "-"),
+                    fmt(row["rho"], "g"),
+                    fmt(row["fraction"], ".3g"),
+                    fmt(calibrated.get(measure), ".3g") if path != "exact" else "",
+                ]
+            )
+        if dig(model, "calibrated", "error"):
+            rows.append([labels.get(name, name), "all", "", "", "", "calibration failed"])
+    if not rows:
+        rows = [["-", "-", "-", "-", NOT_MEASURED, NOT_MEASURED]]
+    return Table(
+        [
+            "model",
+            "measure",
+            "path",
+            "default radius",
+            "worst-case sharpness / clean loss",
+            f"radius for {target if target is not None else '-'} x clean loss",
+        ],
+        rows,
+        "python benchmarks/default_radii.py --json benchmarks/results/cpu/default_radii.json",
+        [
+            "Random float64 models built from Hugging Face configs (2 layers, width 32), "
+            "random batches, 20 Auto-PGD iterations; the last column is calibrate_radii with "
+            "the second-order path."
+        ],
+    )
+
+
 #: Every table a page can ask for.
 TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-iteration": gpu_iteration,
@@ -767,6 +922,9 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
     "transformers-seeds": transformers_seeds,
+    "diagonal-readings": diagonal_readings,
+    "diagonal-checks": diagonal_checks,
+    "default-radii": default_radii,
 }
 
 
