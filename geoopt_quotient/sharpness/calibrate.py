@@ -262,63 +262,62 @@ def calibrate_radii(
     **options: Any,
 ) -> Union[Dict[str, float], Tuple[Dict[str, float], Dict[str, List[RhoEvaluation]]]]:
     r"""Comparable balls: the radius of every measure at which worst-case sharpness is the
-        same multiple ``target`` of the mean clean loss on ``batches``.
+    same multiple ``target`` of the mean clean loss on ``batches``.
 
-        Calls :func:`calibrate_rho` once per measure with the same ``target``, batches and
-        options, each search started at the measure's default radius
-        (:data:`DEFAULT_RADII`). The radii returned make the measures comparable in one
-        stated sense, :math:`S^{(m)}_{\max}(
-    ho_m) = t\,ar L` for every measure
-        :math:`m`: a loss increase of the same size, reached in balls of different shapes.
+    Calls :func:`calibrate_rho` once per measure with the same ``target``, batches and
+    options, each search started at the measure's default radius
+    (:data:`DEFAULT_RADII`). The radii returned make the measures comparable in one
+    stated sense, :math:`S^{(m)}_{\max}(\rho_m) = t\,\bar L` for every measure
+    :math:`m`: a loss increase of the same size, reached in balls of different shapes.
 
-        Parameters
-        ----------
-        model, loss_fn, batches
-            As for :func:`calibrate_rho` (the batches are listed once, so a one-shot iterator
-            serves every measure).
-        target : float
-            :math:`t > 0`, the worst-case loss increase as a multiple of the clean loss.
-        measures : sequence of {"adaptive", "inv", "mix"}
-            The measures calibrated (default all three), in this order.
-        return_history : bool
-            Also return every measure's evaluations (:class:`RhoEvaluation`).
-        **options
-            Options of :func:`calibrate_rho` (``rtol``, ``rho_bounds``, ``max_evals``,
-            ``progress``) and of the sharpness functions (``iters``, ``seed``, ``path``...),
-            the same for every measure; options of the geodesic measures only (``path``,
-            ``symmetries``, ``norm``, ``curvature``) are not passed to adaptive sharpness.
+    Parameters
+    ----------
+    model, loss_fn, batches
+        As for :func:`calibrate_rho` (the batches are listed once, so a one-shot iterator
+        serves every measure).
+    target : float
+        :math:`t > 0`, the worst-case loss increase as a multiple of the clean loss.
+    measures : sequence of {"adaptive", "inv", "mix"}
+        The measures calibrated (default all three), in this order.
+    return_history : bool
+        Also return every measure's evaluations (:class:`RhoEvaluation`).
+    **options
+        Options of :func:`calibrate_rho` (``rtol``, ``rho_bounds``, ``max_evals``,
+        ``progress``) and of the sharpness functions (``iters``, ``seed``, ``path``...),
+        the same for every measure; options of the geodesic measures only (``path``,
+        ``symmetries``, ``norm``, ``curvature``) are not passed to adaptive sharpness.
 
-        Returns
-        -------
-        dict
-            ``measure -> radius``. With ``return_history``, ``(radii, {measure:
-            evaluations})``.
+    Returns
+    -------
+    dict
+        ``measure -> radius``. With ``return_history``, ``(radii, {measure:
+        evaluations})``.
 
-        Raises
-        ------
-        CalibrationError
-            For the first measure whose target cannot be bracketed (see
-            :func:`calibrate_rho`).
-        ValueError
-            For an unknown or repeated measure, or no measure.
+    Raises
+    ------
+    CalibrationError
+        For the first measure whose target cannot be bracketed (see
+        :func:`calibrate_rho`).
+    ValueError
+        For an unknown or repeated measure, or no measure.
 
-        Examples
-        --------
-        >>> import torch
-        >>> from geoopt_quotient import calibrate_radii
-        >>> _ = torch.manual_seed(0)
-        >>> model = torch.nn.Sequential(
-        ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
-        ... ).double()
-        >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
-        >>> def loss_fn(model, batch):
-        ...     inputs, targets = batch
-        ...     return torch.nn.functional.mse_loss(model(inputs), targets)
-        >>> radii = calibrate_radii(
-        ...     model, loss_fn, [batch], target=0.5, measures=["adaptive"], rtol=0.05, iters=5
-        ... )
-        >>> sorted(radii), radii["adaptive"] > 0
-        (['adaptive'], True)
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_quotient import calibrate_radii
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ... ).double()
+    >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    >>> def loss_fn(model, batch):
+    ...     inputs, targets = batch
+    ...     return torch.nn.functional.mse_loss(model(inputs), targets)
+    >>> radii = calibrate_radii(
+    ...     model, loss_fn, [batch], target=0.5, measures=["adaptive"], rtol=0.05, iters=5
+    ... )
+    >>> sorted(radii), radii["adaptive"] > 0
+    (['adaptive'], True)
     """
     measures = list(measures)
     if not measures:
