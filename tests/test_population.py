@@ -37,6 +37,7 @@ from geoopt_quotient.experiments.population import (
     tau_table,
 )
 from geoopt_quotient.experiments.population import study as study_module
+from geoopt_quotient.sharpness import DEFAULT_RADII
 from geoopt_quotient.sharpness.stats import kendall_tau, kendall_tau_bootstrap
 
 slow = pytest.mark.slow
@@ -231,7 +232,12 @@ def test_population_rho_scales_and_resume_after_a_kill(quick, tmp_path, monkeypa
     assert "Kendall tau against the radius" in printed and "mean sharpness / mean clean" in printed
     assert "population-tau-by-rho.png" in printed
     first = json.loads((tmp_path / "population.json").read_text())
-    check_tau_by_rho(first, [0.5, 1.0, 2.0], MEASURES, dict.fromkeys(MEASURES, 0.05))
+    defaults = {  # the CLI's defaults: the library's table of default radii
+        "adaptive": DEFAULT_RADII["adaptive"],
+        "geodesic_inv": DEFAULT_RADII["inv"],
+        "geodesic_mix": DEFAULT_RADII["mix"],
+    }
+    check_tau_by_rho(first, [0.5, 1.0, 2.0], MEASURES, defaults)
     assert Path(first["tau_by_rho_figure"]).is_file()
     records_file = tmp_path / "population-records.jsonl"
     lines = records_file.read_text().splitlines()
@@ -344,7 +350,7 @@ def test_population_json_to_stdout_prints_nothing_else(text_population, tmp_path
     assert doc["settings"]["rho_mix"] == 0.01 and doc["settings"]["rho_inv"] == 0.05
     assert doc["threads"] == 1  # the default --threads
     assert doc["warning"].startswith("only 3 models (fewer than 8)")
-    assert doc["figure_title"].startswith("3 checkpoints in checkpoints/\nradii ρ: adaptive 0.05")
+    assert doc["figure_title"].startswith("3 checkpoints in checkpoints/\nradii ρ: adaptive 0.2")
     assert "mix 0.01" in doc["figure_title"] and "warning: only 3 models" in doc["figure_title"]
 
 

@@ -790,7 +790,7 @@ def diagonal_readings(results: Results) -> Table:
         [
             f"Kendall's tau with the test loss over the 50 models of each population, median "
             f"[min, max] over population seeds {', '.join(map(str, seeds)) or '-'}; "
-            "rho = 0.1 for every ball (|beta*| = 1), 100 Auto-PGD iterations."
+            "rho = 0.1 for every ball (the norm of beta* is 1), 100 Auto-PGD iterations."
         ],
     )
 
@@ -836,10 +836,11 @@ def diagonal_checks(results: Results) -> Table:
                 ),
                 span(runs, "tau_second_order_vs_one_coordinate", "+.2f"),
                 span(runs, "tau_inverse_min_abs_beta_vs_test_loss", "+.2f"),
+                span(runs, "tau_beta_norm_vs_test_loss", "+.2f"),
             ]
         )
     if not rows:
-        rows = [["-", *[NOT_MEASURED] * 6]]
+        rows = [["-", *[NOT_MEASURED] * 7]]
     return Table(
         [
             "setup",
@@ -849,6 +850,7 @@ def diagonal_checks(results: Results) -> Table:
             "second-order Auto-PGD / one-coordinate value",
             "tau(second order, one-coordinate value)",
             "tau(1 / min |beta0_i|, test loss)",
+            "tau(|beta0|, test loss)",
         ],
         rows,
         DIAGONAL_COMMAND,
