@@ -73,7 +73,13 @@ def test_quadratic_radius_matches_the_closed_form(single_thread, target, n, curv
 
 def test_history_records_every_evaluation_and_ends_at_the_answer(single_thread):
     rho, history = calibrate_rho(
-        Ones(), quadratic_loss, [2.0], target=1.0, measure="adaptive", return_history=True
+        Ones(),
+        quadratic_loss,
+        [2.0],
+        target=1.0,
+        measure="adaptive",
+        rho_start=0.05,
+        return_history=True,
     )
     assert all(isinstance(h, RhoEvaluation) for h in history)
     assert history[-1].rho == rho
