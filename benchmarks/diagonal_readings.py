@@ -203,6 +203,9 @@ def one_setup(setup: str, models: int, dim: int, seed: int, iters: int) -> Dict[
             "tau_inverse_min_abs_beta_vs_test_loss": kendall_tau(
                 [1 / m for m in min_beta], test_loss
             )[0],
+            "tau_beta_norm_vs_test_loss": kendall_tau([float(b.norm()) for b in beta0], test_loss)[
+                0
+            ],
             "clean_loss_range": [min(clean), max(clean)],
             "overflows": {k: sum(1 for v in c if v == math.inf) for k, c in columns.items()},
         },
