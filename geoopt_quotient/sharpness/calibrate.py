@@ -303,21 +303,23 @@ def calibrate_radii(
 
     Examples
     --------
+    A linear model with weights :math:`w = \tfrac12\mathbf 1 \in \mathbb R^4` and loss
+    :math:`\tfrac14\sum_i (w_i - \tfrac32)^2 = 1`. The adaptive ball is
+    :math:`|\delta| \le \rho/2`; the worst increase, every weight moved down by
+    :math:`\rho/4`, is :math:`\rho/2 + \rho^2/16`, so the target 0.5 is met at
+    :math:`\rho = \sqrt{24} - 4 \approx 0.899`:
+
     >>> import torch
     >>> from geoopt_quotient import calibrate_radii
-    >>> _ = torch.manual_seed(0)
-    >>> model = torch.nn.Sequential(
-    ...     torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
-    ... ).double()
-    >>> batch = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
-    >>> def loss_fn(model, batch):
-    ...     inputs, targets = batch
-    ...     return torch.nn.functional.mse_loss(model(inputs), targets)
-    >>> radii = calibrate_radii(
-    ...     model, loss_fn, [batch], target=0.5, measures=["adaptive"], rtol=0.05, iters=5
-    ... )
-    >>> sorted(radii), radii["adaptive"] > 0
-    (['adaptive'], True)
+    >>> model = torch.nn.Linear(4, 1, bias=False).double()
+    >>> with torch.no_grad():
+    ...     _ = model.weight.fill_(0.5)
+    >>> inputs = torch.eye(4, dtype=torch.float64)
+    >>> def loss_fn(model, inputs):
+    ...     return (model(inputs) - 1.5).square().sum() / 4
+    >>> radii = calibrate_radii(model, loss_fn, [inputs], target=0.5, measures=["adaptive"])
+    >>> list(radii), round(radii["adaptive"], 2)
+    (['adaptive'], 0.9)
     """
     measures = list(measures)
     if not measures:
