@@ -832,7 +832,7 @@ def diagonal_checks(results: Results) -> Table:
                     runs,
                     "second_order_apgd_over_one_coordinate_min",
                     "second_order_apgd_over_one_coordinate_max",
-                    ".3f",
+                    ".2g",
                 ),
                 span(runs, "tau_second_order_vs_one_coordinate", "+.2f"),
                 span(runs, "tau_inverse_min_abs_beta_vs_test_loss", "+.2f"),
@@ -856,7 +856,8 @@ def diagonal_checks(results: Results) -> Table:
         DIAGONAL_COMMAND,
         [
             "Ranges over the population seeds. The exact worst case over the Euclidean ball is "
-            "mix_ball_worst_case; the one-coordinate value is mix_retraction_one_coordinate."
+            "mix_ball_worst_case; the one-coordinate value is mix_retraction_one_coordinate; "
+            "inf: the loss overflows float64 inside the ball (one model)."
         ],
     )
 
