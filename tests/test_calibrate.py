@@ -353,3 +353,51 @@ def test_calibrate_radii_puts_every_measure_at_the_target(single_thread, monkeyp
 def test_calibrate_radii_refuses_bad_measures(measures, match):
     with pytest.raises(ValueError, match=match):
         gq.calibrate_radii(Ones(), quadratic_loss, [1.0], target=1.0, measures=measures)
+
+
+def test_tiny_llama_with_three_iterations_ends_quickly_and_warns_at_most_once(single_thread):
+    """The issue's case: a tiny float64 Llama, mix, 3 Auto-PGD iterations (27 evaluations and
+    19 warnings before the running maximum). Whatever Auto-PGD finds at each radius, the
+    search ends within a few evaluations: a radius whose running maximum meets the target,
+    or a CalibrationError; never one ZeroSharpnessWarning per evaluation."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(model, batch):
+        return model(input_ids=batch, labels=batch).loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            rho, history = calibrate_rho(
+                model,
+                loss_fn,
+                [ids],
+                target=0.2,
+                measure="mix",
+                iters=3,
+                rho_start=0.05,
+                max_evals=40,
+                return_history=True,
+            )
+        except CalibrationError as error:  # not the budget: a diagnosis saying what to do
+            assert "stopped growing with the radius" in str(error) or "saturates" in str(error)
+            history = None
+    ours = [w for w in caught if issubclass(w.category, (RuntimeWarning, gq.ZeroSharpnessWarning))]
+    assert not any(issubclass(w.category, gq.ZeroSharpnessWarning) for w in ours)
+    assert len(ours) <= 2  # not reaching rtol, and the summary of lost estimates
+    if history is not None:
+        assert len(history) <= 20
+        running = max(h.value for h in history if h.rho <= rho)
+        assert running / history[0].clean_loss > 0
