@@ -43,11 +43,10 @@ THREADS_HELP = (
 
 
 DTYPE_HELP = (
-    "dtype of the loaded weights (default auto: the checkpoint's own, config.json's "
-    "'dtype'). Use float32 (or float64) for a bfloat16/float16 checkpoint: a perturbation "
-    "written into a bfloat16 weight is rounded to 2^-8 of it, which can change a sharpness "
-    "value by tens of percent or make it exactly 0. float32 needs twice the memory of "
-    "bfloat16 (4 bytes per parameter)"
+    "dtype of the loaded weights (default auto: the checkpoint's own). Give float32 for a "
+    "bfloat16 or float16 checkpoint: a perturbation written into a half-precision weight "
+    "is rounded to 2^-8 (bfloat16) or 2^-11 (float16) of it, which can change a sharpness "
+    "value by tens of percent or make it exactly 0 (a warning says so)"
 )
 
 

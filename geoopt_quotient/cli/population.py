@@ -28,6 +28,7 @@ from ..experiments.population.study import (
 )
 from ..experiments.records import RecordFile
 from ._runtime import (
+    add_dtype_argument,
     add_output_arguments,
     add_radius_arguments,
     add_threads_argument,
@@ -68,7 +69,10 @@ inputs:
   --checkpoints DIR   --format hf (default): one sub-directory per model, each with
                       config.json and model.safetensors (pickled weights are never
                       loaded) and, for text models, a tokenizer; sub-directories without
-                      config.json are ignored.
+                      config.json are ignored. A checkpoint that lacks weights of its
+                      classifier (e.g. a causal LM: it has no classification head) is
+                      refused, never completed with random weights. --dtype float32
+                      loads bfloat16 checkpoints in float32, which sharpness needs.
                       --format model-soups: one FILE.pt per model, the state dict of
                       model-soups' CLIP wrapper (OpenAI CLIP ViT keys under 'model.',
                       'classification_head.'), read with torch.load(weights_only=True):
@@ -210,6 +214,7 @@ def settings_from_args(args: argparse.Namespace, defaults: StudySettings) -> Stu
         max_length=getattr(args, "max_length", defaults.max_length),
         ablations=args.ablations,
         verify=getattr(args, "verify", defaults.verify),
+        dtype=getattr(args, "dtype", defaults.dtype),
     )
 
 
@@ -273,6 +278,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip checking each model's discovered symmetries on its first batch",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    add_dtype_argument(parser)
     add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())
     # None: not given; filled from --protocol or the defaults by apply_protocol
@@ -401,6 +407,8 @@ def apply_protocol(args: argparse.Namespace, defaults: StudySettings) -> None:
 
 def _image_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """Check the model-soups inputs; return the sharpness image folder."""
+    if args.dtype != "auto":
+        parser.error("--dtype is for --format hf; model-soups checkpoints load as saved")
     for flag in ("data", "train", "test"):
         if getattr(args, flag):
             parser.error(

@@ -71,11 +71,7 @@ EPILOG = """\
   at random with --data-seed and put in batches of --batch-size blocks. The loss is
   the mean next-token cross-entropy over the positions of each block, computed in
   float32 or better. The same file and seeds give the same batches on every run.
-
---dtype: auto (default) loads the weights in the checkpoint's dtype. For a bfloat16
-  or float16 checkpoint give --dtype float32: perturbations of half-precision
-  weights are rounded to 2^-8 (bfloat16) or 2^-11 (float16) of each weight, and
-  the measured sharpness can be tens of percent off or exactly 0 (a warning says so).
+  Released LLMs are mostly saved in bfloat16: give --dtype float32 (see --dtype).
 
 output:
   stdout   the symmetry plan, then one line per measure; only the JSON document
@@ -127,7 +123,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--iters", type=int_at_least(1), default=20, help="Auto-PGD iterations per batch (20)"
     )
-    parser.add_argument("--batch-size", type=int_at_least(1), default=16, help="(default 16)")
+    parser.add_argument(
+        "--batch-size",
+        type=int_at_least(1),
+        default=16,
+        metavar="B",
+        help="examples (--data) or blocks (--text) per batch (default 16)",
+    )
     parser.add_argument(
         "--max-examples",
         type=int_at_least(1),

@@ -208,6 +208,11 @@ def sample_blocks(
     list of (dict, torch.Tensor)
         Per batch, the model's inputs ``{"input_ids": ids}`` and the targets ``ids``
         (:func:`next_token_loss` shifts them).
+
+    Raises
+    ------
+    ValueError
+        If ``batch_size < 1``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")

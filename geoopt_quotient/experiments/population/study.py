@@ -40,6 +40,7 @@ from ...sharpness import adaptive_sharpness, geodesic_sharpness
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ...symmetry import find_symmetries
 from ..classifiers import (
+    DTYPES,
     Batch,
     InputError,
     classification_loss,
@@ -149,6 +150,10 @@ class StudySettings:
         Check every model's discovered symmetries on its first batch.
     eps : float
         Relaxation of the quotients' Gram matrices (0: exact quotient).
+    dtype : {"auto", "float32", "float64", "bfloat16", "float16"}
+        The dtype Hugging Face checkpoints are loaded in ("auto": each checkpoint's own).
+        Use "float32" for bfloat16 checkpoints: perturbations of half-precision weights
+        are rounded to their resolution.
     """
 
     rho_adaptive: float = 0.05
@@ -164,9 +169,11 @@ class StudySettings:
     ablations: bool = False
     verify: bool = True
     eps: float = 0.0
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self.kind, ("worst", "average"), "kind")
+        check_choice(self.dtype, DTYPES, "dtype")
         check_choice(self.path, PATHS, "path")
         for name in ("rho_adaptive", "rho_inv", "rho_mix"):
             check_positive_float(getattr(self, name), name)
@@ -465,7 +472,7 @@ def _load_hf(
     directory: str, settings: StudySettings, data: str, device: torch.device
 ) -> _LoadedCheckpoint:
     """A Hugging Face checkpoint directory; data files are ``.jsonl`` text or ``.npz`` arrays."""
-    model, tokenizer = load_checkpoint(directory, device)
+    model, tokenizer = load_checkpoint(directory, device, dtype=settings.dtype)
     batch_args = dict(max_length=settings.max_length, device=device)
     batches: List[Batch] = load_batches(
         data,
@@ -760,7 +767,10 @@ def _study_fingerprint(
 ) -> str:
     files = {"data": data, "train": train_data, "test": test_data}
     digests = {k: _input_digest(v) for k, v in files.items() if v is not None}
-    study = {"settings": asdict(settings), "files": digests}
+    recorded = asdict(settings)
+    if recorded["dtype"] == "auto":  # as before the option: resumable
+        del recorded["dtype"]
+    study = {"settings": recorded, "files": digests}
     if format != "hf":  # fingerprints of Hugging Face runs stay as they were
         study["format"] = format
     return fingerprint(study)
