@@ -167,7 +167,7 @@ def test_causal_lm_given_labelled_data_is_refused(llama, tmp_path, capsys):
     data.write_text(json.dumps({"text": "the cat sat", "label": 0}) + "\n")
     err = error_of(["sharpness", "--model", str(llama), "--data", str(data)], capsys)
     assert "no weights for score.weight" in err and "LlamaForCausalLM" in err
-    assert "--text FILE" in err
+    assert "sharpness --text FILE" in err
 
 
 def test_classifier_given_text_is_refused(text, tmp_path, capsys):
@@ -256,3 +256,83 @@ def test_next_token_loss_is_the_shifted_cross_entropy(llama):
     shifted = ({"input_ids": ids}, ids.roll(1, dims=1))  # wrong targets give another loss
     with torch.no_grad():
         assert abs(float(next_token_loss(model, shifted)) - float(loss)) > 1e-3
+
+
+# ---------------------------------------------------------------- population
+def copy_checkpoint(source, target) -> None:
+    target.mkdir(parents=True)
+    for name in os.listdir(source):
+        (target / name).write_bytes((source / name).read_bytes())
+
+
+def test_population_of_causal_lms(tmp_path, text, capsys):
+    """Next-token sharpness of every model, and gaps from next-token errors on --train and
+    --test text. Labelled examples are refused for causal LMs (they used to get random
+    classification heads)."""
+    runs = tmp_path / "runs"
+    for index in range(3):
+        config = tiny_config("llama")
+        torch.manual_seed(index)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(runs / f"m{index}")
+        save_word_tokenizer(runs / f"m{index}")
+    test = tmp_path / "test.txt"
+    test.write_text("the dog ran in the park and the cat sat on a mat\n" * 4)
+    argv = ["population", "--checkpoints", str(runs), "--train", text, "--test", str(test)]
+    argv += ["--max-length", "16", "--max-examples", "4", "--batch-size", "2", "--iters", "1"]
+    argv += ["--out", str(tmp_path / "out"), "--quiet", "--bootstrap", "10", "--no-verify"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    document = json.loads((tmp_path / "out" / "population.json").read_text())
+    models = document["models"]
+    assert [m["class"] for m in models] == ["LlamaForCausalLM"] * 3
+    model, tokenizer = load_causal_lm(str(runs / "m1"))
+    batches = load_text_batches(text, model, tokenizer, block_size=16, batch_size=2, max_blocks=4)
+    with torch.no_grad():
+        own = sum(float(model(input_ids=ids, labels=ids).loss) for _, ids in batches) / 2
+    assert models[1]["measures"]["adaptive"]["clean_loss"] == pytest.approx(own, rel=1e-6)
+    for record in models:
+        assert 0 <= record["train_error"] <= 1 and 0 <= record["test_error"] <= 1
+        assert record["gap"] == pytest.approx(record["test_error"] - record["train_error"])
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "the cat sat", "label": 0}) + "\n")
+    gaps = tmp_path / "gaps.csv"
+    gaps.write_text("checkpoint,gap\n" + "".join(f"m{i},0.{i}\n" for i in range(3)))
+    argv = ["population", "--checkpoints", str(runs), "--data", str(data), "--gaps", str(gaps)]
+    argv += ["--out", str(tmp_path / "out2"), "--quiet", "--dtype", "float32"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("geoopt-quotient population: error: ") and err.count("\n") == 1
+    assert "a causal LM is measured on plain text" in err and "'m0'" in err
+
+
+def test_population_dtype_is_a_setting_that_keeps_old_fingerprints(tmp_path):
+    from dataclasses import asdict
+
+    from geoopt_quotient.experiments.population.study import (
+        StudySettings,
+        _study_fingerprint,
+        file_digest,
+    )
+    from geoopt_quotient.experiments.records import fingerprint
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "the cat", "label": 0}) + "\n")
+    before = asdict(StudySettings())
+    del before["dtype"]  # a study of the previous version, without the option
+    old = fingerprint({"settings": before, "files": {"data": file_digest(str(data))}})
+    assert _study_fingerprint(StudySettings(), str(data), None, None) == old
+    assert _study_fingerprint(StudySettings(dtype="float32"), str(data), None, None) != old
+    with pytest.raises(ValueError, match="dtype"):
+        StudySettings(dtype="float8")
+
+
+def test_population_dtype_is_for_hugging_face_checkpoints(tmp_path, capsys):
+    argv = ["population", "--checkpoints", str(tmp_path), "--format", "model-soups"]
+    argv += ["--train-images", str(tmp_path), "--gaps", "g.csv", "--dtype", "float64"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "--dtype is for --format hf" in capsys.readouterr().err

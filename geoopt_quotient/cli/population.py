@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+from ..experiments.classifiers import ARRAY_SUFFIXES, TEXT_SUFFIXES
 from ..experiments.population.rho_grid import (
     format_tau_by_rho,
     parse_rho_scales,
@@ -81,8 +82,13 @@ inputs:
                       classes) is read off the shapes; forward: image features,
                       L2-normalised, then the classification head
   --data FILE         the sharpness examples: .jsonl text ({"text", "label"},
-                      optional "text_pair") for sequence classifiers, or .npz arrays
-                      ("labels" plus model inputs such as "pixel_values")
+                      optional "text_pair") for sequence classifiers, .npz arrays
+                      ("labels" plus model inputs such as "pixel_values"), or plain
+                      UTF-8 text (e.g. .txt) for causal LMs (config.json's
+                      architectures name a ...ForCausalLM or ...LMHeadModel): the
+                      loss is the next-token cross-entropy on --max-examples blocks
+                      of --max-length tokens drawn with a fixed seed, and the error
+                      of --train and --test the next-token error over all blocks
   --train-images DIR, --test-images DIR
                       (model-soups) ImageFolder trees: DIR/CLASS/IMAGE, the sorted class
                       directories are the labels 0, 1, ... (ImageNet synsets sort into
@@ -269,7 +275,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int_at_least(1),
         default=128,
         metavar="L",
-        help="truncate text to L tokens (default 128)",
+        help="truncate text to L tokens; causal LMs: blocks of L tokens (default 128)",
     )
     parser.add_argument(
         "--no-verify",
@@ -453,7 +459,8 @@ def _check_data(args: argparse.Namespace, data: str) -> None:
         return
     for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
         if path is not None:
-            check_data_file(flag, path)
+            plain = not path.lower().endswith(TEXT_SUFFIXES + ARRAY_SUFFIXES)
+            check_data_file(flag, path, expected="UTF-8 text" if plain else None)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

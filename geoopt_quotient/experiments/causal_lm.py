@@ -29,7 +29,7 @@ computed from the logits in float32 or better whatever the model's dtype. Exampl
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,8 @@ __all__ = [
     "is_causal_lm",
     "load_causal_lm",
     "load_text_batches",
+    "load_text_blocks",
+    "next_token_error",
     "next_token_loss",
     "sample_blocks",
     "text_blocks",
@@ -230,6 +232,59 @@ def _max_positions(config: Any) -> Optional[int]:
     return None
 
 
+def load_text_blocks(
+    path: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    block_size: int,
+    *,
+    where: Optional[str] = None,
+) -> torch.Tensor:
+    """:func:`text_blocks` of a file for ``model``, checked against its positions and
+    vocabulary.
+
+    Parameters
+    ----------
+    path : str
+        A UTF-8 text file.
+    model : torch.nn.Module
+        The causal LM (its ``config`` gives the positions and the vocabulary size).
+    tokenizer : callable
+        Its tokenizer.
+    block_size : int
+        Tokens per block, at most the model's maximum positions.
+    where : str or None
+        Prefix of the error messages (default ``"text PATH"``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(blocks, block_size)`` token ids.
+
+    Raises
+    ------
+    InputError
+        For a problem with the file (:func:`text_blocks`), a block longer than the
+        model's positions, or a token id outside the model's vocabulary.
+    """
+    where = where or f"text {path}"
+    config = model.config
+    positions = _max_positions(config)
+    if positions is not None and block_size > positions:
+        raise InputError(
+            f"{where}: blocks of {block_size} tokens are longer than the model's "
+            f"{positions} positions; give a block size of at most {positions}"
+        )
+    blocks = text_blocks(path, tokenizer, block_size, where=where)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and int(blocks.max()) >= vocab:
+        raise InputError(
+            f"{where}: the tokenizer gives token id {int(blocks.max())}, outside the "
+            f"model's vocabulary of {vocab}: tokenizer and model do not belong together"
+        )
+    return blocks
+
+
 def load_text_batches(
     path: str,
     model: torch.nn.Module,
@@ -242,8 +297,8 @@ def load_text_batches(
     device: torch.device | str = "cpu",
     where: Optional[str] = None,
 ) -> List[Batch]:
-    """Next-token batches of a text file for ``model``: :func:`text_blocks`, then
-    :func:`sample_blocks`, checked against the model's positions and vocabulary.
+    """Next-token batches of a text file for ``model``: :func:`load_text_blocks`, then
+    :func:`sample_blocks`.
 
     Parameters
     ----------
@@ -274,24 +329,9 @@ def load_text_batches(
     Raises
     ------
     InputError
-        For a problem with the file (:func:`text_blocks`), a block longer than the
-        model's positions, or a token id outside the model's vocabulary.
+        As :func:`load_text_blocks`.
     """
-    where = where or f"text {path}"
-    config = model.config
-    positions = _max_positions(config)
-    if positions is not None and block_size > positions:
-        raise InputError(
-            f"{where}: blocks of {block_size} tokens are longer than the model's "
-            f"{positions} positions; give a block size of at most {positions}"
-        )
-    blocks = text_blocks(path, tokenizer, block_size, where=where)
-    vocab = getattr(config, "vocab_size", None)
-    if isinstance(vocab, int) and int(blocks.max()) >= vocab:
-        raise InputError(
-            f"{where}: the tokenizer gives token id {int(blocks.max())}, outside the "
-            f"model's vocabulary of {vocab}: tokenizer and model do not belong together"
-        )
+    blocks = load_text_blocks(path, model, tokenizer, block_size, where=where)
     return sample_blocks(blocks, batch_size, max_blocks=max_blocks, seed=seed, device=device)
 
 
@@ -324,3 +364,38 @@ def next_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
     )
+
+
+@torch.no_grad()
+def next_token_error(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
+    r"""Fraction of next tokens the model gets wrong (argmax of the logits), in eval mode.
+
+    Over all blocks :math:`b` and positions :math:`t < T`: the share of
+    :math:`\arg\max z_{b,t} \neq x_{b,t+1}`, the error rate of a language model, as
+    :func:`~geoopt_quotient.experiments.classifiers.error_rate` is a classifier's.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A causal LM (used in the mode it is in).
+    batches : sequence of (dict, torch.Tensor)
+        Inputs and token ids (:func:`sample_blocks`).
+
+    Returns
+    -------
+    float
+        Wrong predictions over all predictions, in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        For no predictions (no batches, or blocks of one token).
+    """
+    wrong = total = 0
+    for inputs, ids in batches:
+        predicted = model(**inputs, use_cache=False).logits[:, :-1].argmax(-1)
+        wrong += int((predicted != ids[:, 1:]).sum())
+        total += predicted.numel()
+    if total == 0:
+        raise ValueError("next_token_error needs at least one prediction")
+    return wrong / total

@@ -146,8 +146,8 @@ def _missing_weights_advice(model: torch.nn.Module, config: Any) -> str:
 
         what = "a causal LM" if is_causal_lm(config) else "a different model"
         hint = (
-            "measure its next-token loss on a text file instead (--text FILE on the "
-            "command line, geoopt_quotient.experiments.causal_lm in Python)"
+            "measure its next-token loss on a text file instead ('geoopt-quotient "
+            "sharpness --text FILE', or geoopt_quotient.experiments.causal_lm in Python)"
             if is_causal_lm(config)
             else f"load it as a {saved[0]}"
         )
@@ -677,7 +677,7 @@ def load_batches(
         return make_batches(examples, tokenizer, batch_size, max_length, device, regression)
     raise InputError(
         f"{where}: unknown data format {suffix or '(no suffix)'!r}; expected "
-        f"{', '.join(TEXT_SUFFIXES + ARRAY_SUFFIXES)}"
+        f"{', '.join(TEXT_SUFFIXES + ARRAY_SUFFIXES)} (plain text is for causal LMs)"
     )
 
 
