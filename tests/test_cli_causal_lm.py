@@ -207,6 +207,26 @@ def test_block_size_beyond_the_positions_is_refused(llama, text, capsys):
     assert "longer than the model's 64 positions" in err
 
 
+@pytest.mark.parametrize(
+    ("mode", "option", "message"),
+    [
+        ("--data", ["--block-size", "8"], "--block-size is for --text, not --data"),
+        ("--data", ["--data-seed", "1"], "--data-seed is for --text, not --data"),
+        ("--text", ["--max-length", "8"], "--max-length is for --data, not --text"),
+    ],
+)
+def test_options_of_the_other_data_mode_are_argument_errors(mode, option, message, capsys):
+    """An option that the data mode would ignore is an error, not silently dropped."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sharpness", "--model", "m", mode, "f", *option])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err
+    with pytest.raises(SystemExit):
+        main(["sharpness", "--model", "m", "--data", "f", "--text", "g"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the library
 @pytest.fixture(scope="module")
 def tokenizer(llama):

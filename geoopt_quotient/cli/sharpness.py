@@ -141,21 +141,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-length",
         type=int_at_least(1),
-        default=128,
+        default=None,
         metavar="L",
         help="--data: truncate to L tokens (default 128)",
     )
     parser.add_argument(
         "--block-size",
         type=int_at_least(2),
-        default=128,
+        default=None,
         metavar="T",
         help="--text: tokens per block, at most the model's positions (default 128)",
     )
     parser.add_argument(
         "--data-seed",
         type=int,
-        default=0,
+        default=None,
         metavar="S",
         help="--text: seed of the draw of blocks into batches (default 0)",
     )
@@ -191,6 +191,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     status 2, printed by :func:`geoopt_quotient.cli.main`).
     """
     device = parse_device(args.device, parser)
+    _fill_mode_options(args, parser)
     if args.text is not None:
         check_data_file("--text", args.text, arrays=False, expected="UTF-8 text")
     else:
@@ -198,6 +199,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     rank, world = start_distributed(device)
     with quiet_transformers(silent=args.quiet or args.json == "-" or rank > 0):
         return _run(args, parser, local_device(device, rank, world), rank, world)
+
+
+#: The options of one data mode only, with their defaults: (--data, --text).
+_MODE_OPTIONS = {"max_length": (128, None), "block_size": (None, 128), "data_seed": (None, 0)}
+
+
+def _fill_mode_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The defaults of the options of the data mode given; an argument error for an
+    option of the other mode (it would be ignored)."""
+    mode = 1 if args.text is not None else 0
+    for name, defaults in _MODE_OPTIONS.items():
+        if defaults[mode] is None and getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            parser.error(
+                f"{flag} is for {('--text', '--data')[mode]}, not {('--data', '--text')[mode]}"
+            )
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[mode])
 
 
 @dataclass
