@@ -62,7 +62,8 @@ over models, beside the paper's Table 1. The gaps come from a CSV (--gaps), or a
 measured here on --train and --test data (--train-images and --test-images for
 model-soups). The symmetries of each model are discovered from its structure (the Q/K
 and V/O groups of every attention block) and checked on its first batch. --protocol
-sets the paper's evaluation protocol.
+sets the paper's evaluation protocol. Causal language models are measured by their
+next-token loss on plain text, their gaps by next-token errors (see --data).
 """
 
 EPILOG = """\
@@ -71,9 +72,9 @@ inputs:
                       config.json and model.safetensors (pickled weights are never
                       loaded) and, for text models, a tokenizer; sub-directories without
                       config.json are ignored. A checkpoint that lacks weights of its
-                      classifier (e.g. a causal LM: it has no classification head) is
-                      refused, never completed with random weights. --dtype float32
-                      loads bfloat16 checkpoints in float32, which sharpness needs.
+                      model (e.g. a classifier saved without its head) is refused,
+                      never completed with random weights. --dtype float32 loads
+                      bfloat16 checkpoints in float32, which sharpness needs.
                       --format model-soups: one FILE.pt per model, the state dict of
                       model-soups' CLIP wrapper (OpenAI CLIP ViT keys under 'model.',
                       'classification_head.'), read with torch.load(weights_only=True):
