@@ -356,3 +356,20 @@ def test_population_dtype_is_for_hugging_face_checkpoints(tmp_path, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "--dtype is for --format hf" in capsys.readouterr().err
+
+
+def test_help_explains_the_causal_lm_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["sharpness", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in (
+        "--text FILE (causal language models",
+        "next-token cross-entropy",
+        "the remainder is dropped",
+        "drawn at random with --data-seed",
+        "--dtype float32",
+        "rounded to 2^-8 (bfloat16)",
+        "is refused, never completed with random weights",
+        "--model ./my-llama --text valid.txt --dtype float32",
+    ):
+        assert needle in text, needle
