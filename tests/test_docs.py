@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
     "geoopt_quotient.experiments.figures",
     "geoopt_quotient.experiments.records",
     "geoopt_quotient.experiments.classifiers",
+    "geoopt_quotient.experiments.causal_lm",
     "geoopt_quotient.experiments.io",
     "geoopt_quotient.experiments.images",
     "geoopt_quotient.experiments.model_soups",

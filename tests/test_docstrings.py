@@ -39,6 +39,7 @@ MODULES = (
     "geoopt_quotient.experiments.population.rho_grid",
     "geoopt_quotient.experiments.records",
     "geoopt_quotient.experiments.classifiers",
+    "geoopt_quotient.experiments.causal_lm",
     "geoopt_quotient.experiments.io",
     "geoopt_quotient.experiments.images",
     "geoopt_quotient.experiments.model_soups",

@@ -220,7 +220,7 @@ def exact_adaptive_maximum(model: Quadratic, rho: float) -> float:
     :math:`g^\top u + \tfrac12 u^\top H u` with :math:`g = DQ(w - a)`, :math:`H = DQD`, whose
     maximiser is :math:`u = (\lambda I - H)^{-1} g` with :math:`\lambda > \lambda_{max}(H)`
     and :math:`|u| = \rho` (the trust-region subproblem, convex case)."""
-    w, a, q = (t.detach().numpy() for t in (model.w, model.a, model.q))
+    w, a, q = (t.detach().cpu().numpy() for t in (model.w, model.a, model.q))
     d = np.abs(w)
     g, h = d * (q @ (w - a)), d[:, None] * q * d[None, :]
     evals, evecs = np.linalg.eigh(h)

@@ -654,7 +654,8 @@ def test_sharpness_result_as_rows_csv_and_data_frame(tmp_path, monkeypatch):
     pandas = pytest.importorskip("pandas")
     frame = result.to_frame()
     assert list(frame["perturbed_loss"]) == result.perturbed_losses
-    assert frame.equals(pandas.read_csv(path)[frame.columns].astype(frame.dtypes))
+    read_back = pandas.read_csv(path, float_precision="round_trip")
+    assert frame.equals(read_back[frame.columns].astype(frame.dtypes))
     monkeypatch.setitem(sys.modules, "pandas", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'geoopt-quotient\[experiments\]'"):
         result.to_frame()

@@ -11,12 +11,14 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..experiments.classifiers import ARRAY_SUFFIXES, InputError, text_lines
+from ..experiments.classifiers import ARRAY_SUFFIXES, DTYPES, InputError, text_lines
 from ._types import int_at_least, positive_float
 
 __all__ = [
     "DEFAULT_THREADS",
+    "DTYPE_HELP",
     "THREADS_HELP",
+    "add_dtype_argument",
     "add_output_arguments",
     "add_radius_arguments",
     "add_threads_argument",
@@ -38,6 +40,19 @@ THREADS_HELP = (
     "operation waits for the slowest thread: 'reproduce diagonal' took 207 s with 2 "
     "threads and 45 s with 1 on 2 busy cores. Give more for large models on idle cores"
 )
+
+
+DTYPE_HELP = (
+    "dtype of the loaded weights (default auto: the checkpoint's own). Give float32 for a "
+    "bfloat16 or float16 checkpoint: a perturbation written into a half-precision weight "
+    "is rounded to 2^-8 (bfloat16) or 2^-11 (float16) of it, which can change a sharpness "
+    "value by tens of percent or make it exactly 0 (a warning says so)"
+)
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype {auto,float32,float64,bfloat16,float16}`` (:data:`DTYPE_HELP`)."""
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
 
 
 def parse_device(text: str, parser: argparse.ArgumentParser) -> torch.device:
@@ -119,18 +134,22 @@ def quiet_transformers(silent: bool = False) -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def check_data_file(flag: str, path: str, *, arrays: bool = True) -> None:
+def check_data_file(
+    flag: str, path: str, *, arrays: bool = True, expected: Optional[str] = None
+) -> None:
     """Raise :class:`~geoopt_quotient.experiments.classifiers.InputError` unless ``path`` is a file,
     and, unless it is an ``.npz`` archive (``arrays``), UTF-8 text throughout.
 
     Run before any model is loaded, so that a wrong file fails at once, with the option
-    (``flag``), the file and the line in the message.
+    (``flag``), the file and the line in the message; ``expected`` says what the file
+    should hold (default JSON lines, or an ``.npz`` archive with ``arrays``).
     """
     if not os.path.isfile(path):
         raise InputError(f"{flag} {path}: no such file")
     if arrays and path.lower().endswith(ARRAY_SUFFIXES):
         return  # classifiers.load_arrays reports a bad archive
-    expected = "JSON lines" + (" or an .npz archive" if arrays else "")
+    if expected is None:
+        expected = "JSON lines" + (" or an .npz archive" if arrays else "")
     for _ in text_lines(path, f"{flag} {path}", expected):
         pass
 

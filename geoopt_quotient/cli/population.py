@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+from ..experiments.classifiers import ARRAY_SUFFIXES, TEXT_SUFFIXES
 from ..experiments.population.rho_grid import (
     format_tau_by_rho,
     parse_rho_scales,
@@ -28,6 +29,7 @@ from ..experiments.population.study import (
 )
 from ..experiments.records import RecordFile
 from ._runtime import (
+    add_dtype_argument,
     add_output_arguments,
     add_radius_arguments,
     add_threads_argument,
@@ -60,7 +62,8 @@ over models, beside the paper's Table 1. The gaps come from a CSV (--gaps), or a
 measured here on --train and --test data (--train-images and --test-images for
 model-soups). The symmetries of each model are discovered from its structure (the Q/K
 and V/O groups of every attention block) and checked on its first batch. --protocol
-sets the paper's evaluation protocol.
+sets the paper's evaluation protocol. Causal language models are measured by their
+next-token loss on plain text, their gaps by next-token errors (see --data).
 """
 
 EPILOG = """\
@@ -68,7 +71,10 @@ inputs:
   --checkpoints DIR   --format hf (default): one sub-directory per model, each with
                       config.json and model.safetensors (pickled weights are never
                       loaded) and, for text models, a tokenizer; sub-directories without
-                      config.json are ignored.
+                      config.json are ignored. A checkpoint that lacks weights of its
+                      model (e.g. a classifier saved without its head) is refused,
+                      never completed with random weights. --dtype float32 loads
+                      bfloat16 checkpoints in float32, which sharpness needs.
                       --format model-soups: one FILE.pt per model, the state dict of
                       model-soups' CLIP wrapper (OpenAI CLIP ViT keys under 'model.',
                       'classification_head.'), read with torch.load(weights_only=True):
@@ -77,8 +83,13 @@ inputs:
                       classes) is read off the shapes; forward: image features,
                       L2-normalised, then the classification head
   --data FILE         the sharpness examples: .jsonl text ({"text", "label"},
-                      optional "text_pair") for sequence classifiers, or .npz arrays
-                      ("labels" plus model inputs such as "pixel_values")
+                      optional "text_pair") for sequence classifiers, .npz arrays
+                      ("labels" plus model inputs such as "pixel_values"), or plain
+                      UTF-8 text (e.g. .txt) for causal LMs (config.json's
+                      architectures name a ...ForCausalLM or ...LMHeadModel): the
+                      loss is the next-token cross-entropy on --max-examples blocks
+                      of --max-length tokens drawn with a fixed seed, and the error
+                      of --train and --test the next-token error over all blocks
   --train-images DIR, --test-images DIR
                       (model-soups) ImageFolder trees: DIR/CLASS/IMAGE, the sorted class
                       directories are the labels 0, 1, ... (ImageNet synsets sort into
@@ -210,6 +221,7 @@ def settings_from_args(args: argparse.Namespace, defaults: StudySettings) -> Stu
         max_length=getattr(args, "max_length", defaults.max_length),
         ablations=args.ablations,
         verify=getattr(args, "verify", defaults.verify),
+        dtype=getattr(args, "dtype", defaults.dtype),
     )
 
 
@@ -264,7 +276,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int_at_least(1),
         default=128,
         metavar="L",
-        help="truncate text to L tokens (default 128)",
+        help="truncate text to L tokens; causal LMs: blocks of L tokens (default 128)",
     )
     parser.add_argument(
         "--no-verify",
@@ -273,6 +285,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip checking each model's discovered symmetries on its first batch",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    add_dtype_argument(parser)
     add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())
     # None: not given; filled from --protocol or the defaults by apply_protocol
@@ -401,6 +414,8 @@ def apply_protocol(args: argparse.Namespace, defaults: StudySettings) -> None:
 
 def _image_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """Check the model-soups inputs; return the sharpness image folder."""
+    if args.dtype != "auto":
+        parser.error("--dtype is for --format hf; model-soups checkpoints load as saved")
     for flag in ("data", "train", "test"):
         if getattr(args, flag):
             parser.error(
@@ -445,7 +460,8 @@ def _check_data(args: argparse.Namespace, data: str) -> None:
         return
     for flag, path in (("--data", data), ("--train", args.train), ("--test", args.test)):
         if path is not None:
-            check_data_file(flag, path)
+            plain = not path.lower().endswith(TEXT_SUFFIXES + ARRAY_SUFFIXES)
+            check_data_file(flag, path, expected="UTF-8 text" if plain else None)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,4 +1,5 @@
-"""``geoopt-quotient sharpness``: adaptive and geodesic sharpness of a local classifier."""
+"""``geoopt-quotient sharpness``: adaptive and geodesic sharpness of a local classifier or
+causal language model."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List
 
 import torch
 
+from ..experiments.causal_lm import load_causal_lm, load_text_batches, next_token_loss
 from ..experiments.classifiers import (
+    Batch,
     InputError,
     classification_loss,
     is_regression,
@@ -20,6 +24,7 @@ from ..experiments.classifiers import (
 )
 from ..experiments.population.study import StudySettings
 from ._runtime import (
+    add_dtype_argument,
     add_radius_arguments,
     add_threads_argument,
     check_data_file,
@@ -35,11 +40,15 @@ __all__ = ["register", "run"]
 
 DESCRIPTION = """\
 Measure the adaptive and the geodesic worst-case sharpness of a local Hugging Face
-sequence-classification checkpoint on a JSONL data set. The checkpoint directory must
-hold config.json, safetensors weights (model.safetensors or a sharded index; pickled
-pytorch_model.bin files are never loaded) and a tokenizer; nothing is downloaded.
-The symmetries are discovered from the model's structure, checked on the first batch
-(a random group element must leave the logits unchanged) and printed as a table.
+checkpoint: a sequence classifier on a JSONL data set (--data: cross-entropy of the
+labels), or a causal language model on a text file (--text: next-token cross-entropy
+on blocks of --block-size tokens). The checkpoint directory must hold config.json,
+safetensors weights (model.safetensors or a sharded index; pickled pytorch_model.bin
+files are never loaded) and a tokenizer; nothing is downloaded. A checkpoint that
+lacks weights of the model it is loaded as (a classifier's head, a language-model
+head) is refused, never completed with random weights. The symmetries are discovered
+from the model's structure, checked on the first batch (a random group element must
+leave the logits unchanged) and printed as a table.
 
 Each ball has its radius: --rho-adaptive, --rho-inv, --rho-mix, or --rho for all three;
 the defaults are those of 'geoopt-quotient population'. The balls live on different
@@ -49,24 +58,36 @@ all three.
 """
 
 EPILOG = """\
-data (JSONL, one object per line; blank lines are skipped):
+--data FILE (sequence classifiers; JSONL, one object per line; blank lines skipped):
   {"text": "a sentence", "label": 1}
   {"text": "premise", "text_pair": "hypothesis", "label": "entailment"}
   labels: integers in [0, num_labels) or names from the config's label2id;
   numbers for regression models (num_labels = 1)
 
+--text FILE (causal language models: config.json's architectures name a
+  ...ForCausalLM or ...LMHeadModel class): any UTF-8 text. It is tokenised as one
+  document with the checkpoint's tokenizer and cut into blocks of --block-size
+  tokens (the remainder is dropped); --max-examples K blocks (default all) are drawn
+  at random with --data-seed and put in batches of --batch-size blocks. The loss is
+  the mean next-token cross-entropy over the positions of each block, computed in
+  float32 or better. The same file and seeds give the same batches on every run.
+  Released LLMs are mostly saved in bfloat16: give --dtype float32 (see --dtype).
+
 output:
   stdout   the symmetry plan, then one line per measure; only the JSON document
            with --json -; nothing with --quiet
   stderr   progress bars (on a terminal, not with --quiet or --json -); errors.
-           A data error (missing or malformed --data, a --model directory that is
-           not a checkpoint) is one line 'geoopt-quotient sharpness: error: ...'
-           and exit status 2; a failed symmetry check is exit status 1
+           A data error (missing or malformed --data or --text, a --model
+           directory that is not a checkpoint or lacks weights, e.g. a causal LM
+           given --data) is one line 'geoopt-quotient sharpness: error: ...' and
+           exit status 2; a failed symmetry check is exit status 1
   --json FILE   settings, plan (table, groups, notes), per measure the value,
            per-batch values, clean and perturbed losses and timings, versions
 
 examples:
   geoopt-quotient sharpness --model ./my-bert --data dev.jsonl
+  geoopt-quotient sharpness --model ./my-llama --text valid.txt --dtype float32 \\
+      --block-size 256 --batch-size 8 --max-examples 64 --metric both
   geoopt-quotient sharpness --model ./my-bert --data dev.jsonl --metric both \\
       --rho-adaptive 0.2 --rho-inv 0.05 --rho-mix 0.01 --iters 20 \\
       --batch-size 32 --max-examples 512 --json result.json
@@ -79,13 +100,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``sharpness`` subcommand."""
     parser = subparsers.add_parser(
         "sharpness",
-        help="adaptive and geodesic sharpness of a local sequence classifier",
+        help="adaptive and geodesic sharpness of a local sequence classifier or causal LM",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
-    parser.add_argument("--data", required=True, metavar="FILE", help="JSONL data file")
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument(
+        "--data", metavar="FILE", help="JSONL examples of a sequence classifier, see below"
+    )
+    data.add_argument(
+        "--text", metavar="FILE", help="UTF-8 text for a causal language model, see below"
+    )
     parser.add_argument(
         "--metric",
         choices=("mix", "inv", "both"),
@@ -96,15 +123,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--iters", type=int_at_least(1), default=20, help="Auto-PGD iterations per batch (20)"
     )
-    parser.add_argument("--batch-size", type=int_at_least(1), default=16, help="(default 16)")
     parser.add_argument(
-        "--max-examples", type=int_at_least(1), default=None, help="use the first K examples"
+        "--batch-size",
+        type=int_at_least(1),
+        default=16,
+        metavar="B",
+        help="examples (--data) or blocks (--text) per batch (default 16)",
     )
     parser.add_argument(
-        "--max-length", type=int_at_least(1), default=128, help="truncate to L tokens (128)"
+        "--max-examples",
+        type=int_at_least(1),
+        default=None,
+        metavar="K",
+        help="use the first K examples of --data, or K blocks of --text drawn at random "
+        "(default all)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int_at_least(1),
+        default=None,
+        metavar="L",
+        help="--data: truncate to L tokens (default 128)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int_at_least(2),
+        default=None,
+        metavar="T",
+        help="--text: tokens per block, at most the model's positions (default 128)",
+    )
+    parser.add_argument(
+        "--data-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="--text: seed of the draw of blocks into batches (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="maximiser seed (default 0)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    add_dtype_argument(parser)
     parser.add_argument(
         "--json",
         metavar="OUT",
@@ -134,10 +191,107 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     status 2, printed by :func:`geoopt_quotient.cli.main`).
     """
     device = parse_device(args.device, parser)
-    check_data_file("--data", args.data, arrays=False)
+    _fill_mode_options(args, parser)
+    if args.text is not None:
+        check_data_file("--text", args.text, arrays=False, expected="UTF-8 text")
+    else:
+        check_data_file("--data", args.data, arrays=False)
     rank, world = start_distributed(device)
     with quiet_transformers(silent=args.quiet or args.json == "-" or rank > 0):
         return _run(args, parser, local_device(device, rank, world), rank, world)
+
+
+#: The options of one data mode only, with their defaults: (--data, --text).
+_MODE_OPTIONS = {"max_length": (128, None), "block_size": (None, 128), "data_seed": (None, 0)}
+
+
+def _fill_mode_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The defaults of the options of the data mode given; an argument error for an
+    option of the other mode (it would be ignored)."""
+    mode = 1 if args.text is not None else 0
+    for name, defaults in _MODE_OPTIONS.items():
+        if defaults[mode] is None and getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            parser.error(
+                f"{flag} is for {('--text', '--data')[mode]}, not {('--data', '--text')[mode]}"
+            )
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[mode])
+
+
+@dataclass
+class _Loaded:
+    """A model, its batches and loss, and what the output says about them."""
+
+    model: torch.nn.Module
+    batches: List[Batch]
+    loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    model_info: Dict[str, Any]
+    data_info: Dict[str, Any]
+    described: str
+
+
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _model_info(model: torch.nn.Module, task: str) -> Dict[str, Any]:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return {
+        "class": type(model).__name__,
+        "task": task,
+        "parameters": _parameters(model),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _load_classifier(args: argparse.Namespace, device: torch.device) -> _Loaded:
+    """A sequence classifier and its JSONL examples (``--data``)."""
+    where = f"--model {args.model}"
+    model, tokenizer = load_checkpoint(args.model, device, where=where, dtype=args.dtype)
+    if tokenizer is None:
+        raise InputError(f"{where}: not a sequence classifier")
+    examples = load_examples(
+        args.data, model.config, args.max_examples, where=f"--data {args.data}"
+    )
+    regression = is_regression(model.config)
+    batches = make_batches(
+        examples, tokenizer, args.batch_size, args.max_length, device, regression
+    )
+    info = _model_info(model, "sequence-classification")
+    info.update(num_labels=int(model.config.num_labels), regression=regression)
+    return _Loaded(
+        model,
+        batches,
+        classification_loss(regression),
+        info,
+        {"examples": len(examples), "batches": len(batches)},
+        f"{len(examples)} examples in {len(batches)} batches",
+    )
+
+
+def _load_causal_lm(args: argparse.Namespace, device: torch.device) -> _Loaded:
+    """A causal language model and blocks of its tokenised ``--text``."""
+    model, tokenizer = load_causal_lm(
+        args.model, device, dtype=args.dtype, where=f"--model {args.model}"
+    )
+    batches = load_text_batches(
+        args.text,
+        model,
+        tokenizer,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        max_blocks=args.max_examples,
+        seed=args.data_seed,
+        device=device,
+        where=f"--text {args.text}",
+    )
+    blocks = sum(int(ids.shape[0]) for _, ids in batches)
+    data = {"blocks": blocks, "block_size": args.block_size, "batches": len(batches)}
+    described = f"{blocks} blocks of {args.block_size} tokens in {len(batches)} batches"
+    return _Loaded(
+        model, batches, next_token_loss, _model_info(model, "causal-lm"), data, described
+    )
 
 
 def _run(
@@ -156,16 +310,8 @@ def _run(
     to_stdout = args.json == "-"
     silent = args.quiet or to_stdout or rank > 0
     start = time.perf_counter()
-    model, tokenizer = load_checkpoint(args.model, device, where=f"--model {args.model}")
-    if tokenizer is None:
-        raise InputError(f"--model {args.model}: not a sequence classifier")
-    where = f"--data {args.data}"
-    examples = load_examples(args.data, model.config, args.max_examples, where=where)
-    regression = is_regression(model.config)
-    batches = make_batches(
-        examples, tokenizer, args.batch_size, args.max_length, device, regression
-    )
-    loss_fn = classification_loss(regression)
+    loaded = (_load_causal_lm if args.text is not None else _load_classifier)(args, device)
+    model, batches, loss_fn = loaded.model, loaded.batches, loaded.loss_fn
     metrics = ("mix", "inv") if args.metric == "both" else (args.metric,)
     try:
         plan = find_symmetries(
@@ -177,9 +323,8 @@ def _run(
     bound = plan.bind(model)
     if not silent:
         print(
-            f"{type(model).__name__} from {args.model}: "
-            f"{sum(p.numel() for p in model.parameters())} parameters; "
-            f"{len(examples)} examples in {len(batches)} batches"
+            f"{type(model).__name__} from {args.model}: {_parameters(model)} "
+            f"{loaded.model_info['dtype']} parameters; {loaded.described}"
         )
         print(bound.summary())
         print()
@@ -203,13 +348,8 @@ def _run(
     document = {
         "command": "sharpness",
         "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "parser")},
-        "model": {
-            "class": type(model).__name__,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "num_labels": int(model.config.num_labels),
-            "regression": regression,
-        },
-        "data": {"examples": len(examples), "batches": len(batches)},
+        "model": loaded.model_info,
+        "data": loaded.data_info,
         "radii": radii,
         "plan": {
             "table": bound.summary(),

@@ -4,9 +4,9 @@
   training, sharpness, closed forms);
 * :mod:`~geoopt_quotient.experiments.population`: does sharpness track generalization
   across a population of transformers;
-* :mod:`~geoopt_quotient.experiments.classifiers`, :mod:`~geoopt_quotient.experiments.images`,
-  :mod:`~geoopt_quotient.experiments.model_soups`, :mod:`~geoopt_quotient.experiments.io`:
-  checkpoints and data to measure them on;
+* :mod:`~geoopt_quotient.experiments.classifiers`, :mod:`~geoopt_quotient.experiments.causal_lm`,
+  :mod:`~geoopt_quotient.experiments.images`, :mod:`~geoopt_quotient.experiments.model_soups`,
+  :mod:`~geoopt_quotient.experiments.io`: checkpoints and data to measure them on;
 * :mod:`~geoopt_quotient.experiments.records`: resumable JSON-lines results;
 * :mod:`~geoopt_quotient.experiments.figures`: figures, drawn without pyplot.
 
@@ -20,6 +20,7 @@ import importlib
 from typing import Any, List
 
 SUBMODULES = (
+    "causal_lm",
     "classifiers",
     "diagonal",
     "figures",

@@ -12,7 +12,9 @@ is downloaded. Two data formats:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -31,8 +33,12 @@ __all__ = [
     "load_batches",
     "load_checkpoint",
     "load_examples",
+    "load_pretrained",
+    "load_tokenizer",
     "make_batches",
+    "read_config",
     "text_lines",
+    "torch_dtype",
 ]
 
 Batch = Tuple[Dict[str, torch.Tensor], torch.Tensor]
@@ -49,6 +55,9 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 TEXT_SUFFIXES = (".jsonl", ".json")
+#: The ``dtype`` choices of the loaders (``--dtype`` of the commands): ``"auto"`` keeps
+#: the checkpoint's own dtype (``config.json``'s ``dtype``).
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ARRAY_SUFFIXES = (".npz",)
 
 
@@ -102,14 +111,151 @@ def _check_tokenizer(directory: str, where: str) -> None:
         )
 
 
+def torch_dtype(name: str | torch.dtype) -> str | torch.dtype:
+    """A load dtype: one of ``DTYPES`` (or a ``torch.dtype``) as ``from_pretrained``
+    takes it.
+
+    Parameters
+    ----------
+    name : str or torch.dtype
+        ``"auto"`` (the checkpoint's own dtype), ``"float32"``, ``"float64"``,
+        ``"bfloat16"`` or ``"float16"``, or a floating-point ``torch.dtype``.
+
+    Returns
+    -------
+    str or torch.dtype
+        ``"auto"``, or the ``torch.dtype``.
+
+    Raises
+    ------
+    ValueError
+        For any other name.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return name if name == "auto" else getattr(torch, name)
+
+
+def _missing_weights_advice(model: torch.nn.Module, config: Any) -> str:
+    """What to do about a checkpoint without some weights of ``model``'s class."""
+    saved = [a for a in config.architectures or () if a != type(model).__name__]
+    if saved:
+        from .causal_lm import is_causal_lm
+
+        what = "a causal LM" if is_causal_lm(config) else "a different model"
+        hint = (
+            "measure its next-token loss on a text file instead ('geoopt-quotient "
+            "sharpness --text FILE', or geoopt_quotient.experiments.causal_lm in Python)"
+            if is_causal_lm(config)
+            else f"load it as a {saved[0]}"
+        )
+        return f"the checkpoint is {what} ({', '.join(saved)}): {hint}"
+    return (
+        "save the trained model with all its weights (model.save_pretrained(dir)) and measure that"
+    )
+
+
+#: transformers' loggers that report on a load: the "LOAD REPORT" table of missing and
+#: unused weights, and (when that logger is quieted) the tensor-parallel plan check.
+LOAD_LOGGERS = ("transformers.modeling_utils", "transformers.distributed.tensor_parallel")
+
+
+@contextlib.contextmanager
+def _without_load_report() -> Iterator[None]:
+    """A block in which transformers logs no report on a load (:data:`LOAD_LOGGERS`):
+    :func:`load_pretrained` reads the same information and refuses what matters, in one
+    line."""
+    loggers = [logging.getLogger(name) for name in LOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def load_pretrained(
+    auto_class: Any,
+    directory: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    where: Optional[str] = None,
+) -> torch.nn.Module:
+    """``auto_class.from_pretrained(directory)`` (safetensors, offline); refused when the
+    checkpoint lacks weights that loading would initialise at random.
+
+    ``from_pretrained`` fills the weights missing from a checkpoint (e.g. the ``score``
+    head of a sequence classifier built from a causal LM) with fresh random values and
+    succeeds; every sharpness of such a model would measure that noise, differently on
+    every run. Weights tied to saved ones (a language-model head tied to the input
+    embedding) are not missing.
+
+    Parameters
+    ----------
+    auto_class : type
+        A transformers auto class, e.g. ``AutoModelForSequenceClassification``.
+    directory : str
+        The checkpoint directory.
+    dtype : str or torch.dtype
+        The dtype of the loaded weights (:func:`torch_dtype`; default ``"auto"``, the
+        checkpoint's own).
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint DIR"``).
+
+    Returns
+    -------
+    torch.nn.Module
+        The model (on the CPU, in the mode ``from_pretrained`` leaves it).
+
+    Raises
+    ------
+    InputError
+        If the model cannot be loaded, or the checkpoint has no weights for some of its
+        parameters (named in the message, with what to do).
+    """
+    where = where or f"checkpoint {directory}"
+    try:
+        with _without_load_report():
+            model, info = auto_class.from_pretrained(
+                directory,
+                use_safetensors=True,
+                local_files_only=True,
+                output_loading_info=True,
+                dtype=torch_dtype(dtype),
+            )
+    except Exception as error:
+        raise InputError(f"{where}: cannot load the model: {error}") from error
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        raise InputError(
+            f"{where}: no weights for {shown} in the checkpoint; {type(model).__name__} would "
+            "initialise them at random and measure noise (a different value on every run); "
+            + _missing_weights_advice(model, model.config)
+        )
+    return model
+
+
 def load_checkpoint(
-    directory: str, device: torch.device | str = "cpu", *, where: Optional[str] = None
+    directory: str,
+    device: torch.device | str = "cpu",
+    *,
+    where: Optional[str] = None,
+    dtype: str | torch.dtype = "auto",
 ) -> Tuple[torch.nn.Module, Any]:
     """The classifier in eval mode (safetensors only, offline) and its tokenizer.
 
     Image classifiers (``config.architectures`` naming ``...ForImageClassification``)
     are loaded with ``AutoModelForImageClassification`` and need no tokenizer (``None``
-    is returned); every other checkpoint is a sequence classifier with a tokenizer.
+    is returned); every other checkpoint is a sequence classifier with a tokenizer. A
+    checkpoint without the classifier's head (e.g. a causal LM) is refused
+    (:func:`load_pretrained`), never given a random one.
 
     Parameters
     ----------
@@ -119,6 +265,10 @@ def load_checkpoint(
         Where to put the model (default ``"cpu"``).
     where : str or None
         Prefix of the error messages (default ``"checkpoint DIR"``).
+    dtype : str or torch.dtype
+        The dtype of the weights (:func:`torch_dtype`; default ``"auto"``, the
+        checkpoint's own). Sharpness needs ``"float32"`` or better: a perturbation of a
+        bfloat16 weight is rounded to 2^-8 of it.
 
     Returns
     -------
@@ -131,36 +281,80 @@ def load_checkpoint(
     ------
     InputError
         If the checkpoint is incomplete or its config, tokenizer or weights cannot be
-        loaded.
+        loaded, or it lacks weights of the classifier.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import (
-        AutoConfig,
-        AutoModelForImageClassification,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    where = where or f"checkpoint {directory}"
+    config = read_config(directory, where=where)
+    image = _is_image_classifier(config)
+    tokenizer = None if image else load_tokenizer(directory, where=where)
+    auto = AutoModelForImageClassification if image else AutoModelForSequenceClassification
+    model = load_pretrained(auto, directory, dtype=dtype, where=where)
+    return model.to(device).eval(), tokenizer
+
+
+def read_config(directory: str, *, where: Optional[str] = None) -> Any:
+    """The ``config.json`` of a checkpoint directory (:func:`check_checkpoint` first).
+
+    Parameters
+    ----------
+    directory : str
+        The checkpoint directory.
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint DIR"``).
+
+    Returns
+    -------
+    transformers.PretrainedConfig
+        The config.
+
+    Raises
+    ------
+    InputError
+        If the directory is not a checkpoint or its config cannot be read.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
 
     where = where or f"checkpoint {directory}"
     check_checkpoint(directory, where=where)
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as error:
         raise InputError(f"{where}: cannot read config.json: {error}") from error
-    image = _is_image_classifier(config)
-    tokenizer = None
-    if not image:
-        _check_tokenizer(directory, where)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except Exception as error:
-            raise InputError(f"{where}: cannot load the tokenizer: {error}") from error
-    auto = AutoModelForImageClassification if image else AutoModelForSequenceClassification
+
+
+def load_tokenizer(directory: str, *, where: Optional[str] = None) -> Any:
+    """The tokenizer saved in a checkpoint directory (offline).
+
+    Parameters
+    ----------
+    directory : str
+        The checkpoint directory.
+    where : str or None
+        Prefix of the error messages (default ``"checkpoint DIR"``).
+
+    Returns
+    -------
+    object
+        The tokenizer (``AutoTokenizer``).
+
+    Raises
+    ------
+    InputError
+        If the directory has no tokenizer files or the tokenizer cannot be loaded.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    where = where or f"checkpoint {directory}"
+    _check_tokenizer(directory, where)
     try:
-        model = auto.from_pretrained(directory, use_safetensors=True, local_files_only=True)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as error:
-        raise InputError(f"{where}: cannot load the model: {error}") from error
-    return model.to(device).eval(), tokenizer
+        raise InputError(f"{where}: cannot load the tokenizer: {error}") from error
 
 
 def is_regression(config: Any) -> bool:
@@ -483,7 +677,7 @@ def load_batches(
         return make_batches(examples, tokenizer, batch_size, max_length, device, regression)
     raise InputError(
         f"{where}: unknown data format {suffix or '(no suffix)'!r}; expected "
-        f"{', '.join(TEXT_SUFFIXES + ARRAY_SUFFIXES)}"
+        f"{', '.join(TEXT_SUFFIXES + ARRAY_SUFFIXES)} (plain text is for causal LMs)"
     )
 
 

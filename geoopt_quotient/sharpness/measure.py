@@ -448,7 +448,8 @@ def warn_if_low_precision(params: Dict[str, torch.Tensor]) -> None:
             f"the model has {names} parameters: a perturbation is rounded to that resolution "
             "when it is written into the model, which can change a sharpness value by tens "
             "of percent or round it to exactly 0 (user guide, 'Precision'); measure a "
-            "float32 copy (model.float()), under torch.autocast for speed",
+            "float32 copy (model.float(); on the command line: --dtype float32), under "
+            "torch.autocast for speed",
             stacklevel=4,
         )
 

@@ -8,6 +8,11 @@ member module that breaks. As a control, the same element applied to the group's
 factor only (``G A^{-1}`` with ``H`` untouched, which is not a symmetry) must change the
 outputs clearly; when it does not, the check is reported as weak in the plan's notes.
 
+The group elements and their action (solves, products) are computed in float64 for a
+float64 model and in float32 otherwise; the transformed weights are cast back to the
+model's dtype. A bfloat16 or float16 model is thus checked on the CPU too (which has no
+half-precision solver), within a tolerance of a few of its dtype's machine epsilons.
+
 Probe inputs: ``probe_inputs`` (a dict of keyword arguments, a tuple of positional
 arguments or one tensor), or, for Hugging Face models, inputs built from the config
 (:func:`probe_inputs_for`): ``input_ids`` from ``vocab_size``, ``pixel_values`` from
@@ -31,7 +36,11 @@ __all__ = ["SymmetryVerificationError", "probe_inputs_for", "verify_plan"]
 
 #: Relative tolerance (of the largest output magnitude) per dtype. float64 allows for
 #: models that compute softmax or norms in float32 internally (ViT, CLIP, T5, LLaMA).
-RTOL = {torch.float64: 1e-5, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+RTOL = {torch.float64: 1e-5, torch.float32: 1e-4}
+#: Tolerance of a half-precision model in units of its dtype's machine epsilon: every
+#: transformed weight is rounded to the dtype (relative error up to eps/2), and so is
+#: every activation of the forward pass, layer after layer.
+HALF_RTOL_EPS = 8
 #: Output keys that are not functions of the symmetry class (cached keys/values).
 SKIPPED_OUTPUT_KEYS = ("past_key_values", "cache")
 
@@ -198,18 +207,82 @@ def _identity_like(element: torch.Tensor, manifold: Any) -> torch.Tensor:
     return torch.ones_like(element)
 
 
-def _broken(group: SymmetryGroup, params: Dict[str, torch.Tensor], element: torch.Tensor):
+def _default_rtol(dtype: torch.dtype) -> float:
+    """The default tolerance of :func:`verify_plan`, relative to the largest output.
+
+    :data:`RTOL` for float64 and float32; for a half-precision dtype (bfloat16, float16)
+    :data:`HALF_RTOL_EPS` times its machine epsilon; ``1e-3`` otherwise.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        The model's floating-point dtype.
+
+    Returns
+    -------
+    float
+        The relative tolerance.
+    """
+    if dtype in RTOL:
+        return RTOL[dtype]
+    if dtype.is_floating_point and torch.finfo(dtype).bits <= 16:
+        return HALF_RTOL_EPS * torch.finfo(dtype).eps
+    return 1e-3
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the group actions for a model in ``dtype``: float64 for float64, else
+    float32 (half precision has no CPU solver, and rounds the elements' inverses)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lifted(
+    groups: Sequence[SymmetryGroup], params: Dict[str, torch.Tensor], compute: torch.dtype
+) -> Dict[str, torch.Tensor]:
+    """``params`` with the parameters of ``groups`` in the ``compute`` dtype."""
+    names = {n for g in groups for n in g.param_names}
+    return {n: p.to(compute) if n in names else p for n, p in params.items()}
+
+
+def _lowered(moved: Mapping[str, torch.Tensor], params: Dict[str, torch.Tensor]):
+    """``moved``, each tensor cast back to the dtype of the parameter it replaces."""
+    return {n: moved[n].to(p.dtype) for n, p in params.items()}
+
+
+def _acted(
+    bound: BoundPlan,
+    params: Dict[str, torch.Tensor],
+    elements: Sequence[Optional[torch.Tensor]],
+    compute: torch.dtype,
+) -> Dict[str, torch.Tensor]:
+    """``bound.act`` computed in ``compute``, the moved parameters cast back to their dtype.
+
+    For a float32 or float64 model ``compute`` is its dtype and nothing is cast.
+    """
+    acting = [g for g, a in zip(bound.symmetric_groups, elements) if a is not None]
+    lifted = _lifted(acting, params, compute)
+    elements = [None if a is None else a.to(compute) for a in elements]
+    return _lowered(bound.act(lifted, elements), params)
+
+
+def _broken(
+    group: SymmetryGroup,
+    params: Dict[str, torch.Tensor],
+    element: torch.Tensor,
+    compute: torch.dtype,
+):
     """The element applied to the first factor only: a control that is not a symmetry."""
     manifold = group.manifold
-    point = group.gather(params)
-    moved = manifold.act(point, element)
+    lifted = _lifted([group], params, compute)
+    point = group.gather(lifted)
+    moved = manifold.act(point, element.to(compute))
     if isinstance(manifold, GLQuotient):
         broken = torch.cat((moved[..., : manifold.n, :], point[..., manifold.n :, :]), dim=-2)
     else:
         broken = torch.stack((moved[..., 0, :], point[..., 1, :]), dim=-2)
-    out = dict(params)
-    out.update(group.scatter(broken, params))
-    return out
+    out = dict(lifted)
+    out.update(group.scatter(broken, lifted))
+    return _lowered(out, params)
 
 
 def verify_plan(
@@ -243,8 +316,9 @@ def verify_plan(
         Condition number of the random elements (singular values in
         ``[max_condition^-1/2, max_condition^1/2]``).
     rtol : float, optional
-        Tolerance relative to the largest output magnitude (default by dtype: 1e-5
-        for float64, 1e-4 for float32, 5e-2 for half precision).
+        Tolerance relative to the largest output magnitude (default by the model's
+        dtype: 1e-5 for float64, 1e-4 for float32, ``HALF_RTOL_EPS`` = 8 machine
+        epsilons for bfloat16 and float16).
 
     Returns
     -------
@@ -263,7 +337,8 @@ def verify_plan(
         return ["verify: no symmetric group to check"]
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
-    tol_rel = RTOL.get(dtype, 1e-3) if rtol is None else rtol
+    tol_rel = _default_rtol(dtype) if rtol is None else rtol
+    compute = _compute_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     notes: List[str] = []
     worst = 0.0
@@ -274,13 +349,15 @@ def verify_plan(
         tol = tol_rel * max(scale, 1e-30)
         weak = []
         for group in groups:
-            element = random_element(group, generator, dtype, max_condition)
+            element = random_element(group, generator, compute, max_condition)
             if element is None:
                 notes.append(f"verify: group {group.name!r} has no known group action: unchecked")
                 continue
             element = element.to(next(iter(params.values())).device)
             elements = [element if g is group else None for g in groups]
-            err = _deviation(reference, _run(model, bound.act(params, elements), probe))
+            err = _deviation(
+                reference, _run(model, _acted(bound, params, elements, compute), probe)
+            )
             if err > tol:
                 raise SymmetryVerificationError(
                     _failure_message(
@@ -288,7 +365,9 @@ def verify_plan(
                     )
                 )
             worst = max(worst, err)
-            control = _deviation(reference, _run(model, _broken(group, params, element), probe))
+            control = _deviation(
+                reference, _run(model, _broken(group, params, element, compute), probe)
+            )
             if control <= 10 * tol:
                 weak.append(f"{group.name} ({control:.2g})")
     notes.insert(
@@ -316,7 +395,8 @@ def _failure_message(
             single = _identity_like(element, group.manifold)
             single[index] = element[index]
             elements = [single if g is group else None for g in groups]
-            if _deviation(reference, _run(model, bound.act(params, elements), probe)) > tol:
+            moved = _acted(bound, params, elements, _compute_dtype(element.dtype))
+            if _deviation(reference, _run(model, moved, probe)) > tol:
                 module = names[index] if names and index < len(names) else f"entry {index}"
                 where = f" (first failing member: {module})"
                 break

@@ -39,7 +39,18 @@ from ..._progress import progress_bar
 from ...sharpness import DEFAULT_RADII, adaptive_sharpness, geodesic_sharpness
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ...symmetry import find_symmetries
+from ..causal_lm import (
+    is_causal_lm,
+    load_causal_lm,
+    load_text_batches,
+    load_text_blocks,
+    next_token_error,
+    next_token_loss,
+)
 from ..classifiers import (
+    ARRAY_SUFFIXES,
+    DTYPES,
+    TEXT_SUFFIXES,
     Batch,
     InputError,
     classification_loss,
@@ -47,6 +58,7 @@ from ..classifiers import (
     is_regression,
     load_batches,
     load_checkpoint,
+    read_config,
 )
 from ..figures import sharpness_scatter
 from ..records import RecordFile, fingerprint
@@ -150,6 +162,10 @@ class StudySettings:
         Check every model's discovered symmetries on its first batch.
     eps : float
         Relaxation of the quotients' Gram matrices (0: exact quotient).
+    dtype : {"auto", "float32", "float64", "bfloat16", "float16"}
+        The dtype Hugging Face checkpoints are loaded in ("auto": each checkpoint's own).
+        Use "float32" for bfloat16 checkpoints: perturbations of half-precision weights
+        are rounded to their resolution.
     """
 
     rho_adaptive: float = DEFAULT_RADII["adaptive"]
@@ -165,9 +181,11 @@ class StudySettings:
     ablations: bool = False
     verify: bool = True
     eps: float = 0.0
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self.kind, ("worst", "average"), "kind")
+        check_choice(self.dtype, DTYPES, "dtype")
         check_choice(self.path, PATHS, "path")
         for name in ("rho_adaptive", "rho_inv", "rho_mix"):
             check_positive_float(getattr(self, name), name)
@@ -454,19 +472,23 @@ def measure_model(
 
 @dataclass(frozen=True)
 class _LoadedCheckpoint:
-    """A model with its sharpness batches and a way to measure its error on a data source."""
+    """A model with its sharpness batches and loss, and a way to measure its error on a
+    data source (``None``: the model has no error rate, e.g. a regression model)."""
 
     model: torch.nn.Module
     batches: List[Batch]
-    regression: bool
-    error_on: Callable[[str], float]
+    loss_fn: Callable[[Any, Batch], torch.Tensor]
+    error_on: Optional[Callable[[str], float]]
 
 
 def _load_hf(
     directory: str, settings: StudySettings, data: str, device: torch.device
 ) -> _LoadedCheckpoint:
-    """A Hugging Face checkpoint directory; data files are ``.jsonl`` text or ``.npz`` arrays."""
-    model, tokenizer = load_checkpoint(directory, device)
+    """A Hugging Face checkpoint directory: a classifier with ``.jsonl`` text or ``.npz``
+    arrays, or a causal LM with plain text (:func:`_load_causal_lm`)."""
+    if is_causal_lm(read_config(directory)):
+        return _load_causal_lm(directory, settings, data, device)
+    model, tokenizer = load_checkpoint(directory, device, dtype=settings.dtype)
     batch_args = dict(max_length=settings.max_length, device=device)
     batches: List[Batch] = load_batches(
         data,
@@ -481,7 +503,47 @@ def _load_hf(
         split = load_batches(path, model, tokenizer, batch_size=settings.batch_size, **batch_args)
         return error_rate(model, split)
 
-    return _LoadedCheckpoint(model, batches, is_regression(model.config), error_on)
+    regression = is_regression(model.config)
+    return _LoadedCheckpoint(
+        model, batches, classification_loss(regression), None if regression else error_on
+    )
+
+
+def _causal_lm_text(path: str, where: str) -> None:
+    if Path(path).suffix.lower() in TEXT_SUFFIXES + ARRAY_SUFFIXES:
+        raise InputError(
+            f"{where}: a causal LM is measured on plain text (its next-token loss), not on "
+            f"{Path(path).suffix} examples; give a text file, e.g. train.txt"
+        )
+
+
+def _load_causal_lm(
+    directory: str, settings: StudySettings, data: str, device: torch.device
+) -> _LoadedCheckpoint:
+    """A causal LM: next-token loss on ``settings.max_examples`` blocks of
+    ``settings.max_length`` tokens of the text ``data``, drawn with seed 0; the error
+    rate is the next-token error over every block of a text."""
+    _causal_lm_text(data, f"data {data}")
+    model, tokenizer = load_causal_lm(directory, device, dtype=settings.dtype)
+    batches = load_text_batches(
+        data,
+        model,
+        tokenizer,
+        block_size=settings.max_length,
+        batch_size=settings.batch_size,
+        max_blocks=settings.max_examples,
+        seed=0,
+        device=device,
+        where=f"data {data}",
+    )
+
+    def error_on(path: str) -> float:
+        _causal_lm_text(path, f"text {path}")
+        blocks = load_text_blocks(path, model, tokenizer, settings.max_length)
+        split = [({"input_ids": ids}, ids) for ids in blocks.to(device).split(settings.batch_size)]
+        return next_token_error(model, split)
+
+    return _LoadedCheckpoint(model, batches, next_token_loss, error_on)
 
 
 def _load_model_soups(
@@ -524,7 +586,7 @@ def _load_model_soups(
         )
         return error_rate(model, split)
 
-    return _LoadedCheckpoint(model, batches, False, error_on)
+    return _LoadedCheckpoint(model, batches, classification_loss(False), error_on)
 
 
 def _measure_checkpoint(
@@ -561,7 +623,7 @@ def _measure_checkpoint(
         "signature": checkpoint_signature(checkpoint),
     }
     if train_data is not None and test_data is not None:
-        if loaded.regression:
+        if loaded.error_on is None:
             raise InputError(f"checkpoint {checkpoint}: error rates need a classifier")
         splits = (("train", train_data), ("test", test_data))
         errors = {split: loaded.error_on(path) for split, path in splits}
@@ -574,7 +636,7 @@ def _measure_checkpoint(
     for scale, study in scales:
         measures = measure_model(
             model,
-            classification_loss(loaded.regression),
+            loaded.loss_fn,
             loaded.batches,
             scaled_settings(settings, scale),
             probe_inputs=loaded.batches[0][0],
@@ -761,7 +823,10 @@ def _study_fingerprint(
 ) -> str:
     files = {"data": data, "train": train_data, "test": test_data}
     digests = {k: _input_digest(v) for k, v in files.items() if v is not None}
-    study = {"settings": asdict(settings), "files": digests}
+    recorded = asdict(settings)
+    if recorded["dtype"] == "auto":  # as before the option: resumable
+        del recorded["dtype"]
+    study = {"settings": recorded, "files": digests}
     if format != "hf":  # fingerprints of Hugging Face runs stay as they were
         study["format"] = format
     return fingerprint(study)
@@ -791,8 +856,12 @@ def run_population(
         Checkpoints (see :func:`find_checkpoints`); names must be unique.
     data : str
         The sharpness examples, the same for all: ``.jsonl`` text or ``.npz`` arrays
-        (``format="hf"``), or an ``ImageFolder`` directory (``format="model-soups"``:
-        ``settings.max_examples`` of its images, drawn with a fixed seed).
+        (``format="hf"``; plain text for causal LMs, whose loss is the next-token loss on
+        ``settings.max_examples`` blocks of ``settings.max_length`` tokens drawn with seed
+        0, and whose error rate is the next-token error,
+        :mod:`~geoopt_quotient.experiments.causal_lm`), or an ``ImageFolder`` directory
+        (``format="model-soups"``: ``settings.max_examples`` of its images, drawn with a
+        fixed seed).
     settings : StudySettings
         The measures, radii and Auto-PGD options.
     gaps : mapping, optional
