@@ -33,6 +33,7 @@ MODULES = (
     "geoopt_quotient.nn",
     "geoopt_quotient.optim",
     "geoopt_quotient.testing",
+    "geoopt_quotient.integrations",
     "geoopt_quotient.experiments.diagonal",
     "geoopt_quotient.experiments.population",
     "geoopt_quotient.experiments.figures",
@@ -50,7 +51,7 @@ MODULES = (
 #: callable defined there is documented.
 LIBRARY = tuple(
     f"geoopt_quotient.{name}"
-    for name in ("manifolds", "symmetry", "sharpness", "nn", "optim", "testing")
+    for name in ("manifolds", "symmetry", "sharpness", "nn", "optim", "testing", "integrations")
 )
 
 #: The share of all public callables that must have the sections.
