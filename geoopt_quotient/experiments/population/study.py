@@ -959,7 +959,6 @@ def run_population(
             model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
         models.append(model)
     gap_values = [m["gap"] for m in models]
-    values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
     by_rho = {}
     if rho_scales is not None:
         by_rho = {
@@ -973,12 +972,25 @@ def run_population(
         "gap_source": "measured" if gaps is None else "given",
         "format": format,
         "models": models,
-        "tau": tau_table(values, gap_values, resamples=resamples, seed=settings.seed),
-        "warning": few_models_warning(len(models)),
-        "paper_tau": PAPER_TAU,
+        **study_summary(models, settings, resamples),
         "timings": {"total": time.perf_counter() - start},
         "processes": world,
         **by_rho,
+    }
+
+
+def study_summary(
+    models: Sequence[Mapping[str, Any]], settings: StudySettings, resamples: int
+) -> Dict[str, Any]:
+    """``tau`` (:func:`tau_table` of every measure against the models' ``gap``),
+    ``warning`` (:func:`few_models_warning`) and ``paper_tau``: the summary of a study's
+    model records, in the study's measures' order."""
+    gaps = [m["gap"] for m in models]
+    values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
+    return {
+        "tau": tau_table(values, gaps, resamples=resamples, seed=settings.seed),
+        "warning": few_models_warning(len(models)),
+        "paper_tau": PAPER_TAU,
     }
 
 
