@@ -312,3 +312,25 @@ def test_sam_trainer_argument_errors(tmp_path):
     ):
         with pytest.raises(ValueError, match=match):
             GeodesicSAMTrainer(tiny_bert(), args, train_dataset=examples(4), **bad)
+
+
+def test_sam_trainer_in_bf16_autocast_with_a_callback(tmp_path, monkeypatch):
+    """Mixed precision (CPU bf16 autocast): one ascent per step, finite float32 weights;
+    a SharpnessCallback given to the SAM trainer is put first and logs at its steps."""
+    calls = []
+    original = gq.optim.SAMAscent.perturb
+    monkeypatch.setattr(
+        gq.optim.SAMAscent, "perturb", lambda self, rho: calls.append(rho) or original(self, rho)
+    )
+    callback = SharpnessCallback(held_out(), 2, ["adaptive"], 0.05, iters=2)
+    args = arguments(tmp_path, max_steps=2, bf16=True, logging_steps=1)
+    trainer = GeodesicSAMTrainer(
+        tiny_bert(), args, train_dataset=examples(8), callbacks=[callback], rho=0.05
+    )
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+    assert calls == [0.05, 0.05]
+    assert all(
+        p.dtype == torch.float32 and torch.isfinite(p).all() for p in trainer.model.parameters()
+    )
+    assert logged_steps(trainer, "sharpness/adaptive") == [2]
