@@ -301,6 +301,8 @@ def test_fresh_lora_under_the_sam_trainer_never_gets_nan(tmp_path, ball):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert all(map(torch.isfinite, torch.tensor(train_losses(trainer))))
     assert any(float(b.detach().abs().max()) > 0 for b in lora_b)  # the adapters did train
+    kinds = {g.kind for g in trainer.sam_ascent.plan.groups} - {"adaptive", "euclidean"}
+    assert bool(kinds) == (ball == "geodesic"), kinds  # discovered again once B != 0
 
 
 def test_sam_trainer_argument_errors(tmp_path):

@@ -83,7 +83,11 @@ class GeodesicSAMTrainer(Trainer):
     Notes
     -----
     A step costs two forward and backward passes per micro-batch, as SAM. The loss in
-    the logs is the loss at :math:`w`. Callbacks given here that are
+    the logs is the loss at :math:`w`. The symmetries are discovered at the first step;
+    adapters that are rank-deficient then (fresh LoRA, :math:`B = 0`, on which the exact
+    quotient is singular) are left to the adaptive geometry, and discovery runs again at
+    the next steps until they are not, so that they get their :math:`\GL(r)` quotient
+    once training has moved :math:`B`. Callbacks given here that are
     :class:`~geoopt_quotient.integrations.SharpnessCallback` are put first
     (:meth:`SharpnessCallback.attach`).
 
@@ -129,8 +133,13 @@ class GeodesicSAMTrainer(Trainer):
     @property
     def sam_ascent(self) -> SAMAscent:
         """The ascent on the model being trained (made, with its symmetry plan, on first
-        use, and again if the Trainer's model changes, e.g. with ``model_init``)."""
-        if self._sam_ascent is None or self._sam_model is not self.model:
+        use, and again if the Trainer's model changes, e.g. with ``model_init``, or while
+        discovery leaves rank-deficient adapters to the adaptive geometry)."""
+        if (
+            self._sam_ascent is None
+            or self._sam_model is not self.model
+            or _has_rank_deficient_notes(self._sam_ascent, self.sam_options)
+        ):
             self._sam_ascent = SAMAscent(self.model, **self.sam_options)
             self._sam_model = self.model
         return self._sam_ascent
@@ -164,6 +173,14 @@ class GeodesicSAMTrainer(Trainer):
                     super().training_step(model, inputs, items)
         finally:
             ascent.restore()
+
+
+def _has_rank_deficient_notes(ascent: SAMAscent, options: Dict[str, Any]) -> bool:
+    """Whether discovery found adapters it left to the adaptive geometry because they were
+    rank-deficient (fresh LoRA, B = 0): after a step they are not, so discover again."""
+    if options["ball"] != "geodesic" or options["symmetries"] is not None:
+        return False
+    return any("rank-deficient" in note for note in ascent.plan.notes)
 
 
 def _finite_gradients(model: torch.nn.Module) -> bool:
