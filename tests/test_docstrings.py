@@ -69,6 +69,9 @@ ENTRY_POINTS = (
     "geoopt_quotient.calibrate_rho",
     "geoopt_quotient.hessian_trace",
     "geoopt_quotient.optim.GeodesicSAM",
+    "geoopt_quotient.optim.SAMAscent",
+    "geoopt_quotient.integrations.SharpnessMonitor",
+    "geoopt_quotient.integrations.measure_during_training",
     "geoopt_quotient.kendall_tau",
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -188,15 +189,16 @@ def logged_steps_of(history, key):
     return [entry["step"] for entry in history if key in entry]
 
 
-def test_callback_warns_when_reporters_would_miss_the_values(tmp_path):
-    pytest.importorskip("tensorboard")
+def test_callback_warns_when_reporters_would_miss_the_values():
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
     callback = SharpnessCallback(held_out(), 100, ["adaptive"], iters=1)
-    args = arguments(tmp_path, max_steps=1, report_to="tensorboard")
-    trainer = transformers.Trainer(
-        tiny_bert(), args, train_dataset=examples(4), callbacks=[callback]
-    )
-    with pytest.warns(UserWarning, match="attach"):
-        trainer.train()
+    with pytest.warns(UserWarning, match=r"\['tensorboard'\].*attach"):
+        callback.on_train_begin(SimpleNamespace(report_to=["tensorboard"]), state, control)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.on_train_begin(SimpleNamespace(report_to=["none"]), state, control)
+        callback.attach(SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[])))
+        callback.on_train_begin(SimpleNamespace(report_to=["tensorboard"]), state, control)
 
 
 def test_attach_puts_the_callback_first(tmp_path):
