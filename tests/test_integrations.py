@@ -109,14 +109,18 @@ def test_measure_radii_per_measure_and_errors():
         measure_radii(["adaptive"], 0.0)
 
 
-def test_measuring_mid_step_leaves_weights_grads_modes_and_rng():
+@pytest.mark.on_device
+def test_measuring_mid_step_leaves_weights_grads_modes_and_rng(device):
     """Between backward and optimizer.step: .grad, weights, train mode and the RNG
-    streams are as they were, so the loop goes on as without the measurement."""
+    streams (CPU, and CUDA on a CUDA run) are as they were, so the loop goes on as
+    without the measurement; on the model's device (``--torch-device``)."""
     model = tiny_bert().train()
+    assert next(model.parameters()).device.type == device.type
     batch = held_out()[0]
     model(**batch).loss.backward()
     before, grads = weights(model), {n: p.grad.clone() for n, p in model.named_parameters()}
     rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else []
     values = measure_during_training(
         model, None, held_out(), ["adaptive", "geodesic_mix"], 0.01, iters=2
     )
@@ -127,6 +131,8 @@ def test_measuring_mid_step_leaves_weights_grads_modes_and_rng():
         assert torch.equal(param.grad, grads[name]), name
     assert all(m.training for m in model.modules())
     assert torch.equal(torch.random.get_rng_state(), rng)
+    if cuda_rng:
+        assert all(map(torch.equal, torch.cuda.get_rng_state_all(), cuda_rng))
 
 
 def test_monitor_measures_every_ablation_in_eval_mode():
@@ -338,3 +344,20 @@ def test_sam_trainer_in_bf16_autocast_with_a_callback(tmp_path, monkeypatch):
         p.dtype == torch.float32 and torch.isfinite(p).all() for p in trainer.model.parameters()
     )
     assert logged_steps(trainer, "sharpness/adaptive") == [2]
+
+
+class NaNLossTrainer(GeodesicSAMTrainer):
+    """A loss whose gradients are NaN: the ascent must refuse to write them."""
+
+    def compute_loss(self, model, inputs, **kwargs):
+        return super().compute_loss(model, inputs, **kwargs) * torch.tensor(float("nan"))
+
+
+def test_sam_trainer_raises_on_a_non_finite_ascent_and_leaves_the_weights(tmp_path):
+    model = tiny_bert()
+    before = weights(model)
+    args = arguments(tmp_path, max_steps=2, logging_nan_inf_filter=False)
+    trainer = NaNLossTrainer(model, args, train_dataset=examples(8), ball="euclidean")
+    with pytest.raises(gq.NonFiniteError, match="no parameter was changed"):
+        trainer.train()
+    assert_same_weights(weights(model), before)
