@@ -8,7 +8,8 @@ every subpackage is imported on first attribute access (``gq.GLQuotient``,
 * :mod:`~geoopt_quotient.symmetry`: symmetry plans and their discovery in real models;
 * :mod:`~geoopt_quotient.sharpness`: the engine (Auto-PGD in a ball, sharpness, Hessian);
 * :mod:`~geoopt_quotient.nn`, :mod:`~geoopt_quotient.optim`,
-  :mod:`~geoopt_quotient.testing`: layers, optimizers, the testing kit;
+  :mod:`~geoopt_quotient.testing`, :mod:`~geoopt_quotient.integrations`: layers,
+  optimizers, the testing kit, sharpness during training (Hugging Face ``Trainer``);
 * :mod:`~geoopt_quotient.experiments` and :mod:`~geoopt_quotient.cli`: the paper's
   experiments and the command line, on top (their figures and data sets need the
   ``experiments`` extra).
@@ -68,6 +69,7 @@ EXPORTS: Dict[str, str] = {
 SUBMODULES = (
     "cli",
     "experiments",
+    "integrations",
     "manifolds",
     "nn",
     "optim",

@@ -11,9 +11,11 @@ import math
 from typing import Sequence
 
 __all__ = [
+    "ABLATIONS",
     "GEODESIC_PATHS",
     "MEASURES",
     "METRICS",
+    "NAMED_MEASURES",
     "PATHS",
     "RETRACTIONS",
     "STRAIGHT",
@@ -21,6 +23,7 @@ __all__ = [
     "check_nonnegative_float",
     "check_positive_float",
     "check_positive_int",
+    "split_measure",
 ]
 
 #: Metrics of the quotient geometries (:class:`~geoopt_quotient.GLQuotient`, ...).
@@ -35,6 +38,22 @@ GEODESIC_PATHS = ("exact", "second_order")
 STRAIGHT = "straight"
 #: Every path a ball can be walked along.
 PATHS = (*GEODESIC_PATHS, STRAIGHT)
+#: Sharpness measures by name: adaptive sharpness and geodesic sharpness in each metric.
+NAMED_MEASURES = ("adaptive", *(f"geodesic_{metric}" for metric in METRICS))
+#: The ablations of Appendix G of "Hide & Seek": the quotient norm or the curvature off.
+ABLATIONS = tuple(
+    f"geodesic_{metric}_no_{part}" for metric in METRICS for part in ("norm", "curvature")
+)
+
+
+def split_measure(measure: str) -> tuple:
+    """A measure's name as ``(metric, norm, curvature)``; ``metric`` is None for
+    ``"adaptive"``: ``"geodesic_mix_no_norm"`` -> ``("mix", False, True)``."""
+    check_choice(measure, (*NAMED_MEASURES, *ABLATIONS), "measure")
+    if measure == "adaptive":
+        return None, True, True
+    metric = measure.split("_")[1]
+    return metric, not measure.endswith("_no_norm"), not measure.endswith("_no_curvature")
 
 
 def check_choice(value: str, choices: Sequence[str], name: str) -> str:

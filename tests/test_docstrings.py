@@ -33,6 +33,7 @@ MODULES = (
     "geoopt_quotient.nn",
     "geoopt_quotient.optim",
     "geoopt_quotient.testing",
+    "geoopt_quotient.integrations",
     "geoopt_quotient.experiments.diagonal",
     "geoopt_quotient.experiments.population",
     "geoopt_quotient.experiments.figures",
@@ -50,7 +51,7 @@ MODULES = (
 #: callable defined there is documented.
 LIBRARY = tuple(
     f"geoopt_quotient.{name}"
-    for name in ("manifolds", "symmetry", "sharpness", "nn", "optim", "testing")
+    for name in ("manifolds", "symmetry", "sharpness", "nn", "optim", "testing", "integrations")
 )
 
 #: The share of all public callables that must have the sections.
@@ -68,6 +69,9 @@ ENTRY_POINTS = (
     "geoopt_quotient.calibrate_rho",
     "geoopt_quotient.hessian_trace",
     "geoopt_quotient.optim.GeodesicSAM",
+    "geoopt_quotient.optim.SAMAscent",
+    "geoopt_quotient.integrations.SharpnessMonitor",
+    "geoopt_quotient.integrations.measure_during_training",
     "geoopt_quotient.kendall_tau",
 )
 

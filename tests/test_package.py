@@ -11,7 +11,7 @@ import torch
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import measure as measure_module
 
-LAZY = ("nn", "optim", "testing", "experiments")
+LAZY = ("nn", "optim", "testing", "experiments", "integrations")
 
 
 def test_subpackages_load_on_first_attribute_access():
@@ -20,7 +20,7 @@ def test_subpackages_load_on_first_attribute_access():
         f"lazy = {LAZY!r}\n"
         "assert not [n for n in lazy if 'geoopt_quotient.' + n in sys.modules], sys.modules\n"
         "gq.nn.FactorizedLinear, gq.optim.GeodesicSAM, gq.testing.assert_invariant\n"
-        "gq.experiments.population.run_population\n"
+        "gq.experiments.population.run_population, gq.integrations.SharpnessMonitor\n"
         "assert all('geoopt_quotient.' + n in sys.modules for n in lazy)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

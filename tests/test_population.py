@@ -37,6 +37,7 @@ from geoopt_quotient.experiments.population import (
     tau_table,
 )
 from geoopt_quotient.experiments.population import study as study_module
+from geoopt_quotient.experiments.population.report import population_rows, read_rows_csv
 from geoopt_quotient.sharpness import DEFAULT_RADII
 from geoopt_quotient.sharpness.stats import kendall_tau, kendall_tau_bootstrap
 
@@ -143,6 +144,9 @@ def test_population_command_with_given_and_measured_gaps(quick, tmp_path, capsys
         for name in MEASURES:  # the same batches, seeds and settings give the same values
             assert x["measures"][name]["value"] == y["measures"][name]["value"]
     assert (given / "population.png").is_file()
+    # the tables hold the JSON's numbers, exactly
+    assert read_rows_csv(given / "population.csv") == population_rows(a)
+    assert [r["measure"] for r in read_rows_csv(given / "population-tau.csv")] == list(MEASURES)
 
 
 @slow

@@ -11,6 +11,7 @@ ORDER = (
     "plot_benchmark_results.py",
     "lora_riemannian.py",
     "sam_digits.py",
+    "trainer_bert_sam.py",
 )
 
 

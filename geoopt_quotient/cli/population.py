@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from ..experiments.classifiers import ARRAY_SUFFIXES, TEXT_SUFFIXES
-from ..experiments.population.rho_grid import (
-    format_tau_by_rho,
-    parse_rho_scales,
-    tau_by_rho_figure,
-)
+from ..experiments.population.report import REFERENCE, figure_title, write_population_files
+from ..experiments.population.rho_grid import format_tau_by_rho, parse_rho_scales
 from ..experiments.population.study import (
     FORMATS,
-    MEASURES,
     PAPER_TAU,
     PROTOCOLS,
     StudySettings,
@@ -25,7 +20,6 @@ from ..experiments.population.study import (
     format_tau_table,
     read_gaps,
     run_population,
-    scatter_figure,
 )
 from ..experiments.records import RecordFile
 from ._runtime import (
@@ -309,44 +303,20 @@ def _versions() -> Dict[str, str]:
     }
 
 
-def figure_title(document: Dict[str, Any], label: str) -> str:
-    """The scatter figure's title: ``label``, the radius of every measure, the warning.
-
-    ``label`` says what the models are (e.g. ``"6 ViTs on 8x8 digits (--quick run)"``).
-    """
-    settings = document["settings"]
-    radii = ", ".join(f"{name} {settings[f'rho_{name}']:g}" for name in ("adaptive", "inv", "mix"))
-    steps = "Auto-PGD iterations" if settings["kind"] == "worst" else "samples"
-    lines = [label, f"radii ρ: {radii}; {settings['kind']} case, {settings['iters']} {steps}"]
-    if document.get("warning"):
-        lines.append(f"warning: {document['warning']}")
-    return "\n".join(lines)
-
-
 def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label: str) -> None:
-    """Write OUT/STEM.json and OUT/STEM.png (and --json), print the tau table.
+    """Write OUT/STEM.json, OUT/STEM.png and the tables OUT/STEM.csv, OUT/STEM-tau.csv
+    (and --json), print the tau table.
 
-    The figure's title is :func:`figure_title` of ``label``; the JSON document keeps it
+    The files are :func:`~geoopt_quotient.experiments.population.report.write_population_files`'s;
+    the figure's title is :func:`figure_title` of ``label``; the JSON document keeps it
     as ``figure_title``, and the torch threads of the run as ``threads``.
     """
     import torch
 
     document["threads"] = torch.get_num_threads()
     document["versions"] = _versions()
-    out = Path(args.out)
-    title = figure_title(document, label)
-    figure = scatter_figure(document["models"], MEASURES, str(out / f"{stem}.png"), title)
-    document["figure"] = figure
-    document["figure_title"] = title
-    figures = [figure]
-    if "tau_by_rho" in document:
-        document["tau_by_rho_figure"] = _rho_figure(
-            document, label, str(out / f"{stem}-tau-by-rho.png")
-        )
-        figures.append(document["tau_by_rho_figure"])
-    text = json.dumps(document, indent=1, default=float)
-    json_path = out / f"{stem}.json"
-    json_path.write_text(text + "\n")
+    written = write_population_files(document, args.out, stem, label)
+    text = Path(written[-1]).read_text().rstrip("\n")
     if args.json == "-":
         sys.stdout.write(text + "\n")
         return
@@ -358,22 +328,8 @@ def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label:
         print(format_tau_table(document["tau"]))
         if "tau_by_rho" in document:
             _print_by_rho(document)
-        written = [str(json_path), *figures] + ([args.json] if args.json else [])
+        written = [written[-1], *written[:-1]] + ([args.json] if args.json else [])
         print("wrote " + ", ".join(written))
-
-
-#: Table 1's row drawn beside tau against the radius.
-REFERENCE = "ImageNet, 72 CLIP ViT-B/32"
-
-
-def _rho_figure(document: Dict[str, Any], label: str, path: str) -> str:
-    """Tau against the radius, the paper's ImageNet values as thin lines."""
-    title = f"{label}\ntau against the generalization gap; thin lines: {REFERENCE} (Table 1)"
-    if document.get("warning"):
-        title += f"\nwarning: {document['warning']}"
-    return tau_by_rho_figure(
-        document["tau_by_rho"], path, title=title, reference=PAPER_TAU[REFERENCE]
-    )
 
 
 def format_sharpness_to_clean_loss(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -2,6 +2,6 @@
 sharpness-aware minimisation on the quotient (:class:`GeodesicSAM`)."""
 
 from .riemannian import RiemannianAdam, RiemannianSGD
-from .sam import GeodesicSAM, ZeroAscentWarning
+from .sam import GeodesicSAM, SAMAscent, ZeroAscentWarning
 
-__all__ = ["GeodesicSAM", "RiemannianAdam", "RiemannianSGD", "ZeroAscentWarning"]
+__all__ = ["GeodesicSAM", "RiemannianAdam", "RiemannianSGD", "SAMAscent", "ZeroAscentWarning"]

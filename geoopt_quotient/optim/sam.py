@@ -46,7 +46,7 @@ from ..symmetry.plan import (
     whole_parameter_group,
 )
 
-__all__ = ["BALLS", "GeodesicSAM", "ZeroAscentWarning"]
+__all__ = ["BALLS", "GeodesicSAM", "SAMAscent", "ZeroAscentWarning"]
 
 BALLS = ("geodesic", "adaptive", "euclidean")
 
@@ -169,33 +169,28 @@ class GeodesicSAM(torch.optim.Optimizer):
         path: str = "second_order",
         **base_kwargs: Any,
     ):
-        check_choice(ball, BALLS, "ball")
-        check_choice(path, GEODESIC_PATHS, "path")
         rho = check_positive_float(rho, "rho")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         super().__init__([p for _, p in named], dict(rho=float(rho)))
         self.base_optimizer = base_optimizer_cls(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups
         self.defaults.update(self.base_optimizer.defaults)
-        self.plan = _ball_plan(model, ball, symmetries, metric, eps)
-        self.ball, self.path = ball, path
-        self._named = dict(named)
-        self._saved: Dict[torch.Tensor, torch.Tensor] = {}
-        self.last_ascent: List[torch.Tensor] = []
+        self.ascent = SAMAscent(
+            model, metric=metric, symmetries=symmetries, ball=ball, eps=eps, path=path
+        )
+        self.plan, self.ball, self.path = self.ascent.plan, ball, path
+
+    @property
+    def last_ascent(self) -> List[torch.Tensor]:
+        r""":math:`\xi` of the last :meth:`first_step`, one tangent vector per plan group."""
+        return self.ascent.last_ascent
 
     @torch.no_grad()
     def first_step(self, zero_grad: bool = False) -> None:
         r"""Move the parameters to :math:`w' = R_w(\xi)`, :math:`\xi` the normalised
         Riemannian gradient of metric norm :math:`\rho`; gradients must be those at
         :math:`w`."""
-        if self._saved:
-            raise RuntimeError("first_step() twice without second_step() in between")
-        with AutocastState.capture().disabled():
-            moved = self._ascend()
-        for name, value in self.plan.scatter(moved, self._current()).items():
-            param = self._named[name]
-            self._saved[param] = param.detach().clone()
-            param.copy_(value)
+        self.ascent.perturb(self.param_groups[0]["rho"])
         if zero_grad:
             self.zero_grad()
 
@@ -203,11 +198,7 @@ class GeodesicSAM(torch.optim.Optimizer):
     def second_step(self, zero_grad: bool = False) -> None:
         """Put the parameters back to :math:`w` and take the base optimizer's step with
         the gradients now stored (those at :math:`w'`)."""
-        if not self._saved:
-            raise RuntimeError("second_step() without first_step() before it")
-        for param, saved in self._saved.items():
-            param.copy_(saved)
-        self._saved.clear()
+        self.ascent.restore()
         self.base_optimizer.step()
         # torch's LR schedulers check this flag (set by a wrapped step()) to warn about a
         # scheduler stepped before its optimizer; step() is not called on this path
@@ -223,7 +214,9 @@ class GeodesicSAM(torch.optim.Optimizer):
         if closure is None:
             raise ValueError(
                 "GeodesicSAM.step needs a closure that computes the loss and calls "
-                "backward(); or call first_step() and second_step() around your own passes"
+                "backward(); or call first_step() and second_step() around your own passes "
+                "(with the Hugging Face Trainer: geoopt_quotient.integrations."
+                "GeodesicSAMTrainer)"
             )
         with torch.enable_grad():
             loss = closure()
@@ -233,10 +226,123 @@ class GeodesicSAM(torch.optim.Optimizer):
         self.second_step()
         return loss
 
+    def state_dict(self) -> Dict[str, Any]:
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+
+
+class SAMAscent:
+    r"""The ascent half of a SAM step: move a model to :math:`w' = R_w(\xi)` and back.
+
+    :class:`GeodesicSAM` and
+    :class:`~geoopt_quotient.integrations.GeodesicSAMTrainer` share it; use it to put
+    the ascent into a training loop whose descent step is someone else's (any
+    optimizer, a gradient scaler, gradient accumulation). With the gradients at
+    :math:`w` in ``.grad``, :meth:`perturb` moves the trainable parameters to
+
+    .. math::
+
+        w' = R_w(\xi), \qquad \xi = \rho\, \frac{\operatorname{grad} L(w)}
+            {|\operatorname{grad} L(w)|_w},
+
+    the Riemannian gradient in the ball's metric (quotient, adaptive or Euclidean),
+    and :meth:`restore` writes :math:`w` back bitwise.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its parameters with ``requires_grad`` are perturbed.
+    metric, symmetries, ball, eps, path
+        As for :class:`GeodesicSAM`.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``ball`` or ``path``.
+
+    Notes
+    -----
+    The guarantees are :class:`GeodesicSAM`'s: a zero gradient in the ball's metric
+    skips the ascent with a :class:`ZeroAscentWarning` naming the weights at exactly 0,
+    and a non-finite ascent raises
+    :class:`~geoopt_quotient.sharpness.NonFiniteError` before any parameter is written.
+    The direction is invariant under scaling the gradients by a positive constant (a
+    loss scale, a division by the accumulation steps).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_quotient.optim import SAMAscent
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Linear(3, 1)
+    >>> ascent = SAMAscent(model, ball="euclidean")
+    >>> model(torch.randn(4, 3)).pow(2).mean().backward()
+    >>> before = model.weight.detach().clone()
+    >>> ascent.perturb(0.1)  # |xi| = 0.1 over weight and bias together
+    >>> ascent.perturbed, bool((model.weight - before).norm() <= 0.1 + 1e-6)
+    (True, True)
+    >>> ascent.restore()
+    >>> torch.equal(model.weight, before)
+    True
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        metric: str = "mix",
+        symmetries: Symmetries = None,
+        ball: str = "geodesic",
+        eps: float = 0.0,
+        path: str = "second_order",
+    ):
+        check_choice(ball, BALLS, "ball")
+        check_choice(path, GEODESIC_PATHS, "path")
+        self._named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.plan = _ball_plan(model, ball, symmetries, metric, eps)
+        self.ball, self.path = ball, path
+        self._saved: Dict[torch.Tensor, torch.Tensor] = {}
+        self.last_ascent: List[torch.Tensor] = []
+
+    @property
+    def perturbed(self) -> bool:
+        """Whether the parameters are at :math:`w'` (between :meth:`perturb` and
+        :meth:`restore`)."""
+        return bool(self._saved)
+
+    @torch.no_grad()
+    def perturb(self, rho: float) -> None:
+        r"""Move the parameters to :math:`w'`, the ascent of metric norm ``rho`` along
+        the gradients now in ``.grad`` (missing gradients count as 0)."""
+        if self._saved:
+            raise RuntimeError(
+                "first_step() (perturb()) twice without second_step() (restore()) in between"
+            )
+        with AutocastState.capture().disabled():
+            moved = self._ascend(rho)
+        for name, value in self.plan.scatter(moved, self._current()).items():
+            param = self._named[name]
+            self._saved[param] = param.detach().clone()
+            param.copy_(value)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Write the parameters saved by :meth:`perturb` back (bitwise)."""
+        if not self._saved:
+            raise RuntimeError(
+                "second_step() (restore()) without first_step() (perturb()) before it"
+            )
+        for param, saved in self._saved.items():
+            param.copy_(saved)
+        self._saved.clear()
+
     def _current(self) -> Dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._named.items()}
 
-    def _ascend(self) -> List[torch.Tensor]:
+    def _ascend(self, rho: float) -> List[torch.Tensor]:
         r"""The perturbed points, one per plan group; sets :attr:`last_ascent`.
 
         Element-wise groups (adaptive :math:`c = |w| + \varepsilon`, Euclidean
@@ -261,7 +367,6 @@ class GeodesicSAM(torch.optim.Optimizer):
         squares = [n.pow(2) for n in torch._foreach_norm(scaled)] if scaled else []
         squares += [spaces[i].inner(r, r) for i, r in rgrads.items()]
         norm = torch.stack([q.to(torch.float64) for q in squares]).sum().sqrt()
-        rho = self.param_groups[0]["rho"]
         # a zero gradient in the ball's metric has no ascent direction: xi = 0, w' = w
         factor = torch.where(norm > 0, rho / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0)
         ascent: List[torch.Tensor] = [None] * len(points)  # type: ignore[list-item]
@@ -282,13 +387,13 @@ class GeodesicSAM(torch.optim.Optimizer):
         finite = torch.stack([torch.isfinite(m).all() for m in moved]).all()
         no_ascent, bad = torch.stack([norm == 0, ~finite]).tolist()  # one host read
         if bad:
-            raise NonFiniteError(self._non_finite_message(moved, grads, float(norm)))
+            raise NonFiniteError(self._non_finite_message(moved, grads, float(norm), rho))
         if no_ascent:
-            warnings.warn(self._no_ascent_message(params), ZeroAscentWarning, stacklevel=4)
+            warnings.warn(self._no_ascent_message(params), ZeroAscentWarning, stacklevel=5)
         return moved
 
     def _non_finite_message(
-        self, moved: List[torch.Tensor], grads: Dict[str, torch.Tensor], norm: float
+        self, moved: List[torch.Tensor], grads: Dict[str, torch.Tensor], norm: float, rho: float
     ) -> str:
         groups = self.plan.groups
         where = [g.name for g, m in zip(groups, moved) if not torch.isfinite(m).all()]
@@ -304,7 +409,7 @@ class GeodesicSAM(torch.optim.Optimizer):
             )
         return text + (
             f"The gradient's norm in the ball's metric is {norm:.3g}, too small to scale to "
-            f"rho = {self.param_groups[0]['rho']:g} in the parameters' dtype (weights at or "
+            f"rho = {rho:g} in the parameters' dtype (weights at or "
             "near 0 with `eps=0`?); pass `eps > 0` (ASAM's 0.01) or use a larger dtype"
         )
 
@@ -319,13 +424,6 @@ class GeodesicSAM(torch.optim.Optimizer):
     def _move(self, space, u: torch.Tensor) -> torch.Tensor:
         """The path of a quotient group (only the geodesic ball has any)."""
         return space.expmap(u) if self.path == "exact" else space.retr(u)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.base_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.base_optimizer.load_state_dict(state_dict)
-        self.param_groups = self.base_optimizer.param_groups
 
 
 def _is_elementwise(group: SymmetryGroup) -> bool:

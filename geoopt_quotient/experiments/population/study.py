@@ -34,11 +34,19 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from ..._checks import METRICS, PATHS, STRAIGHT, check_choice, check_positive_float
+from ..._checks import (
+    ABLATIONS,
+    NAMED_MEASURES,
+    PATHS,
+    STRAIGHT,
+    check_choice,
+    check_positive_float,
+    split_measure,
+)
 from ..._progress import progress_bar
-from ...sharpness import DEFAULT_RADII, adaptive_sharpness, geodesic_sharpness
+from ...integrations.measures import measure_sharpness
+from ...sharpness import DEFAULT_RADII
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
-from ...symmetry import find_symmetries
 from ..causal_lm import (
     is_causal_lm,
     load_causal_lm,
@@ -87,13 +95,7 @@ __all__ = [
 ]
 
 #: The measures of a study: adaptive sharpness and geodesic sharpness in each metric.
-MEASURES = ("adaptive", *(f"geodesic_{metric}" for metric in METRICS))
-ABLATIONS = (
-    "geodesic_inv_no_norm",
-    "geodesic_inv_no_curvature",
-    "geodesic_mix_no_norm",
-    "geodesic_mix_no_curvature",
-)
+MEASURES = NAMED_MEASURES
 #: Kendall tau between sharpness and generalization gap in the paper's Table 1.
 PAPER_TAU = {
     "ImageNet, 72 CLIP ViT-B/32": {"adaptive": -0.41, "geodesic_inv": -0.71, "geodesic_mix": -0.70},
@@ -216,7 +218,7 @@ def measure_radius(settings: StudySettings, measure: str) -> float:
     no-norm ablations, the quotient ball of the metric otherwise."""
     if measure == "adaptive" or measure.endswith("_no_norm"):
         return settings.rho_adaptive
-    return getattr(settings, f"rho_{_metric_and_ablation(measure)[0]}")
+    return getattr(settings, f"rho_{split_measure(measure)[0]}")
 
 
 def measure_path(settings: StudySettings, measure: str) -> str:
@@ -369,12 +371,6 @@ def checkpoint_signature(directory: str) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------- one model
-def _metric_and_ablation(measure: str) -> Tuple[str, bool, bool]:
-    """``geodesic_mix_no_norm`` -> ("mix", norm=False, curvature=True)."""
-    metric = measure.split("_")[1]
-    return metric, not measure.endswith("_no_norm"), not measure.endswith("_no_curvature")
-
-
 def measure_model(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -416,53 +412,32 @@ def measure_model(
         (name to count of heads) and the plan's notes.
     """
     plans: Dict[str, Any] = {}
-
-    def plan_for(metric: str) -> Any:
-        if metric not in plans:
-            verify = settings.verify and not plans
-            plan = find_symmetries(
-                model, metric=metric, eps=settings.eps, verify=verify, probe_inputs=probe_inputs
-            )
-            plans[metric] = plan.bind(model)
-        return plans[metric]
-
-    common = dict(iters=settings.iters, kind=settings.kind, seed=settings.seed, progress=False)
-    results: Dict[str, Dict[str, Any]] = {}
-    for measure in settings.measures:
-        if on_measure is not None:
-            on_measure(measure)
-        if measure == "adaptive":
-            result = adaptive_sharpness(
-                model,
-                loss_fn,
-                batches,
-                rho=settings.rho_adaptive,
-                eps=settings.eps,
-                distributed=False,
-                **common,
-            )
-        else:
-            metric, norm, curvature = _metric_and_ablation(measure)
-            result = geodesic_sharpness(
-                model,
-                loss_fn,
-                batches,
-                rho=measure_radius(settings, measure),
-                symmetries=plan_for(metric),
-                metric=metric,
-                path=settings.path,
-                norm=norm,
-                curvature=curvature,
-                distributed=False,
-                **common,
-            )
-        results[measure] = {
+    measured = measure_sharpness(
+        model,
+        loss_fn,
+        batches,
+        settings.measures,
+        {m: measure_radius(settings, m) for m in settings.measures},
+        iters=settings.iters,
+        kind=settings.kind,
+        path=settings.path,
+        seed=settings.seed,
+        eps=settings.eps,
+        verify=settings.verify,
+        probe_inputs=probe_inputs,
+        plans=plans,
+        on_measure=on_measure,
+    )
+    results: Dict[str, Dict[str, Any]] = {
+        measure: {
             "value": result.value,
             "per_batch": result.per_batch,
             "clean_loss": float(np.mean(result.clean_losses)),
             "perturbed_loss": float(np.mean(result.perturbed_losses)),
             "seconds": result.seconds,
         }
+        for measure, result in measured.items()
+    }
     if plans:
         bound = next(iter(plans.values()))
         results_plan = {g.name: g.count for g in bound.symmetric_groups}
@@ -986,7 +961,6 @@ def run_population(
             model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
         models.append(model)
     gap_values = [m["gap"] for m in models]
-    values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
     by_rho = {}
     if rho_scales is not None:
         by_rho = {
@@ -1000,12 +974,25 @@ def run_population(
         "gap_source": "measured" if gaps is None else "given",
         "format": format,
         "models": models,
-        "tau": tau_table(values, gap_values, resamples=resamples, seed=settings.seed),
-        "warning": few_models_warning(len(models)),
-        "paper_tau": PAPER_TAU,
+        **study_summary(models, settings, resamples),
         "timings": {"total": time.perf_counter() - start},
         "processes": world,
         **by_rho,
+    }
+
+
+def study_summary(
+    models: Sequence[Mapping[str, Any]], settings: StudySettings, resamples: int
+) -> Dict[str, Any]:
+    """``tau`` (:func:`tau_table` of every measure against the models' ``gap``),
+    ``warning`` (:func:`few_models_warning`) and ``paper_tau``: the summary of a study's
+    model records, in the study's measures' order."""
+    gaps = [m["gap"] for m in models]
+    values = {m: [r["measures"][m]["value"] for r in models] for m in settings.measures}
+    return {
+        "tau": tau_table(values, gaps, resamples=resamples, seed=settings.seed),
+        "warning": few_models_warning(len(models)),
+        "paper_tau": PAPER_TAU,
     }
 
 

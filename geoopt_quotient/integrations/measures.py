@@ -1,0 +1,170 @@
+r"""Several sharpness measures of one model, by name, on the same batches.
+
+The names are those of the population studies: ``"adaptive"``, ``"geodesic_inv"``,
+``"geodesic_mix"`` and the ablations of Appendix G of "Hide & Seek"
+(``"geodesic_mix_no_norm"``: the adaptive ball walked along the quotient's geodesics;
+``"geodesic_mix_no_curvature"``: the quotient ball walked along straight lines). Each is
+:func:`~geoopt_quotient.geodesic_sharpness` or :func:`~geoopt_quotient.adaptive_sharpness`
+with the matching switches; the symmetries are discovered once per metric and call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .._checks import ABLATIONS, NAMED_MEASURES, check_positive_float, split_measure
+from ..sharpness import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from ..symmetry import BoundPlan, find_symmetries
+
+__all__ = ["ABLATIONS", "NAMED_MEASURES", "measure_radii", "measure_sharpness"]
+
+Radii = Union[float, Mapping[str, float]]
+
+
+def measure_radii(measures: Sequence[str], rho: Radii) -> Dict[str, float]:
+    """The radius of each measure: ``rho`` for all, or ``rho[measure]`` from a mapping.
+
+    Parameters
+    ----------
+    measures : sequence of str
+        Names from :data:`NAMED_MEASURES` and :data:`ABLATIONS`.
+    rho : float or mapping of str to float
+        One radius for every measure, or one per measure (radii of different balls are
+        on different scales: :func:`~geoopt_quotient.calibrate_rho`).
+
+    Returns
+    -------
+    dict of str to float
+        The radius of each measure, in the order of ``measures``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown or repeated measure, a mapping without some measure's radius, a
+        radius for a measure not asked for, or a radius that is not finite and > 0.
+    """
+    if not measures:
+        raise ValueError(f"no measures; give some of {[*NAMED_MEASURES, *ABLATIONS]}")
+    if len(set(measures)) != len(measures):
+        raise ValueError(f"`measures` lists a measure twice: {list(measures)}")
+    for measure in measures:
+        split_measure(measure)
+    if not isinstance(rho, Mapping):
+        return {m: check_positive_float(rho, "rho") for m in measures}
+    missing = [m for m in measures if m not in rho]
+    extra = [m for m in rho if m not in measures]
+    if missing or extra:
+        raise ValueError(
+            f"`rho` must give the radius of each measure and no other: missing {missing}, "
+            f"not measured {extra}"
+        )
+    return {m: check_positive_float(rho[m], f"rho[{m!r}]") for m in measures}
+
+
+def measure_sharpness(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batches: Sequence[Any],
+    measures: Sequence[str],
+    rho: Radii,
+    *,
+    iters: int = 20,
+    kind: str = "worst",
+    path: str = "second_order",
+    seed: int = 0,
+    eps: float = 0.0,
+    verify: bool = False,
+    probe_inputs: Any = None,
+    plans: Optional[Dict[str, BoundPlan]] = None,
+    on_measure: Optional[Callable[[str], None]] = None,
+    distributed: Optional[bool] = False,
+) -> Dict[str, SharpnessResult]:
+    r"""Every measure in ``measures`` of ``model`` on ``batches``, in that order.
+
+    ``"adaptive"`` is :func:`~geoopt_quotient.adaptive_sharpness`; ``"geodesic_M"`` is
+    :func:`~geoopt_quotient.geodesic_sharpness` in metric ``M``; ``"geodesic_M_no_norm"``
+    the same with ``norm=False`` (adaptive ball, quotient paths) and
+    ``"geodesic_M_no_curvature"`` with ``curvature=False`` (quotient ball, straight
+    paths). Each measures
+
+    .. math::
+
+        S(w) = \frac1B \sum_{b=1}^B \Big[\max_{|\xi|_w \le \rho} L_b(\gamma_\xi(1))
+            - L_b(w)\Big]
+
+    in its ball and along its paths (the mean over the ball with ``kind="average"``).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Never written to; its mode, ``requires_grad`` flags and the RNG state are
+        restored (as by the sharpness functions, which measure in eval mode).
+    loss_fn : callable
+        ``loss_fn(model, batch) -> scalar tensor``.
+    batches : sequence
+        The batches, the same for every measure.
+    measures : sequence of str
+        Names from :data:`NAMED_MEASURES` and :data:`ABLATIONS`.
+    rho : float or mapping of str to float
+        One radius, or one per measure (:func:`measure_radii`).
+    iters, kind, path, seed, eps
+        As for :func:`~geoopt_quotient.geodesic_sharpness` (``path`` is that of the
+        geodesic measures; adaptive sharpness and the no-curvature ablations walk
+        straight lines).
+    verify : bool
+        Check the first metric's discovered symmetries on ``probe_inputs``.
+    probe_inputs : object
+        Inputs for the check, as for :func:`~geoopt_quotient.find_symmetries`.
+    plans : dict or None
+        Filled with the bound plan of each metric discovered (metric name -> plan).
+    on_measure : callable or None
+        Called with each measure's name before it is measured.
+    distributed : bool or None
+        As for :func:`~geoopt_quotient.geodesic_sharpness` (default ``False``: this
+        process measures every batch).
+
+    Returns
+    -------
+    dict of str to SharpnessResult
+        The result of each measure.
+
+    Raises
+    ------
+    ValueError
+        For unknown measures or radii (:func:`measure_radii`), and as the sharpness
+        functions.
+    """
+    radii = measure_radii(measures, rho)
+    plans = {} if plans is None else plans
+    common = dict(iters=iters, kind=kind, seed=seed, progress=False, distributed=distributed)
+    results: Dict[str, SharpnessResult] = {}
+    for measure, radius in radii.items():
+        if on_measure is not None:
+            on_measure(measure)
+        metric, norm, curvature = split_measure(measure)
+        if metric is None:
+            results[measure] = adaptive_sharpness(
+                model, loss_fn, batches, rho=radius, eps=eps, **common
+            )
+            continue
+        if metric not in plans:
+            check = verify and not plans
+            plan = find_symmetries(
+                model, metric=metric, eps=eps, verify=check, probe_inputs=probe_inputs
+            )
+            plans[metric] = plan.bind(model)
+        results[measure] = geodesic_sharpness(
+            model,
+            loss_fn,
+            batches,
+            rho=radius,
+            symmetries=plans[metric],
+            metric=metric,
+            path=path,
+            norm=norm,
+            curvature=curvature,
+            **common,
+        )
+    return results
