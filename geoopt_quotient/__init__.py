@@ -27,7 +27,13 @@ _moved.install()
 #: Top-level names, and the subpackage each is imported from on first access.
 EXPORTS: Dict[str, str] = {
     **dict.fromkeys(
-        ("AdaptiveEuclidean", "DiagonalQuotient", "GeodesicDomainError", "GLQuotient"),
+        (
+            "AdaptiveEuclidean",
+            "DiagonalQuotient",
+            "GeodesicDomainError",
+            "GLQuotient",
+            "RotaryGLQuotient",
+        ),
         "manifolds",
     ),
     **dict.fromkeys(

@@ -4,6 +4,7 @@ from .adaptive import AdaptiveEuclidean
 from .base import QuotientManifold
 from .diagonal_quotient import DiagonalQuotient, GeodesicDomainError
 from .gl_quotient import GLQuotient
+from .rotary_quotient import RotaryGLQuotient
 
 __all__ = [
     "AdaptiveEuclidean",
@@ -11,4 +12,5 @@ __all__ = [
     "GLQuotient",
     "GeodesicDomainError",
     "QuotientManifold",
+    "RotaryGLQuotient",
 ]

@@ -187,6 +187,10 @@ def random_element(
 ) -> Optional[torch.Tensor]:
     """A random group element for ``group`` (``None`` if its manifold has no known action)."""
     lead = tuple(group.shape[:-2])
+    own = getattr(group.manifold, "random_element", None)
+    if own is not None:  # a subgroup of GL(h) (RotaryGLQuotient) draws its own elements
+        h = group.shape[-1]
+        return own(lead, h=h, max_condition=max_condition, generator=generator, dtype=dtype)
     if isinstance(group.manifold, GLQuotient):
         h = group.shape[-1]
         u, _ = torch.linalg.qr(torch.randn(*lead, h, h, generator=generator, dtype=torch.float64))
