@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -35,8 +36,12 @@ __all__ = [
     "attention_pairs",
     "bert_style_pairs",
     "find_attention",
+    "fused_attention_pairs",
+    "fused_qkv_pairs",
+    "fused_rows",
     "gpt2_pairs",
     "linear_attention_pairs",
+    "rotary_geometry",
 ]
 
 HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -147,6 +152,8 @@ def linear_attention_pairs(
     num_kv_heads: Optional[int] = None,
     query_key: bool = True,
     value_output: bool = True,
+    rotary_dim: int = 0,
+    pairing: str = "half",
 ) -> List[PairSpec]:
     """Q/K and V/O pairs of attention built from four ``nn.Linear`` (q, k, v, o).
 
@@ -165,6 +172,12 @@ def linear_attention_pairs(
         output slices (V/O) are stacked as extra rows of ``G`` or ``H``.
     query_key, value_output : bool
         Which pairs to build.
+    rotary_dim : int
+        Dimensions of each query/key head that rotary embeddings rotate (the first
+        ones; 0: none). With ``rotary_dim > 0`` the Q/K pair is a point of
+        :class:`~geoopt_quotient.RotaryGLQuotient`.
+    pairing : {"half", "interleaved"}
+        How the rotary embedding pairs those dimensions into planes.
 
     Returns
     -------
@@ -204,7 +217,18 @@ def linear_attention_pairs(
         m_qk = k.in_features + int(k.bias is not None)
         params = {**entries(q_path, q), **entries(k_path, k)}
         specs.append(
-            PairSpec("query-key", module_path, params, qk_layout, n_qk, m_qk, head_dim, n_kv)
+            PairSpec(
+                "query-key",
+                module_path,
+                params,
+                qk_layout,
+                n_qk,
+                m_qk,
+                head_dim,
+                n_kv,
+                rotary_dim,
+                pairing,
+            )
         )
     if value_output:
         v_build, v_arity = factor(v, n_kv)
@@ -235,6 +259,9 @@ def _rotary_reason(
     owner: torch.nn.Module, model_config: object, model_has_rotary: bool
 ) -> Optional[str]:
     """Why Q/K of ``owner`` may be under rotary embeddings, or ``None``."""
+    config = getattr(owner, "config", None) or model_config
+    if getattr(config, "alibi", None) is True:
+        return None  # ALiBi (Falcon, Bloom): a bias on the scores, no rotation
     try:
         params = inspect.signature(owner.forward).parameters
     except (TypeError, ValueError):
@@ -350,21 +377,7 @@ def attention_pairs(
             path,
         )
         return found
-    breakers = _qk_breakers(owner)
-    rotary = _rotary_reason(owner, context.model_config, context.model_has_rotary)
-    if breakers:
-        found.note(
-            f"Q/K acted on per head ({', '.join(breakers)}): the Q/K GL(h) symmetry does not "
-            "survive; Q/K left to the adaptive geometry",
-            path,
-        )
-    elif rotary is not None:
-        found.note(
-            f"Q/K under rotary position embeddings ({rotary}): only the rotary-commuting "
-            "subgroup (C*)^(h/2) survives, which this version does not model; Q/K left to "
-            "the adaptive geometry (V/O is handled)",
-            path,
-        )
+    query_key, rotary_dim, pairing = _query_key_group(path, owner, context, head_dim, found)
     found.specs.extend(
         linear_attention_pairs(
             path,
@@ -372,10 +385,100 @@ def attention_pairs(
             heads,
             head_dim,
             num_kv_heads=n_kv,
-            query_key=not breakers and rotary is None,
+            query_key=query_key,
+            rotary_dim=rotary_dim,
+            pairing=pairing,
         )
     )
     return found
+
+
+def _query_key_group(
+    path: str, owner: torch.nn.Module, context: _Context, head_dim: int, found: Findings
+) -> Tuple[bool, int, str]:
+    """Which group acts on Q/K: ``(quotiented, rotary_dim, pairing)``; a note says why
+    where Q/K is left to the adaptive geometry."""
+    breakers = _qk_breakers(owner)
+    if breakers:
+        found.note(
+            f"Q/K normalised or acted on per head ({', '.join(breakers)}): an action on Q "
+            "must keep each head's RMS (an orthogonal matrix), commute with the norm's "
+            "per-dimension gains and with the rotary rotations; for generic gains no "
+            "continuous group survives (the per-plane rescaling of the q/k norm gains "
+            "against each other is exact but not modelled): Q/K left to the adaptive "
+            "geometry (V/O is handled)",
+            path,
+        )
+        return False, 0, "half"
+    rotary = _rotary_reason(owner, context.model_config, context.model_has_rotary)
+    if rotary is None:
+        return True, 0, "half"
+    geometry, why = rotary_geometry(owner, context.model_config, head_dim)
+    if geometry is None:
+        found.note(
+            f"Q/K under rotary position embeddings ({rotary}), but {why}: the "
+            "rotary-commuting subgroup is not guessed; Q/K left to the adaptive geometry "
+            "(V/O is handled)",
+            path,
+        )
+        return False, 0, "half"
+    return True, *geometry
+
+
+def _partial_rotary_factor(config: object) -> Optional[float]:
+    rope = getattr(config, "rope_parameters", None)
+    candidates = [rope.get("partial_rotary_factor") if isinstance(rope, dict) else None]
+    candidates += [getattr(config, name, None) for name in ("partial_rotary_factor", "rotary_pct")]
+    return next((float(c) for c in candidates if isinstance(c, (int, float))), None)
+
+
+def rotary_geometry(
+    owner: torch.nn.Module, config: object, head_dim: int
+) -> Tuple[Optional[Tuple[int, str]], str]:
+    """How rotary embeddings act on the heads of ``owner``: ``((rotary_dim, pairing), "")``,
+    or ``(None, reason)`` where it cannot be read.
+
+    The rotating dimensions are the first ``rotary_dim`` of each head: the module's
+    ``rotary_ndims`` / ``rotary_dim`` attribute, else ``head_dim`` times the config's
+    partial rotary factor (``rope_parameters["partial_rotary_factor"]``,
+    ``partial_rotary_factor``, ``rotary_pct``) or its ``rotary_dim``, else all of them.
+    The pairing is read from the module that defines the attention class: Hugging
+    Face's ``rotate_half`` pairs dimension ``j`` with ``j + rotary_dim / 2``
+    (``"half"``), ``rotate_every_two`` pairs ``2j`` with ``2j + 1`` (``"interleaved"``).
+
+    Parameters
+    ----------
+    owner : torch.nn.Module
+        The attention module (the one holding the head attributes).
+    config : object
+        The model's config, or ``None``.
+    head_dim : int
+        The head size.
+
+    Returns
+    -------
+    tuple
+        ``((rotary_dim, pairing), "")`` or ``(None, reason)``.
+    """
+    rotary_dim = _int_attr(owner, ("rotary_ndims", "rotary_dim"))
+    if rotary_dim is None and config is not None:
+        factor = _partial_rotary_factor(config)
+        config_dim = getattr(config, "rotary_dim", None)
+        if factor is not None:
+            rotary_dim = int(head_dim * factor)
+        elif isinstance(config_dim, int) and config_dim > 0:
+            rotary_dim = config_dim
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+        return None, f"its rotary size {rotary_dim} does not fit heads of size {head_dim}"
+    source = sys.modules.get(type(owner).__module__)
+    half, every_two = (hasattr(source, n) for n in ("rotate_half", "rotate_every_two"))
+    if half == every_two:
+        return None, (
+            f"the rotary pairing of {type(owner).__name__} could not be read from its module "
+            "(neither or both of rotate_half / rotate_every_two)"
+        )
+    return (rotary_dim, "half" if half else "interleaved"), ""
 
 
 # ---------------------------------------------------------------- families
@@ -518,6 +621,216 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
     return found
 
 
+#: Fused projections: child name -> how its output rows are laid out.
+FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj")
+FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj")
+
+
+def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int):
+    """Output rows of a fused QKV projection, per head: ``(q, k, v)`` integer tensors of
+    shapes ``(heads, head_dim)``, ``(kv_heads, head_dim)``, ``(kv_heads, head_dim)``.
+
+    ``"per-head"``: ``[q; k; v]`` for each head in turn (GPT-NeoX, Bloom, Falcon without
+    multi-query); ``"blocks"``: all query heads, then all key heads, then all value heads
+    (Phi-3 ``qkv_proj``, Falcon's multi-query layout); ``"kv-groups"``: per key/value
+    head its query heads, its key head and its value head (Falcon's new decoder
+    architecture).
+
+    Parameters
+    ----------
+    layout : {"per-head", "blocks", "kv-groups"}
+        The row layout.
+    heads, kv_heads, head_dim : int
+        Query heads, key/value heads and the head size.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        The row indices of Q, K and V, head by head.
+    """
+    group = heads // kv_heads
+    if layout == "per-head":
+        rows = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim)
+        return rows[:, 0], rows[:, 1], rows[:, 2]
+    if layout == "blocks":
+        q_rows, k_rows = heads * head_dim, kv_heads * head_dim
+        rows = torch.arange(q_rows + 2 * k_rows)
+        return (
+            rows[:q_rows].reshape(heads, head_dim),
+            rows[q_rows : q_rows + k_rows].reshape(kv_heads, head_dim),
+            rows[q_rows + k_rows :].reshape(kv_heads, head_dim),
+        )
+    rows = torch.arange((heads + 2 * kv_heads) * head_dim).reshape(kv_heads, group + 2, head_dim)
+    return rows[:, :group].reshape(heads, head_dim), rows[:, group], rows[:, group + 1]
+
+
+def fused_attention_pairs(
+    module_path: str,
+    fused: Tuple[str, torch.nn.Linear],
+    output: Tuple[str, torch.nn.Linear],
+    rows: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    query_key: bool = True,
+    rotary_dim: int = 0,
+    pairing: str = "half",
+) -> List[PairSpec]:
+    """Q/K and V/O pairs of attention with one fused ``nn.Linear`` for Q, K and V.
+
+    Like :func:`linear_attention_pairs`, with the heads read from the fused weight's
+    output rows (:func:`fused_rows`); the Q/K and V/O groups read disjoint rows of it.
+
+    Parameters
+    ----------
+    module_path : str
+        Path of the attention module (used in labels).
+    fused, output : tuple of (str, torch.nn.Linear)
+        The fused projection and the output projection, with their paths.
+    rows : tuple of torch.Tensor
+        Output rows of Q ``(heads, head_dim)``, K and V ``(kv_heads, head_dim)``.
+    query_key : bool
+        Whether to build the Q/K pair.
+    rotary_dim, pairing
+        As for :func:`linear_attention_pairs`.
+
+    Returns
+    -------
+    list of PairSpec
+        Points of shape ``(kv_heads, n + m, head_dim)``.
+    """
+    (fused_path, linear), (o_path, o) = fused, output
+    q_rows, k_rows, v_rows = rows
+    heads, head_dim = q_rows.shape
+    n_kv = k_rows.shape[0]
+    group = heads // n_kv
+    has_bias = linear.bias is not None
+    params = {_prefixed(fused_path, "weight"): linear.weight.shape}
+    if has_bias:
+        params[_prefixed(fused_path, "bias")] = linear.bias.shape
+
+    def factor(weight, bias, selected):
+        # (count, in [+1], head_dim): the selected rows of each head, transposed
+        parts = [weight[selected.reshape(-1)].reshape(*selected.shape, -1).mT]
+        if bias is not None:
+            parts.append(bias[selected.reshape(-1)].reshape(selected.shape[0], 1, head_dim))
+        return torch.cat(parts, dim=-2)
+
+    def stacked(part):
+        return part.reshape(n_kv, group * part.shape[-2], head_dim)
+
+    n_in = linear.in_features + int(has_bias)
+    specs = []
+    if query_key:
+
+        def qk_layout(weight, *bias):
+            b = bias[0] if bias else None
+            return torch.cat(
+                (stacked(factor(weight, b, q_rows)), factor(weight, b, k_rows)), dim=-2
+            )
+
+        specs.append(
+            PairSpec(
+                "query-key",
+                module_path,
+                dict(params),
+                qk_layout,
+                group * n_in,
+                n_in,
+                head_dim,
+                n_kv,
+                rotary_dim,
+                pairing,
+            )
+        )
+
+    def vo_layout(weight, *rest):
+        b = rest[0] if has_bias else None
+        h = stacked(head_columns(rest[-1], heads, head_dim))
+        return torch.cat((factor(weight, b, v_rows), h), dim=-2)
+
+    vo_params = {**params, _prefixed(o_path, "weight"): o.weight.shape}
+    specs.append(
+        PairSpec(
+            "value-output",
+            module_path,
+            vo_params,
+            vo_layout,
+            n_in,
+            group * o.out_features,
+            head_dim,
+            n_kv,
+        )
+    )
+    return specs
+
+
+def _fused_layout(module: torch.nn.Module, child: str) -> str:
+    """The row layout of a fused projection, from the module's attributes."""
+    if child == "qkv_proj" or (
+        getattr(module, "multi_query", False) is True
+        and not getattr(module, "new_decoder_architecture", False)
+    ):
+        return "blocks"
+    if getattr(module, "new_decoder_architecture", False) is True:
+        return "kv-groups"
+    return "per-head"
+
+
+def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
+    """Hugging Face attention with a fused QKV ``nn.Linear`` (``query_key_value``,
+    ``qkv_proj``), its row layout read from the module (:func:`fused_rows`)."""
+    if not type(module).__module__.startswith("transformers."):
+        return None  # the row layouts below are Hugging Face's conventions
+    fused_name = next((n for n in FUSED_QKV_CHILDREN if _linear(module, n) is not None), None)
+    o_name = next((n for n in FUSED_OUTPUT_CHILDREN if _linear(module, n) is not None), None)
+    if fused_name is None or o_name is None:
+        return None
+    fused, o = _linear(module, fused_name), _linear(module, o_name)
+    found = Findings(claimed={path})
+    label = f"attention-like module ({type(module).__name__}) with fused {fused_name}"
+    config = getattr(module, "config", None) or context.model_config
+    head_dim = _int_attr(module, HEAD_DIM_ATTRS)
+    heads = _int_attr(module, HEADS_ATTRS) or _int_attr(config, HEADS_ATTRS)
+    layout = _fused_layout(module, fused_name)
+    n_kv = _int_attr(module, KV_HEADS_ATTRS)
+    if layout == "per-head":
+        n_kv = heads
+    elif n_kv is None and layout == "blocks" and fused_name == "qkv_proj":
+        n_kv = _int_attr(config, KV_HEADS_ATTRS) or heads
+    if heads is None and head_dim and layout == "per-head":
+        heads = n_kv = fused.out_features // (3 * head_dim)
+    fits = (
+        head_dim is not None
+        and heads is not None
+        and n_kv is not None
+        and heads % n_kv == 0
+        and fused.out_features == (heads + 2 * n_kv) * head_dim
+        and o.in_features == heads * head_dim
+    )
+    unexpected = _unexpected_parameters(module, {fused_name, o_name})
+    if not fits or unexpected:
+        why = (
+            f"parameters the detector does not know ({', '.join(unexpected)})"
+            if unexpected
+            else f"{heads} heads ({n_kv} key/value) of size {head_dim} do not fit "
+            f"{fused_name} {tuple(fused.weight.shape)} / {o_name} {tuple(o.weight.shape)}"
+        )
+        found.note(f"{label}: {why}; left to the adaptive geometry", path)
+        return found
+    query_key, rotary_dim, pairing = _query_key_group(path, module, context, head_dim, found)
+    found.specs.extend(
+        fused_attention_pairs(
+            path,
+            (_prefixed(path, fused_name), fused),
+            (_prefixed(path, o_name), o),
+            fused_rows(layout, heads, n_kv, head_dim),
+            query_key=query_key,
+            rotary_dim=rotary_dim,
+            pairing=pairing,
+        )
+    )
+    return found
+
+
 def _looks_like_attention(module: torch.nn.Module) -> bool:
     if _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is None:
         return False
@@ -562,7 +875,7 @@ def find_attention(model: torch.nn.Module, skip: Set[str] = frozenset()) -> Find
     for path, module in modules:
         if path in skip or path in found.claimed:
             continue
-        for detector in (_split_projections, gpt2_pairs, _separate_projections):
+        for detector in (_split_projections, gpt2_pairs, _separate_projections, fused_qkv_pairs):
             result = detector(path, module, context)
             if result is not None:
                 found.extend(result)

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
-from ..manifolds import GLQuotient
+from ..manifolds import GLQuotient, RotaryGLQuotient
 from .plan import SymmetryGroup
 
 __all__ = ["PairSpec", "head_columns", "head_rows", "stack_pairs"]
@@ -107,6 +107,11 @@ class PairSpec:
         The rank :math:`h` of each pair.
     num_heads : int
         Number of pairs (heads) in the point.
+    rotary_dim : int
+        Rotating dimensions of each head (0: none, the group is GL(h); otherwise the
+        group is the rotary-commuting subgroup of :class:`~geoopt_quotient.RotaryGLQuotient`).
+    pairing : {"half", "interleaved"}
+        How a rotary embedding pairs the dimensions (with ``rotary_dim > 0``).
     """
 
     kind: str
@@ -117,10 +122,19 @@ class PairSpec:
     m: int
     head_dim: int
     num_heads: int
+    rotary_dim: int = 0
+    pairing: str = "half"
 
     @property
     def signature(self) -> Tuple:
-        return (self.kind, self.n, self.m, self.head_dim, self.num_heads)
+        rotary = (self.rotary_dim, self.pairing) if self.rotary_dim else ()
+        return (self.kind, self.n, self.m, self.head_dim, self.num_heads, *rotary)
+
+    def manifold(self, metric: str, eps: float) -> Manifold:
+        """The quotient of this pair: GL(h), or its rotary-commuting subgroup."""
+        if self.rotary_dim:
+            return RotaryGLQuotient(self.n, self.m, self.rotary_dim, self.pairing, metric, eps)
+        return GLQuotient(self.n, self.m, metric, eps)
 
 
 def stack_pairs(
@@ -149,7 +163,8 @@ def stack_pairs(
     for spec in specs:
         buckets.setdefault(spec.signature, []).append(spec)
     groups = []
-    for (kind, n, m, _head_dim, num_heads), members in buckets.items():
+    for members in buckets.values():
+        kind, num_heads = members[0].kind, members[0].num_heads
         params: Dict[str, torch.Size] = {}
         arity = []
         for spec in members:
@@ -171,7 +186,7 @@ def stack_pairs(
         groups.append(
             SymmetryGroup.from_layout(
                 f"{label} [{kind}]",
-                manifold or GLQuotient(n, m, metric, eps),
+                manifold or members[0].manifold(metric, eps),
                 params,
                 layout,
                 kind=kind,
