@@ -39,6 +39,7 @@ EXPORTS: Dict[str, str] = {
     **dict.fromkeys(
         (
             "BoundPlan",
+            "GeodesicEqualsAdaptiveWarning",
             "PlanError",
             "SymmetryGroup",
             "SymmetryPlan",

@@ -534,7 +534,8 @@ def test_summary_is_a_readable_table():
     model = model_for("t5")
     text = find_symmetries(model).bind(model).summary()
     lines = text.splitlines()
-    assert lines[0].split() == ["kind", "group", "manifold", "point", "shape", "count"]
+    assert lines[0].split() == ["kind", "symmetry", "group", "manifold", "point", "shape", "count"]
+    assert "GL(6) [36]" in lines[2]
     assert "GLQuotient(16+16, mix)" in text and "(6, 2, 32, 6)" in text
     assert "[query-key]" not in text
     assert "adaptive parameters" in text and "encoder.block.*.layer.*.layer_norm.weight" in text

@@ -27,7 +27,7 @@ from .._checks import check_choice, check_positive_float, check_positive_int
 from .._extras import require
 from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
-from ..symmetry import find_symmetries
+from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
 from ..symmetry.plan import BoundPlan, SymmetryGroup, SymmetryPlan
 from .apgd import (
     PATHS,
@@ -649,11 +649,14 @@ def geodesic_sharpness(
     >>> len(result.per_batch), result.settings["metric"]
     (1, 'mix')
     >>> result.plan.splitlines()[0].split()
-    ['kind', 'group', 'manifold', 'point', 'shape', 'count']
+    ['kind', 'symmetry', 'group', 'manifold', 'point', 'shape', 'count']
     """
     check_choice(metric, ("mix", "inv"), "metric")
     rho = default_radius(metric) if rho is None else rho
     plan = resolve_plan(model, symmetries, metric, eps)
+    caveat = plan.geodesic_caveat()
+    if caveat is not None:
+        warnings.warn(caveat, GeodesicEqualsAdaptiveWarning, stacklevel=2)
     settings = dict(
         measure="geodesic",
         rho=rho,

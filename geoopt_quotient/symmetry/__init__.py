@@ -8,15 +8,22 @@ measures sharpness: the engine (:mod:`geoopt_quotient.sharpness`) consumes the p
 """
 
 from .discovery import find_symmetries
-from .huggingface import bert_style_pairs, linear_attention_pairs
+from .huggingface import (
+    bert_style_pairs,
+    fused_attention_pairs,
+    fused_rows,
+    linear_attention_pairs,
+    rotary_geometry,
+)
 from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
-from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
+from .plan import BoundPlan, GeodesicEqualsAdaptiveWarning, PlanError, SymmetryGroup, SymmetryPlan
 from .torch_nn import multihead_attention_pairs
 from .verify import SymmetryVerificationError, probe_inputs_for, verify_plan
 
 __all__ = [
     "BoundPlan",
+    "GeodesicEqualsAdaptiveWarning",
     "PairSpec",
     "PlanError",
     "SymmetryGroup",
@@ -24,12 +31,15 @@ __all__ = [
     "SymmetryVerificationError",
     "bert_style_pairs",
     "find_symmetries",
+    "fused_attention_pairs",
+    "fused_rows",
     "head_columns",
     "head_rows",
     "linear_attention_pairs",
     "lora_pairs",
     "multihead_attention_pairs",
     "probe_inputs_for",
+    "rotary_geometry",
     "stack_pairs",
     "verify_plan",
 ]

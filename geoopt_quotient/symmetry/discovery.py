@@ -10,7 +10,7 @@ from .._checks import METRICS, check_choice, check_nonnegative_float
 from .huggingface import Findings, find_attention
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
-from .plan import SymmetryGroup, SymmetryPlan
+from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
 from .verify import verify_plan
 
@@ -118,7 +118,7 @@ def find_symmetries(
     groups = pair_groups + manifold_parameter_groups(model, metric, eps)
     notes = found.rendered_notes()
     if not groups:
-        notes.insert(0, "no symmetry found: every parameter uses the adaptive geometry")
+        notes.insert(0, NO_SYMMETRY)
     plan = SymmetryPlan(groups, notes=notes)
     if verify:
         plan.notes.extend(

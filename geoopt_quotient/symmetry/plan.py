@@ -18,12 +18,13 @@ from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
-from ..manifolds import AdaptiveEuclidean
+from ..manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, RotaryGLQuotient
 from . import strided
 from .strided import StridedLayout, strided_layout, write_back
 
 __all__ = [
     "BoundPlan",
+    "GeodesicEqualsAdaptiveWarning",
     "PlanError",
     "SymmetryGroup",
     "SymmetryPlan",
@@ -34,6 +35,15 @@ Layout = Callable[..., torch.Tensor]
 
 class PlanError(ValueError):
     """A symmetry plan does not fit the model it is applied to."""
+
+
+class GeodesicEqualsAdaptiveWarning(UserWarning):
+    """Geodesic sharpness was asked for where the plan quotients nothing (or leaves some
+    attention to the adaptive geometry): there it is adaptive sharpness."""
+
+
+#: The note that :func:`~geoopt_quotient.find_symmetries` leaves on a plan without groups.
+NO_SYMMETRY = "no symmetry found: every parameter uses the adaptive geometry"
 
 
 @dataclass(frozen=True)
@@ -300,6 +310,37 @@ class BoundPlan:
     def gather(self, params: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
         return [g.gather(params) for g in self.groups]
 
+    def adaptive_reasons(self) -> List[str]:
+        """The notes saying why something attention-like was left to the adaptive geometry."""
+        return [
+            note
+            for note in self.notes
+            if "adaptive" in note and not note.startswith(("verif", NO_SYMMETRY))
+        ]
+
+    def geodesic_caveat(self) -> str | None:
+        """Why geodesic sharpness on this plan is, in whole or in part, adaptive sharpness
+        (``None`` where every recognised symmetry is quotiented).
+
+        Returns
+        -------
+        str or None
+            A message for a warning.
+        """
+        reasons = self.adaptive_reasons()
+        why = "".join(f"\n  - {reason}" for reason in reasons)
+        if not self.symmetric_groups:
+            return (
+                "the symmetry plan has no symmetric group: every parameter uses the adaptive "
+                'geometry, so "geodesic" sharpness equals adaptive sharpness here' + why
+            )
+        if reasons:
+            return (
+                "the symmetry plan leaves some attention to the adaptive geometry, where "
+                '"geodesic" sharpness is adaptive sharpness:' + why
+            )
+        return None
+
     def scatter(
         self, points: Iterable[torch.Tensor], params: Mapping[str, torch.Tensor]
     ) -> Dict[str, torch.Tensor]:
@@ -397,19 +438,27 @@ class BoundPlan:
     def summary(self, max_adaptive_rows: int = 24) -> str:
         """A readable table of the plan.
 
-        One row per symmetric group (kind, group, manifold, point shape, count), then
+        One row per symmetric group (kind, symmetry group per block with its dimension,
+        module, manifold, point shape, count), then
         the parameters left to the adaptive geometry with layer indices collapsed
         (``encoder.layer.*.output.dense.weight``), then the notes.
         """
-        no_symmetry = "no symmetry found: every parameter uses the adaptive geometry"
-        rows = [("kind", "group", "manifold", "point shape", "count")]
+        no_symmetry = NO_SYMMETRY
+        rows = [("kind", "symmetry", "group", "manifold", "point shape", "count")]
         for g in self.symmetric_groups:
             name = g.name
             suffix = f" [{g.kind}]"
             if name.endswith(suffix):
                 name = name[: -len(suffix)]
             rows.append(
-                (g.kind, name, _manifold_label(g.manifold), str(tuple(g.shape)), str(g.count))
+                (
+                    g.kind,
+                    symmetry_label(g.manifold, g.shape[-1]),
+                    name,
+                    _manifold_label(g.manifold),
+                    str(tuple(g.shape)),
+                    str(g.count),
+                )
             )
         lines = _table(rows) if len(rows) > 1 else [no_symmetry]
         n_adaptive = sum(g.index.numel() for g in self.adaptive_groups)
@@ -455,6 +504,33 @@ def _table(rows: Sequence[Tuple[str, ...]]) -> List[str]:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
+
+
+def symmetry_label(manifold: Manifold, rank: int) -> str:
+    """The group that acts on one block of a point, with its dimension: ``GL(8) [64]``,
+    ``rotary C*^4 [8]``, ``rotary C*^2 x GL(4) [20]``, ``GL(1)^6 [6]``; ``-`` if unknown.
+
+    Parameters
+    ----------
+    manifold : geoopt.manifolds.Manifold
+        The group's geometry.
+    rank : int
+        The trailing size of its points (the head size of an attention pair).
+
+    Returns
+    -------
+    str
+        A short label.
+    """
+    if isinstance(manifold, RotaryGLQuotient):
+        r, k = manifold.rotary_dim, rank - manifold.rotary_dim
+        rest = f" x GL({k})" if k else ""
+        return f"rotary C*^{r // 2}{rest} [{r + k * k}]"
+    if isinstance(manifold, GLQuotient):
+        return f"GL({rank}) [{rank * rank}]"
+    if isinstance(manifold, DiagonalQuotient):
+        return f"GL(1)^{rank} [{rank}]"
+    return "-"
 
 
 def _manifold_label(manifold: Manifold) -> str:
