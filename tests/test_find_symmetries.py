@@ -28,6 +28,7 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 from geoopt_quotient import (  # noqa: E402
     GLQuotient,
     PlanError,
+    RotaryGLQuotient,
     adaptive_sharpness,
     find_symmetries,
     geodesic_sharpness,
@@ -296,6 +297,8 @@ def test_plan_has_the_expected_groups(name):
     for g in groups:
         counts[g.kind] = counts.get(g.kind, 0) + g.count
         assert isinstance(g.manifold, GLQuotient) and g.manifold.metric == "mix"
+        rotary = name == "llama" and g.kind == "query-key"  # the others keep all of GL(h)
+        assert (type(g.manifold) is RotaryGLQuotient) == rotary
     assert counts == case.groups
     if case.note:
         assert any(case.note in note for note in plan.notes), plan.notes
