@@ -26,7 +26,10 @@ from torch.func import functional_call
 from geoopt_quotient import (
     GeodesicEqualsAdaptiveWarning,
     GLQuotient,
+    PlanError,
     RotaryGLQuotient,
+    SymmetryGroup,
+    SymmetryPlan,
     adaptive_sharpness,
     find_symmetries,
     geodesic_sharpness,
@@ -331,3 +334,79 @@ def test_geodesic_sharpness_warns_where_attention_is_left_adaptive():
     with warnings.catch_warnings():
         warnings.simplefilter("error", GeodesicEqualsAdaptiveWarning)
         geodesic_sharpness(model_for("llama"), next_token_loss, [inputs(0)], rho=0.05, iters=1)
+
+
+# ---------------------------------------------------------------- gated MLPs (kinds="all")
+def mlp_weights(name: str, seed: int, part: str = "both") -> Dict[str, torch.Tensor]:
+    """Row i of up (and of gate with ``part="gate"``: not a symmetry) divided by a_i,
+    column i of down multiplied by a_i; written here from the MLPs' forward."""
+    model = model_for(name)
+    out = {n: p.clone() for n, p in params_of(model).items()}
+    g = torch.Generator().manual_seed(seed)
+    for path, module in model.named_modules():
+        down = getattr(module, "down_proj", None)
+        if not isinstance(down, torch.nn.Linear):
+            continue
+        units = down.in_features
+        a = 10 ** (torch.rand(units, generator=g, dtype=F64) - 0.5)
+        a = a * torch.where(torch.rand(units, generator=g) < 0.5, -1.0, 1.0).double()
+        if hasattr(module, "gate_up_proj"):  # Phi-3: rows [gate; up]
+            rows = torch.arange(units) if part == "gate" else torch.arange(units, 2 * units)
+            key = f"{path}.gate_up_proj.weight"
+        else:
+            rows = torch.arange(units)
+            key = f"{path}.{'gate' if part == 'gate' else 'up'}_proj.weight"
+        out[key][rows] = out[key][rows] / a[:, None]
+        out[f"{path}.down_proj.weight"] = out[f"{path}.down_proj.weight"] * a
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_gated_mlp_pairs_with_kinds_all(name):
+    model = model_for(name)
+    default = find_symmetries(model)
+    plan = find_symmetries(model, kinds="all")
+    assert "mlp" not in {g.kind for g in default.groups}
+    (mlp,) = [g for g in plan.groups if g.kind == "mlp"]
+    assert mlp.count == 2 * 24 and tuple(mlp.shape) == (2, 24, HIDDEN + HIDDEN, 1)
+    assert "GL(1) [1]" in plan.bind(model).summary()
+    params, batch = params_of(model), inputs(0)
+    assert relative_change(model, params, mlp_weights(name, 1), batch) <= TOL
+    assert relative_change(model, params, mlp_weights(name, 1, part="gate"), batch) > 1e-3
+    other = copy.deepcopy(model)
+    moved = mlp_weights(name, 2)
+    moved.update(
+        {k: v for k, v in symmetric_weights(name, 3).items() if "mlp" not in k}
+    )  # attention and MLP actions together
+    assert relative_change(model, params, moved, batch) <= TOL
+    other.load_state_dict(moved, strict=False)
+    kw = dict(rho=0.05, iters=3)
+    for metric in ("mix", "inv"):
+        sym = find_symmetries(model, metric=metric, kinds="all")
+        a = geodesic_sharpness(model, next_token_loss, [batch], symmetries=sym, **kw).value
+        sym_other = find_symmetries(other, metric=metric, kinds="all")
+        b = geodesic_sharpness(other, next_token_loss, [batch], symmetries=sym_other, **kw)
+        assert abs(a - b.value) <= 1e-5 * abs(a), (metric, a, b.value)
+    c = adaptive_sharpness(model, next_token_loss, [batch], **kw).value
+    d = adaptive_sharpness(other, next_token_loss, [batch], **kw).value
+    assert abs(c - d) > 1e-2 * abs(c), (c, d)
+
+
+def test_kinds_are_checked_and_overlapping_groups_refused():
+    model = model_for("llama")
+    with pytest.raises(ValueError, match="unknown symmetry kinds"):
+        find_symmetries(model, kinds=["mlp", "norm"])
+    only = find_symmetries(model, kinds=["mlp"])
+    assert {g.kind for g in only.groups} == {"mlp"}
+    plan = find_symmetries(model, kinds="all")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    gain = "model.layers.0.input_layernorm.weight"
+    columns = SymmetryGroup.from_layout(
+        "gain x q columns",  # a norm gain against Q's input columns: touches Q/K's entries
+        GLQuotient(1, HEADS * HEAD_DIM),
+        {gain: (HIDDEN,), q: (HEADS * HEAD_DIM, HIDDEN)},
+        lambda g, w: torch.cat((g[:1, None], w[:, :1]), dim=0),
+        kind="norm-gain",
+    )
+    with pytest.raises(PlanError, match=r"covered by two groups.*query-key.*norm-gain"):
+        SymmetryPlan([*plan.groups, columns]).bind(model)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List, Tuple, Union
 
 import torch
 
@@ -10,11 +10,17 @@ from .._checks import METRICS, check_choice, check_nonnegative_float
 from .huggingface import Findings, find_attention
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
+from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
 from .verify import verify_plan
 
 __all__ = ["find_symmetries"]
+
+#: The kinds of symmetry :func:`find_symmetries` quotients by default (the paper's).
+DEFAULT_KINDS = ("query-key", "value-output", "lora", "manifold-parameter")
+#: Every kind it knows (``kinds="all"``).
+KINDS = (*DEFAULT_KINDS, "mlp")
 
 
 def find_symmetries(
@@ -25,6 +31,7 @@ def find_symmetries(
     *,
     probe_inputs: Any = None,
     trainable_only: bool = True,
+    kinds: Union[str, Iterable[str]] = "default",
 ) -> SymmetryPlan:
     r"""Discover the GL(h) symmetries of ``model`` by module structure and attributes.
 
@@ -69,6 +76,12 @@ def find_symmetries(
     trainable_only : bool
         Skip pairs on frozen parameters (they are never perturbed; e.g. the base
         weights of a PEFT model). Must match ``SymmetryPlan.bind(trainable_only=...)``.
+    kinds : {"default", "all"} or iterable of str
+        Which kinds of symmetry to quotient: ``"default"`` is the paper's (attention
+        ``"query-key"`` and ``"value-output"`` pairs, rotary Q/K included, ``"lora"``
+        adapters and ``"manifold-parameter"``); ``"all"`` adds every kind the library
+        knows: ``"mlp"``, one GL(1) pair per hidden unit of a gated MLP
+        (:func:`~geoopt_quotient.symmetry.mlp.gated_mlp_pairs`). Or a list of kinds.
 
     Returns
     -------
@@ -106,6 +119,7 @@ def find_symmetries(
     """
     check_choice(metric, METRICS, "metric")
     eps = check_nonnegative_float(eps, "eps")
+    wanted = _kinds(kinds)
     found = Findings()
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.MultiheadAttention):
@@ -113,9 +127,13 @@ def find_symmetries(
             found.claimed.add(path)
     found.extend(lora_pairs(model, eps))
     found.extend(find_attention(model, skip=set(found.claimed)))
-    specs = _usable_specs(model, found, trainable_only)
+    if "mlp" in wanted:
+        found.extend(gated_mlp_pairs(model))
+    specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
     pair_groups = stack_pairs(specs, metric, eps)
-    groups = pair_groups + manifold_parameter_groups(model, metric, eps)
+    groups = list(pair_groups)
+    if "manifold-parameter" in wanted:
+        groups += manifold_parameter_groups(model, metric, eps)
     notes = found.rendered_notes()
     if not groups:
         notes.insert(0, NO_SYMMETRY)
@@ -125,6 +143,18 @@ def find_symmetries(
             verify_plan(model, plan, probe_inputs, members=_members(specs, pair_groups))
         )
     return plan
+
+
+def _kinds(kinds: Union[str, Iterable[str]]) -> Tuple[str, ...]:
+    if isinstance(kinds, str) and kinds in ("default", "all"):
+        return DEFAULT_KINDS if kinds == "default" else KINDS
+    wanted = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    unknown = [k for k in wanted if k not in KINDS]
+    if unknown:
+        raise ValueError(
+            f"unknown symmetry kinds {unknown}; expected 'default', 'all' or some of {list(KINDS)}"
+        )
+    return wanted
 
 
 def _usable_specs(model: torch.nn.Module, found: Findings, trainable_only: bool) -> List[PairSpec]:

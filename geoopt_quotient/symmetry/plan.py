@@ -237,7 +237,7 @@ class SymmetryPlan:
                 "the parameters to measure"
             )
         coverage: Dict[str, torch.Tensor] = {}
-        for group in self.groups:
+        for position, group in enumerate(self.groups):
             for n, shape in zip(group.param_names, group.param_shapes):
                 if n not in params:
                     raise PlanError(
@@ -253,16 +253,22 @@ class SymmetryPlan:
             if not ok:
                 raise PlanError(f"group {group.name!r}: {reason}")
             for n, sel in group.covered().items():
-                mask = coverage.setdefault(n, torch.zeros(params[n].numel(), dtype=torch.bool))
-                if mask[sel].any():
+                owner = coverage.setdefault(n, torch.zeros(params[n].numel(), dtype=torch.int32))
+                taken = owner[sel]
+                if taken.any():
+                    other = self.groups[int(taken[taken > 0][0]) - 1]
                     raise PlanError(
-                        f"parameter {n!r} is covered by two groups (one is {group.name!r})"
+                        f"parameter {n!r} is covered by two groups, {other.name!r} "
+                        f"({other.kind}) and {group.name!r} ({group.kind}): overlapping "
+                        "symmetry groups are not combined (their actions need not commute, "
+                        "and a plan puts each entry in one point); keep one of them"
                     )
-                mask[sel] = True
+                owner[sel] = position + 1
         adaptive = AdaptiveEuclidean(eps=self.adaptive_eps)
         extra: List[SymmetryGroup] = []
         for n, p in params.items():
             mask = coverage.get(n)
+            mask = None if mask is None else mask > 0
             if mask is None:
                 extra.append(whole_parameter_group(n, p.shape, adaptive))
             elif not mask.all():
