@@ -107,15 +107,18 @@ class SymmetryGroup:
         """
         names = tuple(params)
         shapes = tuple(torch.Size(s) for s in params.values())
+        total = sum(shape.numel() for shape in shapes)
+        # int32 where it holds every entry: half the memory traffic of the layout
+        dtype = torch.int32 if total <= 2**31 else torch.long
         offsets, tensors = 0, []
         for shape in shapes:
             numel = shape.numel()
-            tensors.append(torch.arange(offsets, offsets + numel).reshape(shape))
+            tensors.append(torch.arange(offsets, offsets + numel, dtype=dtype).reshape(shape))
             offsets += numel
         index = layout(*tensors)
-        if not isinstance(index, torch.Tensor) or index.dtype != torch.long:
+        if not isinstance(index, torch.Tensor) or index.dtype != dtype:
             raise PlanError(f"layout of group {name!r} must return a tensor built from its inputs")
-        if index.unique().numel() != index.numel():
+        if not _distinct(index.reshape(-1), offsets):
             raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
         return cls(name, manifold, names, shapes, _compact(index, offsets), kind, count)
 
@@ -154,6 +157,14 @@ class SymmetryGroup:
 
     def with_manifold(self, manifold: Manifold) -> SymmetryGroup:
         return replace(self, manifold=manifold)
+
+
+def _distinct(index: torch.Tensor, bound: int) -> bool:
+    """Whether the entries of ``index`` (all in ``[0, bound)``) are distinct: one byte per
+    possible entry, marked once each (linear time, no sort)."""
+    hit = torch.zeros(bound, dtype=torch.bool)
+    hit[index] = True
+    return int(hit.sum()) == index.numel()
 
 
 def _is_permutation(source: torch.Tensor) -> bool:
@@ -252,18 +263,7 @@ class SymmetryPlan:
             ok, reason = group.manifold._check_shape(tuple(group.shape), group.name)
             if not ok:
                 raise PlanError(f"group {group.name!r}: {reason}")
-            for n, sel in group.covered().items():
-                owner = coverage.setdefault(n, torch.zeros(params[n].numel(), dtype=torch.int32))
-                taken = owner[sel]
-                if taken.any():
-                    other = self.groups[int(taken[taken > 0][0]) - 1]
-                    raise PlanError(
-                        f"parameter {n!r} is covered by two groups, {other.name!r} "
-                        f"({other.kind}) and {group.name!r} ({group.kind}): overlapping "
-                        "symmetry groups are not combined (their actions need not commute, "
-                        "and a plan puts each entry in one point); keep one of them"
-                    )
-                owner[sel] = position + 1
+            _claim(group, position, self.groups, params, coverage)
         adaptive = AdaptiveEuclidean(eps=self.adaptive_eps)
         extra: List[SymmetryGroup] = []
         for n, p in params.items():
@@ -280,6 +280,50 @@ class SymmetryPlan:
 
     def __add__(self, other: SymmetryPlan) -> SymmetryPlan:
         return SymmetryPlan(self.groups + other.groups, self.adaptive_eps, self.notes + other.notes)
+
+
+def _claim(
+    group: SymmetryGroup,
+    position: int,
+    groups: Sequence[SymmetryGroup],
+    params: Mapping[str, torch.Tensor],
+    coverage: Dict[str, torch.Tensor],
+) -> None:
+    """Mark the entries ``group`` covers in ``coverage`` (per parameter, the position + 1
+    of the group owning each entry; 0: none), or raise where another group has one.
+
+    One pass over the group's index: its parameters' owner arrays are joined in the
+    order the index counts them, looked up and written back.
+    """
+    dtype = torch.int16 if len(groups) < 2**15 - 1 else torch.int32
+    owners = [
+        coverage.setdefault(n, torch.zeros(params[n].numel(), dtype=dtype))
+        for n in group.param_names
+    ]
+    whole = isinstance(group, _WholeParameter)
+    joined = owners[0] if len(owners) == 1 else torch.cat(owners)
+    flat = None if whole else group.index.reshape(-1)
+    taken = joined if whole else joined[flat]
+    clash = taken.nonzero()
+    if clash.numel():
+        first = int(clash[0, 0])
+        other = groups[int(taken[first]) - 1]
+        entry = first if whole else int(flat[first])
+        sizes = torch.tensor([s.numel() for s in group.param_shapes])
+        name = group.param_names[int(torch.searchsorted(torch.cumsum(sizes, 0), entry, right=True))]
+        raise PlanError(
+            f"parameter {name!r} is covered by two groups, {other.name!r} ({other.kind}) and "
+            f"{group.name!r} ({group.kind}): overlapping symmetry groups are not combined "
+            "(their actions need not commute, and a plan puts each entry in one point); keep "
+            "one of them"
+        )
+    if whole:
+        joined.fill_(position + 1)
+    else:
+        joined[flat] = position + 1
+    if len(owners) > 1:
+        for owner, piece in zip(owners, joined.split([o.numel() for o in owners])):
+            owner.copy_(piece)
 
 
 @dataclass
