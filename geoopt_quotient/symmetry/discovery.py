@@ -41,9 +41,12 @@ def find_symmetries(
       ``bias_k``/``bias_v``);
     * Hugging Face attention: BERT, RoBERTa, DistilBERT, ViT, CLIP (text and vision),
       GPT-2 (fused ``Conv1D``, self- and cross-attention), T5 (self- and
-      cross-attention), LLaMA-family (V/O with grouped-query sharing; Q/K under rotary
-      embeddings is left adaptive with a note), and other modules with the same
-      projection layouts (BART, OPT, Whisper...);
+      cross-attention), decoder LLMs (Llama, Mistral, Qwen2, Gemma, OLMo, Phi, Phi-3,
+      GPT-NeoX, Falcon, GPT-J: rotary Q/K as points of
+      :class:`~geoopt_quotient.RotaryGLQuotient`, grouped-query sharing, fused QKV;
+      per-head q/k norms leave Q/K adaptive with a note), and other modules with the
+      same projection layouts (BART, OPT, Whisper...);
+    * with ``kinds="all"``, gated MLPs: one GL(1) pair per hidden unit;
     * PEFT LoRA adapters (``lora_A``/``lora_B``): one GL(r) pair each;
     * parameters declared as ``geoopt.ManifoldParameter`` on the project's quotients.
 

@@ -14,9 +14,12 @@ parameter names (those changed between transformers 4.x and 5.x):
 The head size comes from the module (``head_dim``, ``attention_head_size``,
 ``key_value_proj_dim``), never from ``hidden / heads``. Grouped-query attention shares
 one group element per key/value head: its query heads (Q/K) or output slices (V/O) are
-stacked as extra rows of one factor. Q/K under rotary position embeddings (or per-head
-Q/K normalisation) is left to the adaptive geometry with a note. Modules that look like
-attention but do not fit these patterns are reported in notes, never guessed.
+stacked as extra rows of one factor. Q/K under rotary position embeddings is quotiented
+by the rotary-commuting subgroup (:class:`~geoopt_quotient.RotaryGLQuotient`, see
+:func:`rotary_geometry`); under per-head Q/K normalisation it is left to the adaptive
+geometry with a note. Hugging Face attention with a fused QKV ``nn.Linear`` is split by
+its class's row layout (:func:`fused_rows`). Modules that look like attention but do not
+fit these patterns are reported in notes, never guessed.
 """
 
 from __future__ import annotations
