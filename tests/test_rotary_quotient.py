@@ -297,3 +297,16 @@ def test_constructor_and_shape_errors():
     assert not ok and "rotary_dim" in reason
     assert manifold.dim(4) == 8 * 4 - 4
     assert RotaryGLQuotient(5, 5, 2).dim(3) == 10 * 3 - 2 - 1
+
+
+@settings(max_examples=20, deadline=None)
+@given(setup=setups(max_condition=10.0), data=st.data())
+def test_float32_projection_matches_float64(setup, data):
+    """float32 points get their small systems solved in float64 (as GLQuotient does)."""
+    manifold, x = setup
+    u = data.draw(tangent_vectors(x))
+    p32 = manifold.proju(x.float(), u.float())
+    assert p32.dtype == torch.float32
+    tol = tolerance(manifold, x, unit=torch.finfo(torch.float32).eps)
+    p64 = manifold.proju(x, u)
+    assert_close_metric(manifold, x, p32.double(), p64, tol, ref=u, what="float32 proju")
