@@ -310,3 +310,14 @@ def test_float32_projection_matches_float64(setup, data):
     tol = tolerance(manifold, x, unit=torch.finfo(torch.float32).eps)
     p64 = manifold.proju(x, u)
     assert_close_metric(manifold, x, p32.double(), p64, tol, ref=u, what="float32 proju")
+
+
+def test_schur_system_built_a_few_heads_at_a_time_is_the_same(monkeypatch):
+    from geoopt_quotient.manifolds import rotary_quotient
+
+    manifold = RotaryGLQuotient(7, 6, 2, "interleaved", "inv")
+    x = manifold.random(3, 2, 7 + 6, 4, dtype=F64)
+    u = torch.randn_like(x)
+    whole = manifold.proju(x, u)
+    monkeypatch.setattr(rotary_quotient, "SCHUR_CHUNK_ENTRIES", 1)  # one head per chunk
+    assert_close(manifold.proju(x, u), whole, 1e-13, what="chunked")

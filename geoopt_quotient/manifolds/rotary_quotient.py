@@ -14,6 +14,9 @@ __all__ = ["RotaryGLQuotient"]
 
 #: How a rotary embedding pairs the dimensions of a head into rotation planes.
 PAIRINGS = ("half", "interleaved")
+#: Entries of the temporary of :meth:`RotaryGLQuotient._schur_correction` (float64:
+#: 128 MiB), over the heads it handles at once.
+SCHUR_CHUNK_ENTRIES = 1 << 24
 
 
 class _Basis(NamedTuple):
@@ -36,7 +39,10 @@ class _System(NamedTuple):
     left: torch.Tensor  # P_L (k x k)
     right: torch.Tensor  # P_R (k x k)
     denom: torch.Tensor  # lambda_i + mu_j (k x k)
-    z: torch.Tensor  # Z_l in the eigen coordinates, (d, k, k)
+    ta1: torch.Tensor  # P_L^T A1[N, :] (k x h)
+    ta2: torch.Tensor  # P_L^T A2[N, :]
+    tb1: torch.Tensor  # B1[:, N] P_R (h x k)
+    tb2: torch.Tensor  # B2[:, N] P_R
     schur_values: torch.Tensor
     schur_vectors: torch.Tensor
 
@@ -293,22 +299,8 @@ class RotaryGLQuotient(GLQuotient):
         else:
             w_g, w_h = s_h, s_g
         a1, b1, a2, b2 = gtg, w_g, w_h, hth
-        r = self.rotary_dim
-        basis = self._basis
-        rows, cols = basis.rows.to(a1.device), basis.cols.to(a1.device)
-        coefs = basis.coefs.to(device=a1.device, dtype=high)
-        # K1[l, k] = sum_{s,t} c_ks c_lt (A1[a_lt, a_ks] B1[b_ks, b_lt] + A2[..] B2[..])
-        k1 = 0
-        for s in range(2):
-            for t in range(2):
-                ra, ca = rows[:, t][:, None], rows[:, s][None, :]
-                rb, cb = cols[:, s][None, :], cols[:, t][:, None]
-                weight = coefs[:, t][:, None] * coefs[:, s][None, :]
-                k1 = k1 + weight * (
-                    a1[..., ra, ca] * b1[..., rb, cb] + a2[..., ra, ca] * b2[..., rb, cb]
-                )
-        k = a1.shape[-1] - r
-        batch = a1.shape[:-2]
+        schur = self._rotary_block(a1, b1, a2, b2)
+        r, k = self.rotary_dim, a1.shape[-1] - self.rotary_dim
         if k:
             left = _pencil_basis(a2[..., r:, r:], a1[..., r:, r:])
             right = _pencil_basis(b1[..., r:, r:], b2[..., r:, r:])
@@ -319,25 +311,62 @@ class RotaryGLQuotient(GLQuotient):
             # nothing: dividing by infinity gives them the minimum-norm zero
             tol = k * torch.finfo(high).eps * denom.amax((-2, -1), keepdim=True)
             denom = torch.where(denom > tol, denom, torch.full_like(denom, torch.inf))
-            # Z_l = P_L^T [L(E_l)]_NN P_R = sum_s c_ls (A~1[:, a] B~1[b, :] + A~2 .. B~2 ..)
-            ta1, ta2 = left.mT @ a1[..., r:, :], left.mT @ a2[..., r:, :]  # (k, h)
-            tb1, tb2 = b1[..., :, r:] @ right, b2[..., :, r:] @ right  # (h, k)
+            mixed = (
+                left.mT @ a1[..., r:, :],
+                left.mT @ a2[..., r:, :],
+                b1[..., :, r:] @ right,
+                b2[..., :, r:] @ right,
+            )
+            schur = schur - self._schur_correction(mixed, denom)
+        else:
+            empty = a1.new_zeros(*a1.shape[:-2], 0, 0)
+            left = right = denom = empty
+            mixed = (a1.new_zeros(*a1.shape[:-2], 0, a1.shape[-1]),) * 2
+            mixed += (a1.new_zeros(*a1.shape[:-2], a1.shape[-1], 0),) * 2
+        values, vectors = torch.linalg.eigh(0.5 * (schur + schur.mT))
+        return _System(a1, b1, a2, b2, left, right, denom, *mixed, values, vectors)
+
+    def _rotary_block(self, a1, b1, a2, b2) -> torch.Tensor:
+        r""":math:`K_{lk} = \langle L(E_k), E_l\rangle_F` on the rotary basis, from the
+        entries of the coefficients: :math:`\sum_{s,t} c_{ks} c_{lt} (A_1[a_{lt}, a_{ks}]
+        B_1[b_{ks}, b_{lt}] + A_2[\cdot] B_2[\cdot])`, :math:`O(r^2)` per head."""
+        basis = self._basis
+        rows, cols = basis.rows.to(a1.device), basis.cols.to(a1.device)
+        coefs = basis.coefs.to(device=a1.device, dtype=a1.dtype)
+        out = 0
+        for s in range(2):
+            for t in range(2):
+                ra, ca = rows[:, t][:, None], rows[:, s][None, :]
+                rb, cb = cols[:, s][None, :], cols[:, t][:, None]
+                weight = coefs[:, t][:, None] * coefs[:, s][None, :]
+                first = a1[..., ra, ca] * b1[..., rb, cb]
+                out = out + weight * (first + a2[..., ra, ca] * b2[..., rb, cb])
+        return out
+
+    def _schur_correction(self, mixed, denom: torch.Tensor) -> torch.Tensor:
+        r""":math:`\sum_{ij} Z_l[i, j] Z_k[i, j] / D_{ij}`, with :math:`Z_l = P_L^\top
+        [L(E_l)]_{NN} P_R = \sum_s c_{ls}(\tilde A_1[:, a_{ls}] \tilde B_1[b_{ls}, :] +
+        \tilde A_2[:, a_{ls}] \tilde B_2[b_{ls}, :])`: the :math:`Z` of a few heads at a
+        time (:math:`r k^2` entries per head), never of the whole batch."""
+        ta1, ta2, tb1, tb2 = (t.reshape(-1, *t.shape[-2:]) for t in mixed)
+        flat_denom = denom.reshape(-1, denom.shape[-2] * denom.shape[-1])
+        basis = self._basis
+        rows, cols = basis.rows.to(ta1.device), basis.cols.to(ta1.device)
+        coefs = basis.coefs.to(device=ta1.device, dtype=ta1.dtype)
+        per = max(1, SCHUR_CHUNK_ENTRIES // (rows.shape[0] * flat_denom.shape[-1]))
+        parts = []
+        for start in range(0, ta1.shape[0], per):
+            chunk = slice(start, start + per)
             z = 0
             for s in range(2):
                 a_idx, b_idx, c = rows[:, s], cols[:, s], coefs[:, s][:, None, None]
                 z = z + c * (
-                    ta1[..., :, a_idx].movedim(-1, -2)[..., :, :, None] * tb1[..., b_idx, None, :]
-                    + ta2[..., :, a_idx].movedim(-1, -2)[..., :, :, None] * tb2[..., b_idx, None, :]
+                    ta1[chunk][..., a_idx].mT[..., :, :, None] * tb1[chunk][..., b_idx, None, :]
+                    + ta2[chunk][..., a_idx].mT[..., :, :, None] * tb2[chunk][..., b_idx, None, :]
                 )
-            zf = z.flatten(-2)
-            schur = k1 - (zf / denom.flatten(-2)[..., None, :]) @ zf.mT
-        else:
-            empty = torch.zeros(*batch, 0, 0, dtype=high, device=a1.device)
-            left = right = denom = empty
-            z = torch.zeros(*batch, 2 * (r // 2), 0, 0, dtype=high, device=a1.device)
-            schur = k1
-        values, vectors = torch.linalg.eigh(0.5 * (schur + schur.mT))
-        return _System(a1, b1, a2, b2, left, right, denom, z, values, vectors)
+            z = z.flatten(-2)
+            parts.append((z / flat_denom[chunk][:, None, :]) @ z.mT)
+        return torch.cat(parts).reshape(*denom.shape[:-2], rows.shape[0], rows.shape[0])
 
     def _proju(self, st: PointState, u: torch.Tensor) -> torch.Tensor:
         u_g, u_h = self.factors(u.to(st.dtype))
@@ -359,7 +388,9 @@ class RotaryGLQuotient(GLQuotient):
         k = rhs.shape[-1] - r
         if k:
             y0 = (sy.left.mT @ rhs[..., r:, r:] @ sy.right) / sy.denom
-            b_rot = b_rot - (sy.z * y0[..., None, :, :]).sum((-2, -1))
+            # <Z_l, Y0> = sum_s c_ls (A~1^T Y0 B~1^T + A~2^T Y0 B~2^T)[a_ls, b_ls]
+            seen = sy.ta1.mT @ y0 @ sy.tb1.mT + sy.ta2.mT @ y0 @ sy.tb2.mT
+            b_rot = b_rot - (coefs * seen[..., rows, cols]).sum(-1)
         c = sy.schur_vectors @ _safe_divide(sy.schur_vectors.mT @ b_rot[..., None], sy.schur_values)
         c = c[..., 0]
         omega = torch.zeros_like(rhs)
@@ -367,8 +398,9 @@ class RotaryGLQuotient(GLQuotient):
         for s in range(2):
             omega[..., rows[:, s], cols[:, s]] += coefs[:, s] * c
         if k:
-            y = y0 - (c[..., :, None, None] * sy.z / sy.denom[..., None, :, :]).sum(-3)
-            omega[..., r:, r:] = sy.left @ y @ sy.right.mT
+            # sum_l c_l Z_l = A~1 R B~1 + A~2 R B~2, R the rotary part of omega so far
+            moved = sy.ta1 @ omega @ sy.tb1 + sy.ta2 @ omega @ sy.tb2
+            omega[..., r:, r:] = sy.left @ (y0 - moved / sy.denom) @ sy.right.mT
         return omega
 
 
