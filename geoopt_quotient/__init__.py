@@ -32,6 +32,7 @@ EXPORTS: Dict[str, str] = {
             "DiagonalQuotient",
             "GeodesicDomainError",
             "GLQuotient",
+            "PositiveScalingQuotient",
             "RotaryGLQuotient",
         ),
         "manifolds",

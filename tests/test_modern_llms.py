@@ -27,6 +27,7 @@ from geoopt_quotient import (
     GeodesicEqualsAdaptiveWarning,
     GLQuotient,
     PlanError,
+    PositiveScalingQuotient,
     RotaryGLQuotient,
     SymmetryGroup,
     SymmetryPlan,
@@ -410,3 +411,36 @@ def test_kinds_are_checked_and_overlapping_groups_refused():
     )
     with pytest.raises(PlanError, match=r"covered by two groups.*query-key.*norm-gain"):
         SymmetryPlan([*plan.groups, columns]).bind(model)
+
+
+def test_relu_mlps_quotient_positive_scalings_only():
+    """T5's DenseReluDense: wi rows / a, wo columns * a is a symmetry for a > 0 only."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=6, num_heads=2, d_ff=24, num_layers=1
+    )
+    model = transformers.T5Model(config).double().eval()
+    plan = find_symmetries(model, kinds="all", verify=True)
+    (mlp,) = [g for g in plan.groups if g.kind == "mlp"]
+    assert isinstance(mlp.manifold, PositiveScalingQuotient) and mlp.count == 2 * 24
+    assert any(note.startswith("verified 3") for note in plan.notes)
+    params = params_of(model)
+    batch = {"input_ids": inputs(0)["input_ids"], "decoder_input_ids": inputs(1)["input_ids"]}
+
+    def outputs(weights):
+        with torch.no_grad():
+            return functional_call(model, weights, (), batch).last_hidden_state
+
+    def scaled(a):
+        out = dict(params)
+        for path in ("encoder.block.0.layer.1", "decoder.block.0.layer.2"):
+            wi, wo = f"{path}.DenseReluDense.wi.weight", f"{path}.DenseReluDense.wo.weight"
+            out[wi], out[wo] = params[wi] / a[:, None], params[wo] * a
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    a = 10 ** (torch.rand(24, generator=g, dtype=F64) - 0.5)
+    y0 = outputs(params)
+    assert (outputs(scaled(a)) - y0).abs().max() <= 1e-12 * y0.abs().max()
+    a[:12] *= -1
+    assert (outputs(scaled(a)) - y0).abs().max() > 1e-3 * y0.abs().max()

@@ -4,6 +4,7 @@ from .adaptive import AdaptiveEuclidean
 from .base import QuotientManifold
 from .diagonal_quotient import DiagonalQuotient, GeodesicDomainError
 from .gl_quotient import GLQuotient
+from .positive_scaling import PositiveScalingQuotient
 from .rotary_quotient import RotaryGLQuotient
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "DiagonalQuotient",
     "GLQuotient",
     "GeodesicDomainError",
+    "PositiveScalingQuotient",
     "QuotientManifold",
     "RotaryGLQuotient",
 ]

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
-from ..manifolds import GLQuotient, RotaryGLQuotient
+from ..manifolds import GLQuotient, PositiveScalingQuotient, RotaryGLQuotient
 from .plan import SymmetryGroup
 
 __all__ = ["PairSpec", "head_columns", "head_rows", "stack_pairs"]
@@ -112,6 +112,9 @@ class PairSpec:
         group is the rotary-commuting subgroup of :class:`~geoopt_quotient.RotaryGLQuotient`).
     pairing : {"half", "interleaved"}
         How a rotary embedding pairs the dimensions (with ``rotary_dim > 0``).
+    positive : bool
+        Only positive scalings act (rank-one pairs of ReLU units:
+        :class:`~geoopt_quotient.PositiveScalingQuotient`).
     """
 
     kind: str
@@ -124,16 +127,20 @@ class PairSpec:
     num_heads: int
     rotary_dim: int = 0
     pairing: str = "half"
+    positive: bool = False
 
     @property
     def signature(self) -> Tuple:
         rotary = (self.rotary_dim, self.pairing) if self.rotary_dim else ()
-        return (self.kind, self.n, self.m, self.head_dim, self.num_heads, *rotary)
+        sign = ("positive",) if self.positive else ()
+        return (self.kind, self.n, self.m, self.head_dim, self.num_heads, *rotary, *sign)
 
     def manifold(self, metric: str, eps: float) -> Manifold:
         """The quotient of this pair: GL(h), or its rotary-commuting subgroup."""
         if self.rotary_dim:
             return RotaryGLQuotient(self.n, self.m, self.rotary_dim, self.pairing, metric, eps)
+        if self.positive:
+            return PositiveScalingQuotient(self.n, self.m, metric, eps)
         return GLQuotient(self.n, self.m, metric, eps)
 
 

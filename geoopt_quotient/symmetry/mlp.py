@@ -1,4 +1,4 @@
-r"""Gated MLPs: one :math:`\mathrm{GL}(1)` pair per hidden unit (an opt-in kind, ``"mlp"``).
+r"""MLPs: one :math:`\mathrm{GL}(1)` pair per hidden unit (an opt-in kind, ``"mlp"``).
 
 A gated MLP computes :math:`\mathrm{down}(\mathrm{act}(\mathrm{gate}(x)) \odot
 \mathrm{up}(x))` (SwiGLU, GeGLU: Llama, Mistral, Qwen, Gemma, OLMo, Phi-3's fused
@@ -6,7 +6,9 @@ A gated MLP computes :math:`\mathrm{down}(\mathrm{act}(\mathrm{gate}(x)) \odot
 column :math:`i` of ``down`` by :math:`a`, for any :math:`a \ne 0`, leaves it unchanged:
 per unit, :math:`G` = that row as a column (with the bias appended) and :math:`H` = that
 column of ``down`` are an ordinary :class:`~geoopt_quotient.GLQuotient` pair of rank 1.
-The gate is untouched (the activation is not homogeneous).
+The gate is untouched (the activation is not homogeneous). A ReLU MLP
+:math:`\mathrm{out}(\mathrm{relu}(\mathrm{in}(x)))` has the same pairs for positive
+:math:`a` only (:class:`~geoopt_quotient.PositiveScalingQuotient`).
 """
 
 from __future__ import annotations
@@ -20,37 +22,66 @@ from .layouts import PairSpec
 
 __all__ = ["gated_mlp_pairs"]
 
-#: (gate, up, down) children of a gated MLP with separate projections.
-SEPARATE = ("gate_proj", "up_proj", "down_proj")
+#: (gate, up, down) children of gated MLPs with separate projections (Llama-style, T5's
+#: gated variant).
+GATED = (("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"))
 #: (fused gate and up, down): the first half of the fused rows is the gate, the second up.
 FUSED = ("gate_up_proj", "down_proj")
-ACTIVATION_ATTRS = ("act_fn", "activation_fn")
+#: (in, out) children of plain MLPs ``out(act(in(x)))`` (OPT, T5, GPT-NeoX, Falcon, Phi...)
+PLAIN = (("fc1", "fc2"), ("wi", "wo"), ("dense_h_to_4h", "dense_4h_to_h"))
+ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
 
 
-def _gated_mlp(path: str, module: torch.nn.Module) -> Optional[PairSpec]:
-    """The pair of one module, if it is a Hugging Face gated MLP."""
+def _activation(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    return next(
+        (a for n in ACTIVATION_ATTRS if isinstance(a := getattr(module, n, None), torch.nn.Module)),
+        None,
+    )
+
+
+def _up_and_down(module: torch.nn.Module):
+    """``(up name, up, row offset, down name, down, positive)`` of an MLP, or ``None``: a
+    gated MLP (any nonzero scaling) or a ReLU MLP (positive scalings only)."""
+    for gate_name, up_name, down_name in GATED:
+        gate, up, down = (_linear(module, n) for n in (gate_name, up_name, down_name))
+        if gate is not None and up is not None and down is not None:
+            units = down.in_features
+            if gate.out_features == units == up.out_features:
+                return up_name, up, 0, down_name, down, False
+            return None
+    fused, down = _linear(module, FUSED[0]), _linear(module, FUSED[1])
+    if fused is not None and down is not None:
+        units = down.in_features
+        return (
+            (FUSED[0], fused, units, FUSED[1], down, False)
+            if fused.out_features == 2 * units
+            else None
+        )
+    for up_name, down_name in PLAIN:
+        up, down = _linear(module, up_name), _linear(module, down_name)
+        if up is not None and down is not None and up.out_features == down.in_features:
+            if isinstance(_activation(module), torch.nn.ReLU):
+                return up_name, up, 0, down_name, down, True
+            return None
+    return None
+
+
+def _mlp(path: str, module: torch.nn.Module) -> Optional[PairSpec]:
+    """The pair of one module, if it is a Hugging Face gated or ReLU MLP."""
     if not type(module).__module__.startswith("transformers."):
-        return None  # the forward convention below is Hugging Face's
-    if not any(isinstance(getattr(module, n, None), torch.nn.Module) for n in ACTIVATION_ATTRS):
+        return None  # the forward conventions below are Hugging Face's
+    if _activation(module) is None:
         return None
-    down = _linear(module, "down_proj")
-    if down is None:
+    found = _up_and_down(module)
+    if found is None:
         return None
-    gate, up = _linear(module, "gate_proj"), _linear(module, "up_proj")
+    up_name, up, start, down_name, down, positive = found
     units = down.in_features
-    if gate is not None and up is not None:
-        up_path, start = _prefixed(path, "up_proj"), 0
-        if gate.out_features != units or up.out_features != units:
-            return None
-    else:
-        up = _linear(module, "gate_up_proj")
-        if up is None or up.out_features != 2 * units:
-            return None
-        up_path, start = _prefixed(path, "gate_up_proj"), units
+    up_path = _prefixed(path, up_name)
     params = {_prefixed(up_path, "weight"): up.weight.shape}
     if up.bias is not None:
         params[_prefixed(up_path, "bias")] = up.bias.shape
-    params[_prefixed(path, "down_proj.weight")] = down.weight.shape
+    params[_prefixed(path, f"{down_name}.weight")] = down.weight.shape
 
     def layout(weight, *rest):
         g = weight[start : start + units].reshape(units, -1, 1)
@@ -60,13 +91,16 @@ def _gated_mlp(path: str, module: torch.nn.Module) -> Optional[PairSpec]:
         return torch.cat((g, h), dim=-2)
 
     n = up.in_features + int(up.bias is not None)
-    return PairSpec("mlp", path, params, layout, n, down.out_features, 1, units)
+    return PairSpec("mlp", path, params, layout, n, down.out_features, 1, units, positive=positive)
 
 
 def gated_mlp_pairs(model: torch.nn.Module) -> Findings:
-    """The per-unit pairs of every gated MLP of ``model`` (Hugging Face modules with
-    ``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``/``down_proj`` and an
-    activation).
+    """The per-unit pairs of every gated or ReLU MLP of ``model``.
+
+    Hugging Face modules with an activation and ``gate_proj``/``up_proj``/``down_proj``,
+    ``wi_0``/``wi_1``/``wo`` or ``gate_up_proj``/``down_proj`` (gated: any nonzero
+    scaling), or ``fc1``/``fc2``, ``wi``/``wo``, ``dense_h_to_4h``/``dense_4h_to_h``
+    with a ReLU (positive scalings: :class:`~geoopt_quotient.PositiveScalingQuotient`).
 
     Parameters
     ----------
@@ -77,11 +111,11 @@ def gated_mlp_pairs(model: torch.nn.Module) -> Findings:
     -------
     Findings
         One :class:`~geoopt_quotient.symmetry.PairSpec` of kind ``"mlp"`` per MLP, with
-        ``head_dim = 1`` and one pair per hidden unit.
+        ``head_dim = 1`` and one pair per hidden unit (``positive=True`` for ReLU).
     """
     found = Findings()
     for path, module in model.named_modules():
-        spec = _gated_mlp(path, module)
+        spec = _mlp(path, module)
         if spec is not None:
             found.specs.append(spec)
             found.claimed.add(path)

@@ -18,7 +18,13 @@ from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
-from ..manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, RotaryGLQuotient
+from ..manifolds import (
+    AdaptiveEuclidean,
+    DiagonalQuotient,
+    GLQuotient,
+    PositiveScalingQuotient,
+    RotaryGLQuotient,
+)
 from . import strided
 from .strided import StridedLayout, strided_layout, write_back
 
@@ -558,7 +564,8 @@ def _table(rows: Sequence[Tuple[str, ...]]) -> List[str]:
 
 def symmetry_label(manifold: Manifold, rank: int) -> str:
     """The group that acts on one block of a point, with its dimension: ``GL(8) [64]``,
-    ``rotary C*^4 [8]``, ``rotary C*^2 x GL(4) [20]``, ``GL(1)^6 [6]``; ``-`` if unknown.
+    ``rotary C*^4 [8]``, ``rotary C*^2 x GL(4) [20]``, ``GL(1)+ [1]`` (positive
+    scalings), ``GL(1)^6 [6]``; ``-`` if unknown.
 
     Parameters
     ----------
@@ -576,6 +583,8 @@ def symmetry_label(manifold: Manifold, rank: int) -> str:
         r, k = manifold.rotary_dim, rank - manifold.rotary_dim
         rest = f" x GL({k})" if k else ""
         return f"rotary C*^{r // 2}{rest} [{r + k * k}]"
+    if isinstance(manifold, PositiveScalingQuotient):
+        return "GL(1)+ [1]"
     if isinstance(manifold, GLQuotient):
         return f"GL({rank}) [{rank * rank}]"
     if isinstance(manifold, DiagonalQuotient):
