@@ -61,7 +61,7 @@ TOL = 64 * torch.finfo(torch.float32).eps
 class Family:
     """A tiny model of one family and where its heads sit in its weights."""
 
-    prefix: str  # the classes are <prefix>Config and <prefix>ForCausalLM
+    prefix: str  # the classes are <prefix>Config and <prefix>ForCausalLM, or "Config:Model"
     options: Dict
     layout: str = "separate"  # or "blocks", "per-head", "kv-groups"
     names: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # or (fused, o)
@@ -79,6 +79,10 @@ FAMILIES: Dict[str, Family] = {
     "mistral": Family("Mistral", GQA),
     "qwen2": Family("Qwen2", GQA),  # q, k, v biases
     "qwen3": Family("Qwen3", dict(GQA, head_dim=HEAD_DIM), rotary=None),  # per-head q/k norm
+    "olmo2": Family("Olmo2", GQA, rotary=None),  # q/k norm over all heads
+    "gemma3": Family(
+        "Gemma3TextConfig:Gemma3ForCausalLM", dict(GQA, head_dim=HEAD_DIM), rotary=None
+    ),
     "gemma": Family("Gemma", dict(GQA, head_dim=HEAD_DIM)),
     "gemma2": Family("Gemma2", dict(GQA, head_dim=HEAD_DIM)),
     "olmo": Family("Olmo", GQA),
@@ -110,10 +114,13 @@ _MODELS: Dict[str, torch.nn.Module] = {}
 
 def model_for(name: str) -> torch.nn.Module:
     family = FAMILIES[name]
-    config_class = getattr(transformers, f"{family.prefix}Config", None)
-    model_class = getattr(transformers, f"{family.prefix}ForCausalLM", None)
+    config_name, _, model_name = family.prefix.partition(":")
+    if not model_name:
+        config_name, model_name = f"{family.prefix}Config", f"{family.prefix}ForCausalLM"
+    config_class = getattr(transformers, config_name, None)
+    model_class = getattr(transformers, model_name, None)
     if config_class is None or model_class is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {family.prefix}ForCausalLM")
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     if name not in _MODELS:
         torch.manual_seed(0)
         config = config_class(**{**COMMON, **family.options})
