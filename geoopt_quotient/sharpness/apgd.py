@@ -268,7 +268,14 @@ def _evaluate(
     (:func:`_explicit_path`), whose pullback then maps that gradient to one with respect
     to :math:`\xi`, in place. The gradients are the leaves' ``.grad``, which autograd
     copies where it cannot hand over a buffer of its own: they belong to the caller.
+
+    An objective with an ``evaluate_ball`` method (a
+    :class:`~geoopt_quotient.sharpness.layout.BallLayout`'s) evaluates itself, through
+    the layout's flat buffers.
     """
+    custom = getattr(objective, "evaluate_ball", None)
+    if custom is not None:
+        return custom(ball, paths, xi, grad, autocast)
     leaves, moved, pullbacks = [], [], []
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
         point, pullback = _explicit_path(p, x, v, lambda i=index: ball.perturbed_buffer(i))

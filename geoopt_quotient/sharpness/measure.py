@@ -46,7 +46,7 @@ from .functional import (
     noting_batch,
     trainable_parameters,
 )
-from .fusion import fuse_groups
+from .layout import BallLayout
 from .precision import AutocastState
 
 __all__ = [
@@ -216,16 +216,17 @@ def _measure(
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
-        # the worst case's deterministic iterates allow it; average-case samples are
-        # drawn group by group, and stay as they were
-        ball = fuse_groups(groups) if kind == "worst" else None
-        if ball is not None:
-            groups = ball.groups
+        # the worst case's iterates live in the flat buffers of one layout; average-case
+        # samples are drawn group by group, and stay as they were
+        layout = BallLayout(plan, base, groups) if kind == "worst" else None
+        if layout is not None:
+            groups = layout.groups
 
         def objective_for(batch):
+            if layout is not None:
+                return layout.objective(lambda params: perturbed_loss(params, batch))
+
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
-                if ball is not None:
-                    perturbed_points = ball.unfuse(perturbed_points)
                 return perturbed_loss(plan.scatter(_drain(perturbed_points), base), batch)
 
             return objective
