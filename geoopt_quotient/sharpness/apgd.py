@@ -22,6 +22,7 @@ from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
 from ..manifolds._linalg import compute_dtype
+from ..manifolds.adaptive import block_length
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
@@ -692,10 +693,8 @@ def _combine_(
         t.is_contiguous() and t.shape == out.shape for t in operands
     ):
         flats = [t.view(-1) for t in operands]
-        blocks = [
-            [f[start : start + COMBINE_BLOCK] for f in flats]
-            for start in range(0, out.numel(), COMBINE_BLOCK)
-        ]
+        step = block_length(out.numel(), COMBINE_BLOCK)
+        blocks = [[f[start : start + step] for f in flats] for start in range(0, out.numel(), step)]
     else:
         blocks = [operands]
     stage = torch.empty_like(blocks[0][0]) if staged else None
