@@ -9,7 +9,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from .._checks import check_nonnegative_float
-from ._linalg import compute_dtype
+from ._linalg import block_length, compute_dtype
 from ._random import standard_normal
 from .base import QuotientManifold
 
@@ -302,7 +302,8 @@ class _ScaleState:
         r"""The Gram matrix :math:`\sum_i u_i v_i / c_i^2` of ``vectors``, in float64.
 
         Block by block: per block of :data:`GRAM_BLOCK` entries (:data:`DEVICE_GRAM_BLOCK`
-        off the CPU; at most :data:`MAX_BLOCKS` blocks), :math:`c` is formed once,
+        off the CPU; larger where that makes more than ``_linalg.MAX_BLOCKS`` blocks),
+        :math:`c` is formed once,
         the quotients :math:`u / c` of all vectors are written to a buffer that stays in
         cache, and their products come from one matrix product; the block sums are added
         in float64. Frozen entries add nothing (as in :meth:`weighted_sum`). ``None``
@@ -347,16 +348,6 @@ BLOCK = 1 << 20
 GRAM_BLOCK = 1 << 16
 #: The same on an accelerator, where each block costs kernel launches, not cache misses.
 DEVICE_GRAM_BLOCK = 1 << 22
-#: At most this many blocks per vector in the kernels of an Auto-PGD iteration
-#: (:meth:`_ScaleState.gram`, :meth:`_ScaleState.rescaled_`): their operations stay a
-#: constant number per ball, whatever the model's size; larger vectors get larger blocks.
-MAX_BLOCKS = 4
-
-
-def block_length(numel: int, block: int) -> int:
-    """Entries per block for a vector of ``numel`` entries: ``block``, or more where that
-    would make more than :data:`MAX_BLOCKS` blocks."""
-    return max(block, -(-numel // MAX_BLOCKS), 1)
 
 
 def _splittable(x: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from .._checks import (
 from ._linalg import (
     Eigenbasis,
     add_product,
+    block_length,
     compute_dtype,
     eigenbasis_spd_product,
     gram,
@@ -410,8 +411,8 @@ class GLQuotient(QuotientManifold):
         self._prepare(st)
         flats = [t.reshape(-1, *x.shape[-2:]) for t in tensors]
         budget = CHUNK_BYTES if x.device.type == "cpu" else DEVICE_CHUNK_BYTES
-        per = max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize))
         count = flats[0].shape[0]
+        per = block_length(count, max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize)))
         for start in range(0, count, per):
             stop = min(start + per, count)
             yield st.batch_slice(start, stop), [f[start:stop] for f in flats]

@@ -21,8 +21,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
-from ..manifolds._linalg import compute_dtype
-from ..manifolds.adaptive import block_length
+from ..manifolds._linalg import block_length, compute_dtype
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
