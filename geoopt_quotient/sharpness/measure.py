@@ -609,10 +609,10 @@ def geodesic_sharpness(
     more forward pass; without the kept best gradient, also one forward and backward pass
     per Auto-PGD restart (up to 7 for 20 iterations; see :func:`maximize_in_ball`). The
     average case makes ``iters + 1`` forward passes. :class:`SharpnessResult` reports the
-    passes made per batch. Between passes the geometry works on few, large tensors: the
-    small parameters left to the adaptive metric are fused into one flat vector
-    (:mod:`~geoopt_quotient.sharpness.fusion`), and discovery stacks the attention heads
-    of all layers into one group per kind.
+    passes made per batch. Between passes the geometry works on few, large tensors: in
+    the worst case, the parameters left to the adaptive metric form one flat buffer per
+    dtype and device, which the model reads as views, and discovery stacks the attention
+    heads of all layers into one group per kind (``geoopt_quotient.sharpness.layout``).
 
     Devices and precision: the model, its batches and ``loss_fn`` may live on any device;
     the perturbations are made on the parameters' device. Called under
