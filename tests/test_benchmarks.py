@@ -28,6 +28,7 @@ def keys_named(report, key: str) -> list:
 
 
 QUICK = [
+    "bench_ball_memory",
     "bench_sharpness_iteration",
     "bench_iteration_overhead",
     "bench_geometry",
@@ -55,6 +56,9 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert set(report["ratio_to_adaptive"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
     if name == "bench_geometry":
         assert report["projection"]["max_abs_difference"] < 1e-8
+    if name == "bench_ball_memory":
+        for row in report["measures"].values():
+            assert row["kept"]["total"] == pytest.approx(row["not_kept"]["total"] + 4, rel=0.05)
     if name == "bench_memory":
         assert report["peak_ratio_to_training_step"]["train"] == 1.0
     if name == "bench_small_kernels":

@@ -28,6 +28,7 @@ gradients, and stay zero.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -38,7 +39,7 @@ from ..symmetry.plan import BoundPlan, SymmetryGroup
 from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
 from .functional import check_depends_on_perturbation
 
-__all__ = ["BallLayout", "ball_bytes_per_parameter"]
+__all__ = ["BallLayout"]
 
 Key = Tuple[torch.dtype, torch.device]
 
@@ -236,6 +237,26 @@ class BallLayout:
         trainable parameters, plus alignment gaps)."""
         return sum(f.size * f.dtype.itemsize for f in self.flats)
 
+    def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
+        """The ball's memory per trainable model parameter during Auto-PGD, by part.
+
+        ``base``: the fused groups' base point (a copy of their parameters) and the
+        symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
+        ``iterates``: the current, previous and best perturbation; ``gradients``: the
+        current gradient, and the best iterate's if kept; ``total``: their sum. The model's
+        own parameters and the pass's activations are not counted.
+        """
+        parameters = sum(math.prod(s) for f in self.flats for s in f.shapes)
+        vector = self.vector_bytes()
+        parts = {
+            "base": sum(g.point.numel() * g.point.element_size() for g in self.groups),
+            "perturbed": self.buffer_bytes(),
+            "iterates": 3 * vector,
+            "gradients": (2 if keep_best_gradient else 1) * vector,
+        }
+        parts["total"] = sum(parts.values())
+        return {part: size / parameters for part, size in parts.items()}
+
     def _perturbed_buffers(self) -> List[torch.Tensor]:
         if self._buffers is None:
             self._buffers = [flat.empty() for flat in self.flats]
@@ -355,24 +376,3 @@ class _LayoutObjective:
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
         return value.detach().reshape(()), grads
-
-
-def ball_bytes_per_parameter(
-    layout: BallLayout, keep_best_gradient: bool, parameters: int
-) -> Dict[str, float]:
-    """The ball's memory per model parameter during an Auto-PGD run, by part.
-
-    Parts: ``base`` (the fused base point, a copy), ``perturbed`` (the flat buffers the
-    model reads), ``iterates`` (current, previous, best), ``gradient`` (the current
-    one, and the best one if kept), ``total``.
-    """
-    vector = layout.vector_bytes()
-    fused_base = sum(g.point.numel() * g.point.element_size() for g in layout.groups)
-    parts = {
-        "base": fused_base,
-        "perturbed": layout.buffer_bytes(),
-        "iterates": 3 * vector,
-        "gradient": (2 if keep_best_gradient else 1) * vector,
-    }
-    parts["total"] = sum(parts.values())
-    return {k: v / parameters for k, v in parts.items()}
