@@ -102,11 +102,13 @@ def test_an_adaptive_iteration_costs_about_one_forward_and_backward_pass(build):
     assert passes < iteration <= 1.25 * passes
 
 
-@pytest.mark.parametrize("measure", ["adaptive", "inv"])
-def test_the_operators_beyond_the_pass_do_not_grow_with_depth(measure):
+@pytest.mark.parametrize(
+    "build, measure", [(bert, "adaptive"), (bert, "mix"), (llama, "inv")], ids=str
+)
+def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
     extra = {}
     for layers in (4, 12):
-        model, batch, loss_fn = bert(layers)
+        model, batch, loss_fn = build(layers)
         passes = forward_backward_operators(model, batch, loss_fn)
         extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
     assert 0 < extra[12] <= 1.25 * extra[4]

@@ -14,7 +14,7 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   one batch per geometry, and any other group) lives in one flat buffer per
   ``(dtype, device)``, written from the groups' perturbed points with one index copy;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
-  one flat buffer per buffer (:class:`_ParameterViews`: one copy of all gradients),
+  one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
   read back into the groups' shapes with one index gather.
 
 With the element-wise metric, fusing the groups changes nothing but the order of sums:
@@ -71,10 +71,7 @@ class _Flat:
 
     def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(parameter views, gap views) of a flat buffer of this layout."""
-        parts = flat.split(self.chunks)
-        views = [p for p, gap in zip(parts, self.is_gap) if not gap]
-        gaps = [p for p, gap in zip(parts, self.is_gap) if gap]
-        return [v.view(s) if v.dim() != len(s) else v for v, s in zip(views, self.shapes)], gaps
+        return _pieces(flat, self.chunks, self.is_gap, self.shapes)
 
     def filled(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A new flat buffer holding ``tensors`` (zero in the gaps)."""
@@ -84,42 +81,83 @@ class _Flat:
         _zero(gaps)
         return flat
 
+    def segments(self, count: int) -> List[_Segment]:
+        """At most ``count`` consecutive runs of whole chunks, of about equal size."""
+        out, first, begin, target = [], 0, 0, max(1, -(-self.size // count))
+        position, shapes = 0, iter(self.shapes)
+        taken: List[torch.Size] = []
+        for index, (chunk, gap) in enumerate(zip(self.chunks, self.is_gap)):
+            position += chunk
+            if not gap:
+                taken.append(next(shapes))
+            last = index + 1 == len(self.chunks)
+            if (not gap and position - begin >= target) or last:
+                chunks = slice(first, index + 1)
+                size = position - begin
+                out.append(_Segment(begin, size, self.chunks[chunks], self.is_gap[chunks], taken))
+                first, begin, taken = index + 1, position, []
+        return out
+
+
+def _pieces(
+    flat: torch.Tensor, chunks: List[int], is_gap: List[bool], shapes: List[torch.Size]
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(parameter views, gap views) of ``flat``, split into ``chunks``."""
+    parts = flat.split(chunks)
+    views = [p for p, gap in zip(parts, is_gap) if not gap]
+    gaps = [p for p, gap in zip(parts, is_gap) if gap]
+    return [v.view(s) if v.dim() != len(s) else v for v, s in zip(views, shapes)], gaps
+
+
+@dataclass
+class _Segment:
+    """Entries ``start : start + size`` of a flat buffer: whole parameters and gaps."""
+
+    start: int
+    size: int
+    chunks: List[int]
+    is_gap: List[bool]
+    shapes: List[torch.Size]
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.start + self.size]
+
+    def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(parameter views, gap views) of ``flat`` (the segment's own entries)."""
+        return _pieces(flat, self.chunks, self.is_gap, self.shapes)
+
+
+#: The flat buffers are handed to autograd in this many segments each: a segment's
+#: gradients are copied into the flat gradient as soon as all of them are computed (one
+#: copy operation), so at most about one segment's worth of them waits at once.
+GRADIENT_SEGMENTS = 4
+
 
 def _zero(tensors: List[torch.Tensor]) -> None:
     if tensors:
         torch._foreach_zero_(tensors)
 
 
-class _ParameterViews(torch.autograd.Function):
-    """Flat buffers to the parameter views the loss sees; backward: the parameters'
-    gradients copied into one new flat buffer per buffer (zero where a parameter has no
-    gradient and in the gaps), with one copy operation for all of them."""
+class _SegmentViews(torch.autograd.Function):
+    """A segment of a flat buffer to the parameter views the loss sees; backward: the
+    parameters' gradients copied into the segment of the flat gradient ``out`` (zero
+    where a parameter has no gradient and in the gaps), one copy operation for all."""
 
     @staticmethod
-    def forward(ctx, flats: Sequence[_Flat], *buffers: torch.Tensor):
-        ctx.flats = flats
-        return tuple(v for flat, buffer in zip(flats, buffers) for v in flat.pieces(buffer)[0])
+    def forward(ctx, segment: _Segment, out: torch.Tensor, leaf: torch.Tensor):
+        ctx.segment, ctx.out = segment, out
+        return tuple(segment.pieces(leaf)[0])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        outs, targets, sources, zeros = [], [], [], []
-        grads = iter(grads)
-        for flat in ctx.flats:
-            out = flat.empty()
-            views, gaps = flat.pieces(out)
-            for view in views:
-                grad = next(grads)
-                if grad is None:
-                    zeros.append(view)
-                else:
-                    targets.append(view)
-                    sources.append(grad)
-            zeros += gaps
-            outs.append(out)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        _zero(zeros)
-        return (None, *outs)
+        segment = ctx.segment
+        target = segment.of(ctx.out)
+        views, gaps = segment.pieces(target)
+        present = [(v, g) for v, g in zip(views, grads) if g is not None]
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        _zero([v for v, g in zip(views, grads) if g is None] + gaps)
+        return None, None, target
 
 
 def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
@@ -199,6 +237,8 @@ class BallLayout:
         self.flats: List[_Flat] = self._fused + [r.flat for r in self._rests]
         self.names = [n for flat in self.flats for n in flat.names]
         self._buffers: List[torch.Tensor] | None = None
+        self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
+        self._grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(rest)
 
     @staticmethod
@@ -295,12 +335,26 @@ class BallLayout:
                     buffer.copy_(point.detach())
             for rest, buffer in zip(self._rests, buffers[len(self._fused) :]):
                 rest.write([points[p].detach() for p in rest.groups], buffer)
-        leaves = [b.detach().requires_grad_(grad) for b in buffers]
-        if grad:
-            views = _ParameterViews.apply(self.flats, *leaves)
-        else:
-            views = [v for f, b in zip(self.flats, leaves) for v in f.pieces(b)[0]]
+        if not grad:
+            views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
+            return [], dict(zip(self.names, views))
+        self._grads = [flat.empty() for flat in self.flats]
+        leaves, views = [], []
+        for segments, buffer, out in zip(self._segments, buffers, self._grads):
+            for segment in segments:
+                leaf = segment.of(buffer).detach().requires_grad_()
+                leaves.append(leaf)
+                views += _SegmentViews.apply(segment, out, leaf)
         return leaves, dict(zip(self.names, views))
+
+    def flat_gradients(self, grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
+        """The flat gradients of the last :meth:`parameters` call with ``grad=True``, from
+        autograd's gradients of its leaves (``None``: that segment got none: zero)."""
+        grads = iter(grads)
+        for segments, out in zip(self._segments, self._grads):
+            _zero([segment.of(out) for segment in segments if next(grads) is None])
+        flat, self._grads = self._grads, []
+        return flat
 
     def point_gradients(self, flat_grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
         """The gradients with respect to the groups' perturbed points, from the flat
@@ -368,10 +422,7 @@ class _LayoutObjective:
             check_depends_on_perturbation(value, grads_found=True)
             flat_grads = torch.autograd.grad(value, leaves, allow_unused=True)
         check_depends_on_perturbation(value, any(g is not None for g in flat_grads))
-        flat_grads = [
-            torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, flat_grads)
-        ]
-        grads = layout.point_gradients(flat_grads)
+        grads = layout.point_gradients(layout.flat_gradients(flat_grads))
         for index, leaf in traced.items():
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
