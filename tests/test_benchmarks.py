@@ -147,3 +147,15 @@ def test_cuda_benchmark_memory_section_with_fake_statistics(tmp_path, monkeypatc
     assert unit["peak_ratio_to_training_step"]["geodesic-inv"] == 1.0
     assert unit["increment_ratio_to_training_step"]["adaptive"] == 1.0
     assert report["iteration"]["results"] == {} and report["protocol"]["results"] == {}
+
+
+def test_flat_ball_gpu_script_dry_run_writes_its_document(tmp_path):
+    """The GPU script's CPU dry run: tiny models, every unit recorded, no error."""
+    module = importlib.import_module("bench_flat_ball_gpu")
+    out = tmp_path / "flat_ball.json"
+    report = module.main([str(out), "--dry-run"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["units"]) == {"bert-base float32", "vit-b32 float32"}
+    for row in report["units"].values():
+        assert "error" not in row, row
+        assert set(row["seconds_per_iteration"]) == {"step", "adaptive", "inv", "mix"}
