@@ -189,9 +189,12 @@ def solve_sylvester_shifted(
 #: operations, the update's combination): their operations stay a constant number per
 #: ball, whatever the model's size; larger vectors get larger blocks.
 MAX_BLOCKS = 2
+#: ... but never more entries per block than this: a block's temporaries (three of them
+#: for the Gram matrix) stay small next to a vector of a large model.
+MAX_BLOCK_ENTRIES = 1 << 23
 
 
 def block_length(numel: int, block: int) -> int:
     """Entries per block for a vector of ``numel`` entries: ``block``, or more where that
-    would make more than :data:`MAX_BLOCKS` blocks."""
-    return max(block, -(-numel // MAX_BLOCKS), 1)
+    would make more than :data:`MAX_BLOCKS` blocks, up to :data:`MAX_BLOCK_ENTRIES`."""
+    return max(block, min(-(-numel // MAX_BLOCKS), MAX_BLOCK_ENTRIES), 1)
