@@ -28,6 +28,7 @@ def keys_named(report, key: str) -> list:
 
 
 QUICK = [
+    "bench_ball_memory",
     "bench_sharpness_iteration",
     "bench_iteration_overhead",
     "bench_geometry",
@@ -55,6 +56,9 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert set(report["ratio_to_adaptive"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
     if name == "bench_geometry":
         assert report["projection"]["max_abs_difference"] < 1e-8
+    if name == "bench_ball_memory":
+        for row in report["measures"].values():
+            assert row["kept"]["total"] == pytest.approx(row["not_kept"]["total"] + 4, rel=0.05)
     if name == "bench_memory":
         assert report["peak_ratio_to_training_step"]["train"] == 1.0
     if name == "bench_small_kernels":
@@ -143,3 +147,15 @@ def test_cuda_benchmark_memory_section_with_fake_statistics(tmp_path, monkeypatc
     assert unit["peak_ratio_to_training_step"]["geodesic-inv"] == 1.0
     assert unit["increment_ratio_to_training_step"]["adaptive"] == 1.0
     assert report["iteration"]["results"] == {} and report["protocol"]["results"] == {}
+
+
+def test_flat_ball_gpu_script_dry_run_writes_its_document(tmp_path):
+    """The GPU script's CPU dry run: tiny models, every unit recorded, no error."""
+    module = importlib.import_module("bench_flat_ball_gpu")
+    out = tmp_path / "flat_ball.json"
+    report = module.main([str(out), "--dry-run"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["units"]) == {"bert-base float32", "vit-b32 float32"}
+    for row in report["units"].values():
+        assert "error" not in row, row
+        assert set(row["seconds_per_iteration"]) == {"step", "adaptive", "inv", "mix"}

@@ -202,29 +202,31 @@ def test_stacked_quotients_have_the_joint_geometry_and_keep_the_padding_zero(
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])
-def test_fusing_changes_the_value_only_by_rounding(name, monkeypatch):
+def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
+    """The flat buffers against the reference: one ball group per plan group, written
+    back into the parameters by the plan."""
     model, batches = tiny_bert()
-    fused = measure(model, batches, name)
-    monkeypatch.setattr(fusion, "MAX_ENTRIES_PER_TENSOR", 0)  # nothing fused
+    flat = measure(model, batches, name)
+    monkeypatch.setattr(measure_module, "BallLayout", lambda *args: None)  # no layout
     separate = measure(model, batches, name)
-    assert fused.value > 0
+    assert flat.value > 0
     # float64 sums in another order; the iterates' branch decisions are the same
-    for a, b in zip(fused.per_batch, separate.per_batch):
+    for a, b in zip(flat.per_batch, separate.per_batch):
         assert math.isclose(a, b, rel_tol=1e-9)
-    for a, b in zip(fused.histories, separate.histories):
+    for a, b in zip(flat.histories, separate.histories):
         assert a == pytest.approx(b, rel=1e-9)
 
 
-def test_the_average_case_is_not_fused(monkeypatch):
+def test_the_average_case_has_no_flat_layout(monkeypatch):
     model, batches = tiny_bert()
     calls = []
-    fuse = fusion.fuse_groups
+    make = measure_module.BallLayout
     monkeypatch.setattr(
-        measure_module, "fuse_groups", lambda groups: calls.append(groups) or fuse(groups)
+        measure_module, "BallLayout", lambda *args: calls.append(args) or make(*args)
     )
     gq.adaptive_sharpness(model, loss_fn, batches, rho=0.1, iters=3, kind="average")
     assert not calls
-    gq.adaptive_sharpness(model, loss_fn, batches, rho=0.1, iters=3)  # the worst case is
+    gq.adaptive_sharpness(model, loss_fn, batches, rho=0.1, iters=3)  # the worst case has
     assert calls
 
 

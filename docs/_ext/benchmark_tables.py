@@ -668,6 +668,25 @@ def cpu_memory(results: Results) -> Table:
     )
 
 
+def cpu_ball_memory(results: Results) -> Table:
+    doc = results.json("cpu/ball_memory.json").data
+    rows = []
+    parts = ("base", "perturbed", "iterates", "gradients", "total")
+    for measure in ("adaptive", "inv", "mix"):
+        kept = dig(doc, "measures", measure, "kept") or {}
+        rows.append([measure, *(fmt(kept.get(part), ".1f", " B") for part in parts)])
+    model = dig(doc, "model") or NOT_MEASURED
+    return Table(
+        ["measure", *parts],
+        rows,
+        "python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json",
+        [
+            f"Model: {model}. Bytes per trainable parameter held by the worst case's ball "
+            "(best gradient kept); the model's own parameters and the pass are not counted."
+        ],
+    )
+
+
 def cpu_compiled_update(results: Results) -> Table:
     doc = results.json("cpu/compiled_update.json").data
     models = dig(doc, "models") or {}
@@ -922,6 +941,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-iteration-overhead": cpu_iteration_overhead,
     "cpu-sharpness-iteration": cpu_sharpness_iteration,
     "cpu-memory": cpu_memory,
+    "cpu-ball-memory": cpu_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
     "transformers-seeds": transformers_seeds,

@@ -11,8 +11,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "MAX_BLOCKS",
     "Eigenbasis",
     "add_product",
+    "block_length",
     "compute_dtype",
     "eigenbasis_spd_product",
     "gram",
@@ -180,3 +182,19 @@ def solve_sylvester_shifted(
     b = (tau - eps) / tau
     y = _safe_divide_eigensum(u_g.mT @ rhs @ u_h, a, b)
     return u_g @ y @ u_h.mT
+
+
+#: At most this many blocks (or batch slices) per vector in the kernels of an Auto-PGD
+#: iteration (the adaptive metric's Gram matrix and gradient, the quotients' fused
+#: operations, the update's combination): their operations stay a constant number per
+#: ball, whatever the model's size; larger vectors get larger blocks.
+MAX_BLOCKS = 2
+#: ... but never more entries per block than this: a block's temporaries (three of them
+#: for the Gram matrix) stay small next to a vector of a large model.
+MAX_BLOCK_ENTRIES = 1 << 23
+
+
+def block_length(numel: int, block: int) -> int:
+    """Entries per block for a vector of ``numel`` entries: ``block``, or more where that
+    would make more than :data:`MAX_BLOCKS` blocks, up to :data:`MAX_BLOCK_ENTRIES`."""
+    return max(block, min(-(-numel // MAX_BLOCKS), MAX_BLOCK_ENTRIES), 1)

@@ -9,7 +9,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from .._checks import check_nonnegative_float
-from ._linalg import compute_dtype
+from ._linalg import block_length, compute_dtype
 from ._random import standard_normal
 from .base import QuotientManifold
 
@@ -292,8 +292,9 @@ class _ScaleState:
         if u.dtype != self.dtype or not _splittable(self.x, u):
             return self.rescaled(u)
         flat_x, flat_u = self.x.reshape(-1), u.view(-1)
-        for start in range(0, u.numel(), BLOCK):
-            block = slice(start, start + BLOCK)
+        step = block_length(u.numel(), BLOCK)
+        for start in range(0, u.numel(), step):
+            block = slice(start, start + step)
             flat_u[block].mul_(self.scale_squared(flat_x[block]))
         return u
 
@@ -301,7 +302,8 @@ class _ScaleState:
         r"""The Gram matrix :math:`\sum_i u_i v_i / c_i^2` of ``vectors``, in float64.
 
         Block by block: per block of :data:`GRAM_BLOCK` entries (:data:`DEVICE_GRAM_BLOCK`
-        off the CPU), :math:`c` is formed once,
+        off the CPU; larger where that makes more than ``_linalg.MAX_BLOCKS`` blocks),
+        :math:`c` is formed once,
         the quotients :math:`u / c` of all vectors are written to a buffer that stays in
         cache, and their products come from one matrix product; the block sums are added
         in float64. Frozen entries add nothing (as in :meth:`weighted_sum`). ``None``
@@ -314,6 +316,7 @@ class _ScaleState:
         flat_x = self.x.reshape(-1)
         flats = [u.reshape(-1) for u in vectors]
         step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
+        step = block_length(flat_x.numel(), step)
         size = min(step, flat_x.numel())
         ratios = torch.empty(len(flats), size, dtype=self.dtype, device=flat_x.device)
         total = torch.zeros(len(flats), len(flats), dtype=torch.float64, device=flat_x.device)

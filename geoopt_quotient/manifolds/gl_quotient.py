@@ -35,11 +35,15 @@ __all__ = ["GLQuotient", "PointState"]
 
 #: Bytes of the slice of a batch of points that the fused operations of a sharpness
 #: loop (:meth:`GLQuotient._retr_vjp`, :meth:`GLQuotient._egrad2rgrad_`,
-#: :meth:`GLQuotient._gram`) handle at once on the CPU: the slice's temporaries stay in
-#: cache, and nothing as large as the point is allocated.
+#: :meth:`GLQuotient._gram`) handle at once on the CPU, unless that makes more than
+#: :data:`MAX_SLICES` slices: the slice's temporaries stay in cache.
 CHUNK_BYTES = 1 << 21
 #: The same on an accelerator, where each slice costs kernel launches, not cache misses.
 DEVICE_CHUNK_BYTES = 1 << 28
+#: At most this many slices per call, whatever the batch's size: each slice costs some
+#: hundred operators, and an Auto-PGD iteration's should not grow with the model's depth
+#: (the symmetry groups stack all layers into one batch). Larger batches get larger slices.
+MAX_SLICES = 1
 
 
 class PointState:
@@ -410,8 +414,9 @@ class GLQuotient(QuotientManifold):
         self._prepare(st)
         flats = [t.reshape(-1, *x.shape[-2:]) for t in tensors]
         budget = CHUNK_BYTES if x.device.type == "cpu" else DEVICE_CHUNK_BYTES
-        per = max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize))
         count = flats[0].shape[0]
+        per = max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize))
+        per = max(per, -(-count // MAX_SLICES))
         for start in range(0, count, per):
             stop = min(start + per, count)
             yield st.batch_slice(start, stop), [f[start:stop] for f in flats]

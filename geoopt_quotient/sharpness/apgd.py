@@ -21,7 +21,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
-from ..manifolds._linalg import compute_dtype
+from ..manifolds._linalg import block_length, compute_dtype
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
@@ -268,7 +268,14 @@ def _evaluate(
     (:func:`_explicit_path`), whose pullback then maps that gradient to one with respect
     to :math:`\xi`, in place. The gradients are the leaves' ``.grad``, which autograd
     copies where it cannot hand over a buffer of its own: they belong to the caller.
+
+    An objective with an ``evaluate_ball`` method (a
+    :class:`~geoopt_quotient.sharpness.layout.BallLayout`'s) evaluates itself, through
+    the layout's flat buffers.
     """
+    custom = getattr(objective, "evaluate_ball", None)
+    if custom is not None:
+        return custom(ball, paths, xi, grad, autocast)
     leaves, moved, pullbacks = [], [], []
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
         point, pullback = _explicit_path(p, x, v, lambda i=index: ball.perturbed_buffer(i))
@@ -685,10 +692,8 @@ def _combine_(
         t.is_contiguous() and t.shape == out.shape for t in operands
     ):
         flats = [t.view(-1) for t in operands]
-        blocks = [
-            [f[start : start + COMBINE_BLOCK] for f in flats]
-            for start in range(0, out.numel(), COMBINE_BLOCK)
-        ]
+        step = block_length(out.numel(), COMBINE_BLOCK)
+        blocks = [[f[start : start + step] for f in flats] for start in range(0, out.numel(), step)]
     else:
         blocks = [operands]
     stage = torch.empty_like(blocks[0][0]) if staged else None

@@ -47,7 +47,7 @@ from .functional import (
     noting_batch,
     trainable_parameters,
 )
-from .fusion import fuse_groups
+from .layout import BallLayout
 from .precision import AutocastState
 
 __all__ = [
@@ -217,16 +217,17 @@ def _measure(
         check_points(plan, points)
         path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
-        # the worst case's deterministic iterates allow it; average-case samples are
-        # drawn group by group, and stay as they were
-        ball = fuse_groups(groups) if kind == "worst" else None
-        if ball is not None:
-            groups = ball.groups
+        # the worst case's iterates live in the flat buffers of one layout; average-case
+        # samples are drawn group by group, and stay as they were
+        layout = BallLayout(plan, base, groups) if kind == "worst" else None
+        if layout is not None:
+            groups = layout.groups
 
         def objective_for(batch):
+            if layout is not None:
+                return layout.objective(lambda params: perturbed_loss(params, batch))
+
             def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
-                if ball is not None:
-                    perturbed_points = ball.unfuse(perturbed_points)
                 return perturbed_loss(plan.scatter(_drain(perturbed_points), base), batch)
 
             return objective
@@ -611,10 +612,10 @@ def geodesic_sharpness(
     more forward pass; without the kept best gradient, also one forward and backward pass
     per Auto-PGD restart (up to 7 for 20 iterations; see :func:`maximize_in_ball`). The
     average case makes ``iters + 1`` forward passes. :class:`SharpnessResult` reports the
-    passes made per batch. Between passes the geometry works on few, large tensors: the
-    small parameters left to the adaptive metric are fused into one flat vector
-    (:mod:`~geoopt_quotient.sharpness.fusion`), and discovery stacks the attention heads
-    of all layers into one group per kind.
+    passes made per batch. Between passes the geometry works on few, large tensors: in
+    the worst case, the parameters left to the adaptive metric form one flat buffer per
+    dtype and device, which the model reads as views, and discovery stacks the attention
+    heads of all layers into one group per kind (``geoopt_quotient.sharpness.layout``).
 
     Devices and precision: the model, its batches and ``loss_fn`` may live on any device;
     the perturbations are made on the parameters' device. Called under

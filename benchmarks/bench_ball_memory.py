@@ -1,0 +1,82 @@
+"""The Auto-PGD ball's memory per model parameter, by part, for each measure.
+
+Builds the worst case's flat layout (``geoopt_quotient.sharpness.layout.BallLayout``) for a
+BERT-base-size classifier (random weights from its config; nothing is downloaded) and
+reports :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`: the base
+points, the perturbed parameters' flat buffers, the three iterates and the gradients (the
+best iterate's kept or not), in bytes per trainable parameter, and the kept gradient's size
+against ``KEEP_GRADIENT_MAX_BYTES``. No timing: the figures are exact.
+
+    python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json
+    python benchmarks/bench_ball_memory.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from typing import Any, Dict
+
+import torch
+from bench_sharpness_iteration import build_model
+
+from geoopt_quotient.sharpness.apgd import KEEP_GRADIENT_MAX_BYTES
+from geoopt_quotient.sharpness.functional import trainable_parameters
+from geoopt_quotient.sharpness.layout import BallLayout
+from geoopt_quotient.sharpness.measure import _ball_groups, resolve_plan
+from geoopt_quotient.symmetry.plan import SymmetryPlan
+
+MEASURES = ("adaptive", "inv", "mix")
+
+
+def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
+    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it."""
+    if measure == "adaptive":
+        plan = SymmetryPlan().bind(model)
+    else:
+        plan = resolve_plan(model, None, measure)
+    base = trainable_parameters(model)
+    points = [p.detach() for p in plan.gather(base)]
+    return BallLayout(plan, base, _ball_groups(plan, points, "second_order", True))
+
+
+def main(argv=None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny BERT (CI)")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args(argv)
+    model, _ = build_model(args.quick, "cpu", torch.float32)
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rows = {}
+    for measure in MEASURES:
+        layout = layout_for(model, measure)
+        rows[measure] = {
+            "kept": layout.bytes_per_parameter(keep_best_gradient=True),
+            "not_kept": layout.bytes_per_parameter(keep_best_gradient=False),
+            "vector_mib": layout.vector_bytes() / 2**20,
+            "gradient_kept_by_default": layout.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES,
+        }
+        kept = rows[measure]["kept"]
+        print(
+            f"{measure:9s} bytes/parameter: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in kept.items())
+            + f" (best gradient kept; one vector {rows[measure]['vector_mib']:.0f} MiB)"
+        )
+    document = {
+        "benchmark": "ball_memory",
+        "model": "tiny BERT" if args.quick else "BERT-base (random weights)",
+        "parameters": parameters,
+        "keep_gradient_max_mib": KEEP_GRADIENT_MAX_BYTES / 2**20,
+        "measures": rows,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=1)
+    return document
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+r"""The ball's layout: the model's parameters as a few flat buffers, made once per call.
+
+Auto-PGD's worst case evaluates the loss at perturbed parameters and differentiates it,
+:math:`N` times per batch. Between two passes, the ball's arithmetic (Gram matrix,
+combination, projection, metric norms, path) should cost a constant number of
+operations, not some per parameter tensor, and the perturbed parameters should reach
+the model without a copy per tensor. :class:`BallLayout` arranges this:
+
+- every parameter that is a whole :class:`~geoopt_quotient.AdaptiveEuclidean` group on
+  the ball's own path lives in one flat buffer per ``(dtype, device, eps)``: one ball
+  group, whose perturbed point :math:`x + \xi` is written into the buffer the model
+  reads, as views;
+- every other parameter (those of the symmetry groups, already stacked by discovery into
+  one batch per geometry, and any other group) lives in one flat buffer per
+  ``(dtype, device)``, written from the groups' perturbed points with one index copy;
+- the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
+  one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
+  read back into the groups' shapes with one index gather.
+
+With the element-wise metric, fusing the groups changes nothing but the order of sums:
+with :math:`x = (x_1, \dots, x_k)` concatenated,
+:math:`|\xi|_x^2 = \sum_i |\xi_i|_{x_i}^2` and :math:`\gamma_x(\xi)_i = x_i + \xi_i`.
+Each parameter starts at a multiple of
+:data:`~geoopt_quotient.sharpness.apgd.ALIGNMENT` bytes, as a tensor of its own would;
+the gaps are zero in the base point, the iterates (which start at zero) and the
+gradients, and stay zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from ..manifolds import AdaptiveEuclidean
+from ..symmetry.plan import BoundPlan, SymmetryGroup
+from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
+from .functional import check_depends_on_perturbation
+
+__all__ = ["BallLayout"]
+
+Key = Tuple[torch.dtype, torch.device]
+
+
+class _Flat:
+    """Parameters at aligned offsets of one flat buffer; zero-filled gaps between them."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[torch.Size], dtype, device):
+        self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
+        self.dtype, self.device = dtype, device
+        step = max(ALIGNMENT // dtype.itemsize, 1)
+        self.starts: List[int] = []
+        self.chunks: List[int] = []  # parameters, with a gap before those that need one
+        self.is_gap: List[bool] = []
+        end = 0
+        for shape in self.shapes:
+            start = -(-end // step) * step
+            if start > end:
+                self.chunks.append(start - end)
+                self.is_gap.append(True)
+            self.starts.append(start)
+            self.chunks.append(shape.numel())
+            self.is_gap.append(False)
+            end = start + shape.numel()
+        self.size = end
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.size, dtype=self.dtype, device=self.device)
+
+    def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(parameter views, gap views) of a flat buffer of this layout."""
+        return _pieces(flat, self.chunks, self.is_gap, self.shapes)
+
+    def filled(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A new flat buffer holding ``tensors`` (zero in the gaps)."""
+        flat = self.empty()
+        views, gaps = self.pieces(flat)
+        torch._foreach_copy_(views, list(tensors))
+        _zero(gaps)
+        return flat
+
+    def segments(self, count: int) -> List[_Segment]:
+        """At most ``count`` consecutive runs of whole chunks, of about equal size."""
+        out, first, begin, target = [], 0, 0, max(1, -(-self.size // count))
+        position, shapes = 0, iter(self.shapes)
+        taken: List[torch.Size] = []
+        for index, (chunk, gap) in enumerate(zip(self.chunks, self.is_gap)):
+            position += chunk
+            if not gap:
+                taken.append(next(shapes))
+            last = index + 1 == len(self.chunks)
+            if (not gap and position - begin >= target) or last:
+                chunks = slice(first, index + 1)
+                size = position - begin
+                out.append(_Segment(begin, size, self.chunks[chunks], self.is_gap[chunks], taken))
+                first, begin, taken = index + 1, position, []
+        return out
+
+
+def _pieces(
+    flat: torch.Tensor, chunks: List[int], is_gap: List[bool], shapes: List[torch.Size]
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(parameter views, gap views) of ``flat``, split into ``chunks``."""
+    parts = flat.split(chunks)
+    views = [p for p, gap in zip(parts, is_gap) if not gap]
+    gaps = [p for p, gap in zip(parts, is_gap) if gap]
+    return [v.view(s) if v.dim() != len(s) else v for v, s in zip(views, shapes)], gaps
+
+
+@dataclass
+class _Segment:
+    """Entries ``start : start + size`` of a flat buffer: whole parameters and gaps."""
+
+    start: int
+    size: int
+    chunks: List[int]
+    is_gap: List[bool]
+    shapes: List[torch.Size]
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.start + self.size]
+
+    def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(parameter views, gap views) of ``flat`` (the segment's own entries)."""
+        return _pieces(flat, self.chunks, self.is_gap, self.shapes)
+
+
+#: The flat buffers are handed to autograd in this many segments each: a segment's
+#: gradients are copied into the flat gradient as soon as all of them are computed (one
+#: copy operation), so at most about one segment's worth of them waits at once.
+GRADIENT_SEGMENTS = 4
+
+
+def _zero(tensors: List[torch.Tensor]) -> None:
+    if tensors:
+        torch._foreach_zero_(tensors)
+
+
+class _SegmentViews(torch.autograd.Function):
+    """A segment of a flat buffer to the parameter views the loss sees; backward: the
+    parameters' gradients copied into the segment of the flat gradient ``out`` (zero
+    where a parameter has no gradient and in the gaps), one copy operation for all."""
+
+    @staticmethod
+    def forward(ctx, segment: _Segment, out: torch.Tensor, leaf: torch.Tensor):
+        ctx.segment, ctx.out = segment, out
+        return tuple(segment.pieces(leaf)[0])
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        segment = ctx.segment
+        target = segment.of(ctx.out)
+        views, gaps = segment.pieces(target)
+        present = [(v, g) for v, g in zip(views, grads) if g is not None]
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        _zero([v for v, g in zip(views, grads) if g is None] + gaps)
+        return None, None, target
+
+
+def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
+    """The key of the flat adaptive buffer a group joins, or ``None``."""
+    manifold = ball_group.manifold
+    if (
+        type(manifold) is not AdaptiveEuclidean
+        or manifold.ndim != 0
+        or ball_group.path is not None
+        or ball_group.point.requires_grad
+        or len(group.param_names) != 1
+        or group.index.device.type != "meta"  # a whole parameter, in its own shape
+    ):
+        return None
+    point = ball_group.point
+    return point.dtype, point.device, manifold.eps
+
+
+@dataclass
+class _Rest:
+    """The parameters of the unfused groups in one flat buffer, and the index map
+    between it and the concatenation of those groups' points."""
+
+    flat: _Flat
+    groups: List[int]  # positions among the layout's groups
+    shapes: List[torch.Size]
+    destination: torch.Tensor  # buffer position of each entry of the joined points
+
+    def write(self, points: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        joined = torch.cat([p.reshape(-1) for p in points])
+        out.index_copy_(0, self.destination, joined.to(out.dtype))
+
+    def read(self, grad: torch.Tensor) -> List[torch.Tensor]:
+        joined = grad.index_select(0, self.destination)
+        sizes = [s.numel() for s in self.shapes]
+        return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
+
+
+class BallLayout:
+    """Where the ball's vectors and the model's perturbed parameters live.
+
+    Built once per sharpness call from the bound plan, the base parameters and the ball
+    groups of the plan's groups (one per plan group, in its order). :attr:`groups` are
+    the groups Auto-PGD works on: the unfused ones in their order, then one flat group
+    per fused buffer. :meth:`objective` gives, for one batch, the objective that
+    :func:`~geoopt_quotient.maximize_in_ball` evaluates through :meth:`evaluate`.
+
+    Parameters
+    ----------
+    plan : BoundPlan
+        The symmetry plan bound to the model.
+    base : dict of str to torch.Tensor
+        The base parameters (detached), by name.
+    groups : list of BallGroup
+        One ball group per group of ``plan``, with the gathered base points.
+    """
+
+    def __init__(self, plan: BoundPlan, base: Dict[str, torch.Tensor], groups: List[BallGroup]):
+        fused: Dict[Tuple, List[int]] = {}
+        rest: List[int] = []
+        for index, (group, ball_group) in enumerate(zip(plan.groups, groups)):
+            key = _fusible(group, ball_group)
+            if key is None:
+                rest.append(index)
+            else:
+                fused.setdefault(key, []).append(index)
+        self.plan = plan
+        self.groups: List[BallGroup] = [groups[i] for i in rest]
+        self._fused: List[_Flat] = []
+        for (dtype, device, eps), members in fused.items():
+            names = [plan.groups[i].param_names[0] for i in members]
+            flat = _Flat(names, [base[n].shape for n in names], dtype, device)
+            point = flat.filled([base[n] for n in names])
+            self.groups.append(BallGroup(point, AdaptiveEuclidean(eps=eps)))
+            self._fused.append(flat)
+        self._rests = self._rest_buffers(plan, base, groups, rest)
+        self.flats: List[_Flat] = self._fused + [r.flat for r in self._rests]
+        self.names = [n for flat in self.flats for n in flat.names]
+        self._buffers: List[torch.Tensor] | None = None
+        self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
+        self._grads: List[torch.Tensor] = []
+        self._rest_points: List[torch.Tensor | None] = [None] * len(rest)
+
+    @staticmethod
+    def _rest_buffers(
+        plan: BoundPlan, base: Dict[str, torch.Tensor], groups: List[BallGroup], rest: List[int]
+    ) -> List[_Rest]:
+        by_key: Dict[Key, List[int]] = {}
+        for position, index in enumerate(rest):
+            point = groups[index].point
+            by_key.setdefault((point.dtype, point.device), []).append(position)
+        out = []
+        for (dtype, device), positions in by_key.items():
+            members = [plan.groups[rest[p]] for p in positions]
+            names: List[str] = []
+            for group in members:
+                names += [n for n in group.param_names if n not in names]
+            flat = _Flat(names, [base[n].shape for n in names], dtype, device)
+            start = dict(zip(flat.names, flat.starts))
+            destinations = [_destination(group, start) for group in members]
+            destination = torch.cat(destinations).to(device)
+            out.append(
+                _Rest(
+                    flat, positions, [groups[rest[p]].point.shape for p in positions], destination
+                )
+            )
+        return out
+
+    def vector_bytes(self) -> int:
+        """Memory of one vector of the ball (its groups, in their compute dtypes)."""
+        from ..manifolds._linalg import compute_dtype
+
+        return sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+
+    def buffer_bytes(self) -> int:
+        """Memory of the perturbed parameters' flat buffers (one copy of the model's
+        trainable parameters, plus alignment gaps)."""
+        return sum(f.size * f.dtype.itemsize for f in self.flats)
+
+    def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
+        """The ball's memory per trainable model parameter during Auto-PGD, by part.
+
+        ``base``: the fused groups' base point (a copy of their parameters) and the
+        symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
+        ``iterates``: the current, previous and best perturbation; ``gradients``: the
+        current gradient, and the best iterate's if kept; ``total``: their sum. The model's
+        own parameters and the pass's activations are not counted.
+        """
+        parameters = sum(math.prod(s) for f in self.flats for s in f.shapes)
+        vector = self.vector_bytes()
+        parts = {
+            "base": sum(g.point.numel() * g.point.element_size() for g in self.groups),
+            "perturbed": self.buffer_bytes(),
+            "iterates": 3 * vector,
+            "gradients": (2 if keep_best_gradient else 1) * vector,
+        }
+        parts["total"] = sum(parts.values())
+        return {part: size / parameters for part, size in parts.items()}
+
+    def _perturbed_buffers(self) -> List[torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = [flat.empty() for flat in self.flats]
+            for flat, buffer in zip(self._fused, self._buffers):
+                _zero(flat.pieces(buffer)[1])
+        return self._buffers
+
+    def perturbed_buffer(self, index: int) -> torch.Tensor:
+        """Where the perturbed point of group ``index`` is written: the fused groups'
+        flat buffers are the ones the model reads."""
+        unfused = len(self._rest_points)
+        if index >= unfused:
+            return self._perturbed_buffers()[index - unfused]
+        buffer = self._rest_points[index]
+        if buffer is None:
+            point = self.groups[index].point
+            buffer = self._rest_points[index] = torch.empty_like(
+                point, memory_format=torch.contiguous_format
+            )
+        return buffer
+
+    def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> _LayoutObjective:
+        """The objective of :func:`~geoopt_quotient.maximize_in_ball` for ``loss(params)``
+        (a function of the perturbed parameters by name, e.g. one batch's loss)."""
+        return _LayoutObjective(self, loss)
+
+    def parameters(self, points: Sequence[torch.Tensor], grad: bool) -> Tuple[List, Dict]:
+        """(leaves, parameters by name) for perturbed ``points`` of :attr:`groups`: the
+        points written into the flat buffers (unless already there), one leaf per buffer
+        (requiring grad if ``grad``), and the parameters as views of the leaves."""
+        buffers = self._perturbed_buffers()
+        unfused = len(self._rest_points)
+        with torch.no_grad():
+            for point, buffer in zip(points[unfused:], buffers):
+                if point.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(point.detach())
+            for rest, buffer in zip(self._rests, buffers[len(self._fused) :]):
+                rest.write([points[p].detach() for p in rest.groups], buffer)
+        if not grad:
+            views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
+            return [], dict(zip(self.names, views))
+        self._grads = [flat.empty() for flat in self.flats]
+        leaves, views = [], []
+        for segments, buffer, out in zip(self._segments, buffers, self._grads):
+            for segment in segments:
+                leaf = segment.of(buffer).detach().requires_grad_()
+                leaves.append(leaf)
+                views += _SegmentViews.apply(segment, out, leaf)
+        return leaves, dict(zip(self.names, views))
+
+    def flat_gradients(self, grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
+        """The flat gradients of the last :meth:`parameters` call with ``grad=True``, from
+        autograd's gradients of its leaves (``None``: that segment got none: zero)."""
+        grads = iter(grads)
+        for segments, out in zip(self._segments, self._grads):
+            _zero([segment.of(out) for segment in segments if next(grads) is None])
+        flat, self._grads = self._grads, []
+        return flat
+
+    def point_gradients(self, flat_grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
+        """The gradients with respect to the groups' perturbed points, from the flat
+        buffers' gradients (in the groups' order; the fused ones are the buffers')."""
+        unfused = len(self._rest_points)
+        out: List[torch.Tensor | None] = [None] * len(self.groups)
+        for position, grad in enumerate(flat_grads[: len(self._fused)]):
+            out[unfused + position] = grad
+        for rest, grad in zip(self._rests, flat_grads[len(self._fused) :]):
+            for position, g in zip(rest.groups, rest.read(grad)):
+                out[position] = g
+        return out  # type: ignore[return-value]
+
+
+def _destination(group: SymmetryGroup, start: Dict[str, int]) -> torch.Tensor:
+    """Position in the flat buffer of each entry of ``group``'s point (flattened)."""
+    sizes = torch.tensor([s.numel() for s in group.param_shapes])
+    local = torch.cumsum(sizes, 0) - sizes
+    offsets = torch.tensor([start[n] for n in group.param_names])
+    if group.index.device.type == "meta":  # a whole parameter
+        return torch.arange(sizes[0].item()) + offsets[0]
+    flat = group.index.reshape(-1).long()
+    which = torch.searchsorted(local, flat, right=True) - 1
+    return flat - local[which] + offsets[which]
+
+
+class _LayoutObjective:
+    """One batch's objective on a :class:`BallLayout`: plain calls take points of the
+    layout's groups; :meth:`evaluate_ball` is Auto-PGD's evaluation through the flat
+    buffers."""
+
+    def __init__(self, layout: BallLayout, loss: Callable[[Dict[str, torch.Tensor]], Any]):
+        self.layout = layout
+        self.loss = loss
+
+    def __call__(self, points: List[torch.Tensor]) -> Any:
+        _, params = self.layout.parameters(points, grad=False)
+        return self.loss(params)
+
+    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast):
+        r"""The loss at the perturbed points and its gradient with respect to ``xi``.
+
+        Paths with an explicit pullback (the straight line, the retractions of this
+        package's quotients) write the perturbed point into the layout's buffer and map
+        the gradient back without autograd; other paths are differentiated by autograd
+        from the point's gradient.
+        """
+        layout = self.layout
+        points, pullbacks, traced = [], [], {}
+        for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
+            point, pullback = _explicit_path(path, x, v, lambda i=index: layout.perturbed_buffer(i))
+            if point is None:
+                leaf = v.detach().requires_grad_(grad)
+                with torch.enable_grad() if grad else torch.no_grad():
+                    point = path(x, leaf).to(x.dtype)
+                traced[index] = leaf
+            points.append(point)
+            pullbacks.append(pullback)
+        leaves, params = layout.parameters(points, grad)
+        with torch.enable_grad() if grad else torch.no_grad():
+            with autocast.restored():
+                value = as_scalar(self.loss(params))
+            if not grad:
+                return value.detach().reshape(()), None
+            check_depends_on_perturbation(value, grads_found=True)
+            flat_grads = torch.autograd.grad(value, leaves, allow_unused=True)
+        check_depends_on_perturbation(value, any(g is not None for g in flat_grads))
+        grads = layout.point_gradients(layout.flat_gradients(flat_grads))
+        for index, leaf in traced.items():
+            (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
+        grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
+        return value.detach().reshape(()), grads

@@ -1,0 +1,114 @@
+"""An Auto-PGD iteration on the flat ball dispatches about the operators of one forward
+and backward pass: the ball's update costs a constant number of operators, whatever the
+number of parameter tensors (counted with a ``TorchDispatchMode``, on the CPU)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import geoopt_quotient as gq
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::geoopt_quotient.ZeroSharpnessWarning"),
+    pytest.mark.usefixtures("single_thread"),
+]
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.by_name: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.by_name[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def bert(layers: int):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    batch = (torch.randint(0, 100, (2, 8)), torch.randint(0, 3, (2,)))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(input_ids=b[0]).logits, b[1])
+
+    return model, batch, loss_fn
+
+
+def llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    return model, ids, lambda m, b: m(input_ids=b, labels=b).loss
+
+
+def forward_backward_operators(model, batch, loss_fn) -> int:
+    with OperatorCount() as counter:
+        loss_fn(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.count
+
+
+def operators_per_iteration(model, batch, loss_fn, measure: str) -> float:
+    """Operators of one more Auto-PGD iteration: the difference of two runs."""
+
+    def run(iters: int) -> int:
+        options = dict(rho=0.01, iters=iters, progress=False)
+        with OperatorCount() as counter:
+            if measure == "adaptive":
+                gq.adaptive_sharpness(model, loss_fn, [batch], **options)
+            else:
+                gq.geodesic_sharpness(model, loss_fn, [batch], metric=measure, **options)
+        return counter.count
+
+    return (run(6) - run(3)) / 3
+
+
+@pytest.mark.parametrize("build", [bert, llama], ids=["bert", "llama"])
+def test_an_adaptive_iteration_costs_about_one_forward_and_backward_pass(build):
+    model, batch, loss_fn = build(4)
+    passes = forward_backward_operators(model, batch, loss_fn)
+    iteration = operators_per_iteration(model, batch, loss_fn, "adaptive")
+    assert passes < iteration <= 1.25 * passes
+
+
+@pytest.mark.parametrize(
+    "build, measure", [(bert, "adaptive"), (bert, "mix"), (llama, "inv")], ids=str
+)
+def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
+    extra = {}
+    for layers in (4, 12):
+        model, batch, loss_fn = build(layers)
+        passes = forward_backward_operators(model, batch, loss_fn)
+        extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
+    assert 0 < extra[12] <= 1.25 * extra[4]
