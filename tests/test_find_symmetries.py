@@ -280,8 +280,9 @@ def element_for(group, max_condition, generator):
     """A random element of the group's own group: GL(h), or a subgroup of it."""
     lead, h = group.shape[:-2], group.shape[-1]
     own = getattr(group.manifold, "random_element", None)
-    if own is not None:
-        return own(lead, h=h, max_condition=max_condition, generator=generator)
+    if own is not None:  # the library draws on the generator's device; the test's tensors
+        on_test_device = torch.empty(()).device  # are on --torch-device (device_mode)
+        return own(lead, h=h, max_condition=max_condition, generator=generator).to(on_test_device)
     return random_gl(lead, h, max_condition, generator)
 
 
