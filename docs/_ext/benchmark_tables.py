@@ -687,6 +687,58 @@ def cpu_ball_memory(results: Results) -> Table:
     )
 
 
+def gpu_flat_ball(results: Results) -> Table:
+    measures = ("adaptive", "inv", "mix")
+    rows = []
+    engines = (("flat ball", "gpu/flat_ball.json"), ("before", "gpu/flat_ball_before.json"))
+    for engine, path in engines:
+        units = dig(results.json(path).data, "units") or {}
+        for model, model_label in MODELS.items():
+            for precision, precision_label in PRECISIONS.items():
+                unit = units.get(f"{model} {precision}")
+                label = f"{engine}: {model_label}, {precision_label}"
+                state = unit_state(unit)
+                if state:
+                    rows.append([label, *[state] * 8])
+                    continue
+                ratios, launches = unit["ratio_to_step"], unit["launches_per_iteration"]
+                launch_ratios = unit["launches_ratio_to_step"]
+                rows.append(
+                    [
+                        label,
+                        fmt(1e3 * unit["seconds_per_iteration"]["step"], ".1f"),
+                        *(fmt(ratios.get(m), ".2f") for m in measures),
+                        fmt(launches.get("step"), ".0f"),
+                        *(
+                            f"{fmt(launches.get(m), '.0f')} ({fmt(launch_ratios.get(m), '.2f')})"
+                            for m in measures
+                        ),
+                    ]
+                )
+    return Table(
+        [
+            "engine: model, precision",
+            "step (ms)",
+            "adaptive / step",
+            "inv / step",
+            "mix / step",
+            "step launches",
+            "adaptive launches (/ step)",
+            "inv launches (/ step)",
+            "mix launches (/ step)",
+        ],
+        rows,
+        "python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball.json",
+        [
+            "Seconds and kernel launches per Auto-PGD iteration against a training step "
+            "without the optimizer (forward and backward), from runs of 4 and 8 iterations, "
+            "3 interleaved repeats. 'before': the same script on the engine before the flat "
+            "ball, in the same call on the same GPU. The call reached its time limit: rows "
+            "it did not reach say so."
+        ],
+    )
+
+
 def cpu_compiled_update(results: Results) -> Table:
     doc = results.json("cpu/compiled_update.json").data
     models = dig(doc, "models") or {}
@@ -932,6 +984,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-host-syncs": gpu_host_syncs,
     "gpu-compile": gpu_compile,
     "gpu-profile": gpu_profile,
+    "gpu-flat-ball": gpu_flat_ball,
     "geometry-projection": geometry_projection,
     "geometry-scaling": geometry_scaling,
     "precision": precision,
