@@ -1,6 +1,9 @@
 """An Auto-PGD iteration on the flat ball dispatches about the operators of one forward
 and backward pass: the ball's update costs a constant number of operators, whatever the
-number of parameter tensors (counted with a ``TorchDispatchMode``, on the CPU)."""
+number of parameter tensors (counted with a ``TorchDispatchMode``, on the CPU, with the
+blocks capped as on an accelerator: by default the CPU keeps cache-sized blocks, whose
+number grows with the model's size, because there a block costs microseconds of dispatch
+and saves passes over memory)."""
 
 from __future__ import annotations
 
@@ -11,11 +14,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
+from geoopt_quotient.manifolds import _linalg
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::geoopt_quotient.ZeroSharpnessWarning"),
-    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.usefixtures("single_thread", "blocks_as_on_an_accelerator"),
 ]
+
+
+@pytest.fixture
+def blocks_as_on_an_accelerator(monkeypatch):
+    monkeypatch.setattr(_linalg, "CAP_ON_CPU", True)
 
 
 class OperatorCount(TorchDispatchMode):

@@ -292,7 +292,7 @@ class _ScaleState:
         if u.dtype != self.dtype or not _splittable(self.x, u):
             return self.rescaled(u)
         flat_x, flat_u = self.x.reshape(-1), u.view(-1)
-        step = block_length(u.numel(), BLOCK)
+        step = block_length(u.numel(), BLOCK, u.device)
         for start in range(0, u.numel(), step):
             block = slice(start, start + step)
             flat_u[block].mul_(self.scale_squared(flat_x[block]))
@@ -302,7 +302,7 @@ class _ScaleState:
         r"""The Gram matrix :math:`\sum_i u_i v_i / c_i^2` of ``vectors``, in float64.
 
         Block by block: per block of :data:`GRAM_BLOCK` entries (:data:`DEVICE_GRAM_BLOCK`
-        off the CPU; larger where that makes more than ``_linalg.MAX_BLOCKS`` blocks),
+        off the CPU, where no more than ``_linalg.MAX_BLOCKS`` blocks are made),
         :math:`c` is formed once,
         the quotients :math:`u / c` of all vectors are written to a buffer that stays in
         cache, and their products come from one matrix product; the block sums are added
@@ -316,7 +316,7 @@ class _ScaleState:
         flat_x = self.x.reshape(-1)
         flats = [u.reshape(-1) for u in vectors]
         step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
-        step = block_length(flat_x.numel(), step)
+        step = block_length(flat_x.numel(), step, flat_x.device)
         size = min(step, flat_x.numel())
         ratios = torch.empty(len(flats), size, dtype=self.dtype, device=flat_x.device)
         total = torch.zeros(len(flats), len(flats), dtype=torch.float64, device=flat_x.device)

@@ -19,6 +19,7 @@ from .._checks import (
 from ._linalg import (
     Eigenbasis,
     add_product,
+    capped,
     compute_dtype,
     eigenbasis_spd_product,
     gram,
@@ -35,14 +36,15 @@ __all__ = ["GLQuotient", "PointState"]
 
 #: Bytes of the slice of a batch of points that the fused operations of a sharpness
 #: loop (:meth:`GLQuotient._retr_vjp`, :meth:`GLQuotient._egrad2rgrad_`,
-#: :meth:`GLQuotient._gram`) handle at once on the CPU, unless that makes more than
-#: :data:`MAX_SLICES` slices: the slice's temporaries stay in cache.
+#: :meth:`GLQuotient._gram`) handle at once on the CPU: the slice's temporaries stay in
+#: cache.
 CHUNK_BYTES = 1 << 21
 #: The same on an accelerator, where each slice costs kernel launches, not cache misses.
 DEVICE_CHUNK_BYTES = 1 << 28
-#: At most this many slices per call, whatever the batch's size: each slice costs some
-#: hundred operators, and an Auto-PGD iteration's should not grow with the model's depth
-#: (the symmetry groups stack all layers into one batch). Larger batches get larger slices.
+#: At most this many slices per call where blocks are capped (``_linalg.capped``: on an
+#: accelerator), whatever the batch's size: each slice costs some hundred kernel launches,
+#: and an Auto-PGD iteration's should not grow with the model's depth (the symmetry groups
+#: stack all layers into one batch). Larger batches get larger slices.
 MAX_SLICES = 1
 
 
@@ -416,7 +418,8 @@ class GLQuotient(QuotientManifold):
         budget = CHUNK_BYTES if x.device.type == "cpu" else DEVICE_CHUNK_BYTES
         count = flats[0].shape[0]
         per = max(1, budget // (x.shape[-2] * x.shape[-1] * st.dtype.itemsize))
-        per = max(per, -(-count // MAX_SLICES))
+        if capped(x.device):
+            per = max(per, -(-count // MAX_SLICES))
         for start in range(0, count, per):
             stop = min(start + per, count)
             yield st.batch_slice(start, stop), [f[start:stop] for f in flats]

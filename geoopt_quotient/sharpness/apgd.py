@@ -692,7 +692,7 @@ def _combine_(
         t.is_contiguous() and t.shape == out.shape for t in operands
     ):
         flats = [t.view(-1) for t in operands]
-        step = block_length(out.numel(), COMBINE_BLOCK)
+        step = block_length(out.numel(), COMBINE_BLOCK, out.device)
         blocks = [[f[start : start + step] for f in flats] for start in range(0, out.numel(), step)]
     else:
         blocks = [operands]
