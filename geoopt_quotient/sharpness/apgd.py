@@ -365,7 +365,7 @@ def maximize_in_ball(
     iters: int = 20,
     path: str = "second_order",
     seed: int = 0,
-    init: str = "zero",
+    init: Union[str, Sequence[torch.Tensor]] = "zero",
     momentum: float = 0.75,
     check_finite: bool = True,
     keep_best_gradient: bool | None = None,
@@ -408,8 +408,11 @@ def maximize_in_ball(
         or :math:`x + \xi`. A group's own ``path`` overrides it.
     seed : int
         Seeds the random start (``init="random"``).
-    init : {"zero", "random"}
-        Start at :math:`\xi_0 = 0` or at a random feasible point.
+    init : {"zero", "random"} or sequence of torch.Tensor
+        Start at :math:`\xi_0 = 0`, at a random feasible point, or at a given tangent
+        vector (one tensor per group, shaped like its point), projected onto the
+        feasible set: e.g. the maximiser found in a smaller ball, which lies in this one
+        (the balls at one base point are nested). It is copied, never written to.
     momentum : float
         :math:`\alpha` of Auto-PGD's update
         :math:`\xi_{k+1} = P(\xi_k + \alpha(z_k - \xi_k) + (1 - \alpha)(\xi_k - \xi_{k-1}))`
@@ -432,8 +435,8 @@ def maximize_in_ball(
     Raises
     ------
     ValueError
-        For no groups, a non-positive ``rho`` or ``iters``, or an unknown ``path`` or
-        ``init``.
+        For no groups, a non-positive ``rho`` or ``iters``, an unknown ``path`` or
+        ``init``, or an ``init`` vector that does not match the groups' shapes.
     TypeError
         For base points that are not floating point, or an objective that does not
         return a scalar tensor.
@@ -517,7 +520,7 @@ def _maximize(
     iters: int,
     path: str,
     seed: int,
-    init: str,
+    init: Union[str, Sequence[torch.Tensor]],
     momentum: float,
     check_finite: bool,
     keep_best_gradient: bool | None = None,
@@ -526,11 +529,7 @@ def _maximize(
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
-    check_choice(init, ("zero", "random"), "init")
-    if init == "zero":
-        xi = ball.zeros()
-    else:
-        xi = ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
+    xi = _initial_vector(ball, init, seed)
 
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
         return _evaluate(ball, paths, objective, xi, grad, autocast)
@@ -605,6 +604,32 @@ def _maximize(
         evaluations=evaluations,
         gradients=gradients,
     )
+
+
+def _initial_vector(
+    ball: _Ball, init: Union[str, Sequence[torch.Tensor]], seed: int
+) -> List[torch.Tensor]:
+    """Auto-PGD's first iterate: zero, random, or the given vector projected onto the
+    feasible set, in a buffer of its own (the loop writes into freed iterates)."""
+    if isinstance(init, str):
+        check_choice(init, ("zero", "random"), "init")
+        if init == "zero":
+            return ball.zeros()
+        return ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
+    init = list(init)
+    shapes = [tuple(v.shape) for v in init]
+    if shapes != [tuple(x.shape) for x in ball.points]:
+        raise ValueError(
+            f"`init` must hold one tangent vector per group, shaped like its point; got "
+            f"shapes {shapes} for points {[tuple(x.shape) for x in ball.points]}"
+        )
+    vectors = [
+        v.detach().to(dtype=d, device=x.device) for v, d, x in zip(init, ball.dtypes, ball.points)
+    ]
+    out = _joint_buffer(ball.points, ball.dtypes)
+    for o, v in zip(out, ball.project(vectors)):
+        o.copy_(v)
+    return out
 
 
 def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -> bool:

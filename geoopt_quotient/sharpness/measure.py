@@ -15,6 +15,7 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 from __future__ import annotations
 
 import csv
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,7 @@ __all__ = [
 LossFn = Callable[[Any, Any], torch.Tensor]
 Symmetries = Union[None, SymmetryPlan, BoundPlan, Sequence[SymmetryGroup]]
 KINDS = ("worst", "average")
+Radii = Union[float, Sequence[float]]
 
 
 @dataclass
@@ -188,7 +190,7 @@ def _measure(
     batches: Iterable[Any],
     plan: BoundPlan,
     *,
-    rho: float,
+    radii: Sequence[float],
     iters: int,
     path: str,
     kind: str,
@@ -199,15 +201,15 @@ def _measure(
     settings: Dict[str, Any],
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
-) -> SharpnessResult:
-    rho = check_positive_float(rho, "rho")
+) -> List[SharpnessResult]:
+    """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
     iters = check_positive_int(iters, "iters")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     start = time.perf_counter()
-    records: List[Dict[str, Any]] = []
+    records: List[List[Dict[str, Any]]] = [[] for _ in radii]
     world, rank = _process_grid(distributed)
     with preserved_model_state(model):
         base = trainable_parameters(model)
@@ -242,30 +244,49 @@ def _measure(
         for index, batch in enumerate(bar):
             if index % world != rank:
                 continue
-            t0 = time.perf_counter()
             with noting_batch(index):
-                clean_loss, top, history, passes = _measure_batch(
+                outcomes = _measure_batch(
                     kind,
                     groups,
                     objective_for(batch),
-                    rho=rho,
+                    radii=radii,
                     iters=iters,
                     path=path,
                     seed=seed + index,
-                    check_dependence=not records,
+                    check_dependence=not records[0],
                     keep_best_gradient=keep_best_gradient,
                 )
-            records.append(
-                dict(
-                    index=index,
-                    clean=clean_loss,
-                    top=top,
-                    history=history,
-                    passes=passes,
-                    seconds=time.perf_counter() - t0,
+            for per_radius, (clean_loss, top, history, passes, seconds) in zip(records, outcomes):
+                per_radius.append(
+                    dict(
+                        index=index,
+                        clean=clean_loss,
+                        top=top,
+                        history=history,
+                        passes=passes,
+                        seconds=seconds,
+                    )
                 )
-            )
-    records = _gather(records, world)
+    seconds = time.perf_counter() - start
+    summary = plan.summary()
+    return [
+        _result(
+            _gather(per_radius, world), plan, base, kind, seconds, {**settings, "rho": rho}, summary
+        )
+        for rho, per_radius in zip(radii, records)
+    ]
+
+
+def _result(
+    records: List[Dict[str, Any]],
+    plan: BoundPlan,
+    base: Dict[str, torch.Tensor],
+    kind: str,
+    seconds: float,
+    settings: Dict[str, Any],
+    summary: str,
+) -> SharpnessResult:
+    """The result of one radius from its per-batch records."""
     if not records:
         raise ValueError("`batches` is empty: give at least one batch")
     per_batch = [r["top"] - r["clean"] for r in records]
@@ -279,12 +300,12 @@ def _measure(
         clean_losses=[r["clean"] for r in records],
         perturbed_losses=[r["top"] for r in records],
         histories=[r["history"] for r in records],
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         seconds_per_batch=[r["seconds"] for r in records],
         forward_passes=[r["passes"][0] for r in records],
         backward_passes=[r["passes"][1] for r in records],
         settings=settings,
-        plan=plan.summary(),
+        plan=summary,
     )
 
 
@@ -300,20 +321,23 @@ def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
         yield points.pop()
 
 
+Outcome = Tuple[float, float, List[float], Tuple[int, int], float]
+
+
 def _measure_batch(
     kind: str,
     groups: List[BallGroup],
     objective: Callable,
     *,
-    rho: float,
+    radii: Sequence[float],
     iters: int,
     path: str,
     seed: int,
     check_dependence: bool,
     keep_best_gradient: bool | None = None,
-) -> Tuple[float, float, List[float], Tuple[int, int]]:
-    """(clean loss, worst or mean perturbed loss, history, (forward, backward passes)) of
-    one batch.
+) -> List[Outcome]:
+    """Per radius, (clean loss, worst or mean perturbed loss, history, (forward, backward
+    passes), seconds) of one batch.
 
     The worst case's best perturbation is dropped here rather than kept alive while the
     next batch is measured. Its first evaluation differentiates the loss, which checks
@@ -321,18 +345,38 @@ def _measure_batch(
     checks that on its clean loss when ``check_dependence``.
     """
     if kind == "worst":
-        result = maximize_in_ball(
+        return _maximize_over_radii(
             groups,
             objective,
-            rho=rho,
+            radii,
             iters=iters,
             path=path,
             seed=seed,
             keep_best_gradient=keep_best_gradient,
         )
-        passes = (result.evaluations, result.gradients)
-        return result.initial_value, result.value, result.history, passes
-    if check_dependence:  # new tensors: the stale-parameter check tells them from the model's
+    outcomes = []
+    for rho in radii:
+        t0 = time.perf_counter()
+        clean_loss, top, history = _average_batch(
+            groups, objective, rho=rho, iters=iters, path=path, seed=seed, check=check_dependence
+        )
+        check_dependence = False
+        outcomes.append((clean_loss, top, history, (iters + 1, 0), time.perf_counter() - t0))
+    return outcomes
+
+
+def _average_batch(
+    groups: List[BallGroup],
+    objective: Callable,
+    *,
+    rho: float,
+    iters: int,
+    path: str,
+    seed: int,
+    check: bool,
+) -> Tuple[float, float, List[float]]:
+    """(clean loss, mean perturbed loss, samples) of one batch at one scale."""
+    if check:  # new tensors: the stale-parameter check tells them from the model's
         with torch.enable_grad():
             clean_value = as_scalar(objective([g.point.clone().requires_grad_() for g in groups]))
         check_depends_on_perturbation(clean_value, grads_found=True)
@@ -341,7 +385,40 @@ def _measure_batch(
             clean_value = as_scalar(objective([g.point for g in groups]))
     clean_loss = check_scalar_finite(clean_value.detach())
     top, history = average_in_ball(groups, objective, rho=rho, samples=iters, path=path, seed=seed)
-    return clean_loss, top, history, (iters + 1, 0)
+    return clean_loss, top, history
+
+
+def _maximize_over_radii(
+    groups: List[BallGroup],
+    objective: Callable,
+    radii: Sequence[float],
+    **options: Any,
+) -> List[Outcome]:
+    r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
+
+    At :math:`\rho_1` one search from :math:`\xi = 0`. At each larger :math:`\rho_k`, a
+    search from :math:`\xi = 0` (the single-radius run, bit for bit) and one from the best
+    point :math:`\xi^*_{k-1}` so far, which lies in the larger ball (the balls at one base
+    point are nested, and the path does not depend on the radius); the best of the two
+    and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease.
+    """
+    outcomes: List[Outcome] = []
+    best_value, best_xi = -math.inf, None
+    for rho in radii:
+        t0 = time.perf_counter()
+        run = maximize_in_ball(groups, objective, rho=rho, **options)
+        clean, passes = run.initial_value, [run.evaluations, run.gradients]
+        top, history, xi = run.value, run.history, run.xi
+        if best_xi is not None:
+            warm = maximize_in_ball(groups, objective, rho=rho, init=best_xi, **options)
+            passes = [passes[0] + warm.evaluations, passes[1] + warm.gradients]
+            if warm.value > top:
+                top, history, xi = warm.value, warm.history, warm.xi
+            if best_value > top:  # the previous maximiser, still feasible, stays ahead
+                top, history, xi = best_value, warm.history, best_xi
+        best_value, best_xi = top, xi
+        outcomes.append((clean, top, history, (passes[0], passes[1]), time.perf_counter() - t0))
+    return outcomes
 
 
 class ZeroSharpnessWarning(UserWarning):
@@ -469,6 +546,32 @@ def check_points(plan: BoundPlan, points: List[torch.Tensor]) -> None:
             )
 
 
+def _over_radii(
+    rho: Radii, measure: Callable[[List[float]], List[SharpnessResult]]
+) -> Union[SharpnessResult, List[SharpnessResult]]:
+    """``measure`` at one radius (its result) or at a grid of them (one result per radius,
+    in the order given; measured once each, in increasing order)."""
+    grid = radius_grid(rho)
+    if grid is None:
+        check_positive_float(rho, "rho")
+        return measure([rho])[0]
+    radii = sorted(set(grid))
+    by_radius = dict(zip(radii, measure(radii)))
+    return [by_radius[r] for r in grid]
+
+
+def radius_grid(rho: Radii) -> List[float] | None:
+    """The radii of a grid ``rho`` (a sequence or a 1-d array) as floats, checked; ``None``
+    for a single radius."""
+    if hasattr(rho, "tolist") and getattr(rho, "ndim", 0) == 1:
+        rho = rho.tolist()
+    if isinstance(rho, str) or not isinstance(rho, Sequence):
+        return None
+    if not rho:
+        raise ValueError("`rho` is an empty sequence: give at least one radius")
+    return [check_positive_float(r, "rho") for r in rho]
+
+
 def _show_progress(progress: bool | None) -> bool:
     if progress is not None:
         return progress
@@ -482,7 +585,7 @@ def geodesic_sharpness(
     loss_fn: LossFn,
     batches: Iterable[Any],
     *,
-    rho: float | None = None,
+    rho: Radii | None = None,
     symmetries: Symmetries = None,
     metric: str = "mix",
     iters: int = 20,
@@ -495,7 +598,7 @@ def geodesic_sharpness(
     progress: bool | None = None,
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
-) -> SharpnessResult:
+) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
     The worst case (Eq. 3 of da Silva, Dangel & Oore 2025; ``kind="worst"``) is, for
@@ -670,22 +773,25 @@ def geodesic_sharpness(
         curvature=curvature,
         eps=eps,
     )
-    return _measure(
-        model,
-        loss_fn,
-        batches,
-        plan,
-        rho=rho,
-        iters=iters,
-        path=path,
-        kind=kind,
-        seed=seed,
-        norm=norm,
-        curvature=curvature,
-        progress=progress,
-        settings=settings,
-        distributed=distributed,
-        keep_best_gradient=keep_best_gradient,
+    return _over_radii(
+        rho,
+        lambda radii: _measure(
+            model,
+            loss_fn,
+            batches,
+            plan,
+            radii=radii,
+            iters=iters,
+            path=path,
+            kind=kind,
+            seed=seed,
+            norm=norm,
+            curvature=curvature,
+            progress=progress,
+            settings=settings,
+            distributed=distributed,
+            keep_best_gradient=keep_best_gradient,
+        ),
     )
 
 
@@ -694,7 +800,7 @@ def adaptive_sharpness(
     loss_fn: LossFn,
     batches: Iterable[Any],
     *,
-    rho: float | None = None,
+    rho: Radii | None = None,
     iters: int = 20,
     kind: str = "worst",
     seed: int = 0,
@@ -702,7 +808,7 @@ def adaptive_sharpness(
     progress: bool | None = None,
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
-) -> SharpnessResult:
+) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
     The ball :math:`|\delta / (|w| + \varepsilon)|_2 \le \rho` over every trainable
@@ -795,20 +901,23 @@ def adaptive_sharpness(
     settings = dict(
         measure="adaptive", rho=rho, iters=iters, path="straight", kind=kind, seed=seed, eps=eps
     )
-    return _measure(
-        model,
-        loss_fn,
-        batches,
-        plan,
-        rho=rho,
-        iters=iters,
-        path="straight",
-        kind=kind,
-        seed=seed,
-        norm=True,
-        curvature=True,
-        progress=progress,
-        settings=settings,
-        distributed=distributed,
-        keep_best_gradient=keep_best_gradient,
+    return _over_radii(
+        rho,
+        lambda radii: _measure(
+            model,
+            loss_fn,
+            batches,
+            plan,
+            radii=radii,
+            iters=iters,
+            path="straight",
+            kind=kind,
+            seed=seed,
+            norm=True,
+            curvature=True,
+            progress=progress,
+            settings=settings,
+            distributed=distributed,
+            keep_best_gradient=keep_best_gradient,
+        ),
     )
