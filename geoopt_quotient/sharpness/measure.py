@@ -551,7 +551,7 @@ def _over_radii(
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     """``measure`` at one radius (its result) or at a grid of them (one result per radius,
     in the order given; measured once each, in increasing order)."""
-    grid = radius_grid(rho)
+    grid = _radius_grid(rho)
     if grid is None:
         check_positive_float(rho, "rho")
         return measure([rho])[0]
@@ -560,7 +560,7 @@ def _over_radii(
     return [by_radius[r] for r in grid]
 
 
-def radius_grid(rho: Radii) -> List[float] | None:
+def _radius_grid(rho: Radii) -> List[float] | None:
     """The radii of a grid ``rho`` (a sequence or a 1-d array) as floats, checked; ``None``
     for a single radius."""
     if hasattr(rho, "tolist") and getattr(rho, "ndim", 0) == 1:
@@ -637,7 +637,7 @@ def geodesic_sharpness(
         carries a note with the batch index.
     batches : iterable
         Each batch gets its own maximiser run; the result is the mean over batches.
-    rho : float
+    rho : float, sequence of float or None
         Radius :math:`\rho > 0` of the ball, in the joint metric norm :math:`|\xi|_w`
         above. The adaptive and ``inv`` norms are relative to the size of the weights
         (invariant under scaling them); the ``mix`` norm of a pair is
@@ -646,6 +646,14 @@ def geodesic_sharpness(
         metrics are thus on different scales (:func:`~geoopt_quotient.calibrate_rho`
         puts them on a common one). Default ``None``: the metric's default radius
         (:data:`~geoopt_quotient.sharpness.DEFAULT_RADII`, ``inv`` 0.05, ``mix`` 0.01).
+        A sequence of radii :math:`\rho_1 < \dots < \rho_K` (in any order) is a grid,
+        monotone by construction: each batch is measured at every radius in increasing
+        order, and at each :math:`\rho_k > \rho_1` Auto-PGD runs from :math:`\xi = 0` and
+        from the best :math:`\xi` found at :math:`\rho_{k-1}` (in the larger ball: the
+        balls at :math:`w` are nested and the path does not depend on :math:`\rho`),
+        keeping the best of the two and of that :math:`\xi`; so the values never
+        decrease with the radius and are at least a single-radius call's. Worst case
+        only; the average case measures each radius on its own.
     symmetries : SymmetryPlan, list of SymmetryGroup, BoundPlan or None
         The symmetry groups. ``None`` discovers them (:func:`find_symmetries`) with
         ``metric`` and ``eps``; a given plan carries its own manifolds.
@@ -684,11 +692,17 @@ def geodesic_sharpness(
 
     Returns
     -------
-    SharpnessResult
+    SharpnessResult or list of SharpnessResult
         :attr:`~SharpnessResult.value` is the sharpness :math:`S_{\max}` (or
         :math:`S_{\mathrm{avg}}`), the mean over batches of
         :attr:`~SharpnessResult.per_batch`; the result also holds the clean and
         perturbed losses, the Auto-PGD histories, the passes made and the timings.
+        For a sequence ``rho``, a list of one result per radius, in the order given
+        (``settings["rho"]`` its radius; a repeated radius is measured once, and its
+        results are one object); ``seconds`` is the whole call's time, the passes and
+        ``seconds_per_batch`` those of the radius (both searches), and the history
+        that of the better search (the warm-started one when the carried maximiser
+        stays ahead).
 
     Raises
     ------
@@ -715,7 +729,9 @@ def geodesic_sharpness(
     more forward pass; without the kept best gradient, also one forward and backward pass
     per Auto-PGD restart (up to 7 for 20 iterations; see :func:`maximize_in_ball`). The
     average case makes ``iters + 1`` forward passes. :class:`SharpnessResult` reports the
-    passes made per batch. Between passes the geometry works on few, large tensors: in
+    passes made per batch. A grid of :math:`K` radii makes :math:`2K - 1` worst-case
+    searches per batch, and keeps one more vector of the ball alive (the maximiser
+    carried to the next radius). Between passes the geometry works on few, large tensors: in
     the worst case, the parameters left to the adaptive metric form one flat buffer per
     dtype and device, which the model reads as views, and discovery stacks the attention
     heads of all layers into one group per kind (``geoopt_quotient.sharpness.layout``).
@@ -833,10 +849,12 @@ def adaptive_sharpness(
         ``loss_fn(model, batch) -> scalar tensor``, as for :func:`geodesic_sharpness`.
     batches : iterable
         Each batch gets its own maximiser run; the result is the mean over batches.
-    rho : float
+    rho : float, sequence of float or None
         Radius :math:`\rho > 0` of the ball, relative to the parameters' magnitudes:
         each entry moves by :math:`|\delta_i| \le \rho\, (|w_i| + \varepsilon)` at most.
         Default ``None``: 0.2 (:data:`~geoopt_quotient.sharpness.DEFAULT_RADII`).
+        A sequence of radii is a grid, monotone by construction, as for
+        :func:`geodesic_sharpness`: one result per radius.
     iters : int
         Auto-PGD iterations per batch (worst case) or samples (average case); default 20.
     kind : {"worst", "average"}
@@ -857,9 +875,10 @@ def adaptive_sharpness(
 
     Returns
     -------
-    SharpnessResult
+    SharpnessResult or list of SharpnessResult
         The sharpness in :attr:`~SharpnessResult.value`, with per-batch values,
-        losses, Auto-PGD histories, passes and timings.
+        losses, Auto-PGD histories, passes and timings; for a sequence ``rho``, one
+        result per radius, as for :func:`geodesic_sharpness`.
 
     Raises
     ------
