@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import cross_entropy_loss
+from conftest import cross_entropy_loss, tiny_llama_causal_lm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -360,18 +360,8 @@ def test_tiny_llama_with_three_iterations_ends_quickly_and_warns_at_most_once(si
     19 warnings before the running maximum). Whatever Auto-PGD finds at each radius, the
     search ends within a few evaluations: a radius whose running maximum meets the target,
     or a CalibrationError; never one ZeroSharpnessWarning per evaluation."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).double()
+    pytest.importorskip("transformers")
+    model = tiny_llama_causal_lm()
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
 
     def loss_fn(model, batch):

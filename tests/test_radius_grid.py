@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_bert_classifier
+from conftest import tiny_bert_classifier, tiny_llama_causal_lm
 
 from geoopt_quotient import (
     AdaptiveEuclidean,
@@ -18,28 +18,14 @@ from geoopt_quotient.sharpness import DEFAULT_RADII
 SCALES = [0.25, 0.5, 1.0]  # of the default radius: the exact paths integrate up to it
 
 
-def tiny_llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).double().eval()
-
-
 def llama_case():
     ids = torch.randint(0, 50, (2, 2, 6), generator=torch.Generator().manual_seed(1))
 
     def loss_fn(model, batch):
         return model(input_ids=batch, labels=batch).loss
 
-    return tiny_llama(), loss_fn, list(ids)
+    pytest.importorskip("transformers")
+    return tiny_llama_causal_lm().eval(), loss_fn, list(ids)
 
 
 def bert_case():
