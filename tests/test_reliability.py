@@ -307,7 +307,7 @@ def test_bad_rho_is_rejected(function, rho):
     assert "> 0" in str(info.value) or "positive" in str(info.value)
 
 
-@pytest.mark.parametrize("rho", ["0.1", [0.1], True])  # None: the default radius
+@pytest.mark.parametrize("rho", ["0.1", ["0.1"], True])  # None: the default radius
 @pytest.mark.parametrize("function", ["geodesic", "adaptive"])
 def test_non_numeric_rho_is_a_type_error(function, rho):
     with raises(TypeError, "`rho`", "real number"):
