@@ -112,7 +112,7 @@ def checks(rank: int, world: int) -> dict:
     out["local"] = SHARPNESS["adaptive"](model, share, distributed=False).value
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # the older mode on the same group: every rank passes all batches
-    out["older"] = SHARPNESS["adaptive"](model, batches).value
+    out["older"] = {name: summary(SHARPNESS[name](model, batches)) for name in ("adaptive", "inv")}
     # shares that are not a strided deal, and an empty share, are refused on every rank
     out["uneven"] = outcome(
         lambda: SHARPNESS["adaptive"](model, batches[: 1 + 2 * rank], process_group=group)
@@ -223,10 +223,17 @@ def test_calibration_over_ranks_makes_the_same_decisions(ranks, single):
     assert ranks[0]["calibrate"] == ranks[1]["calibrate"]
 
 
-def test_the_model_is_unchanged_and_the_older_mode_still_works(ranks, single):
+def test_the_model_is_unchanged(ranks):
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"]
+
+
+@pytest.mark.parametrize("name", ["adaptive", "inv"])
+def test_the_older_mode_with_all_batches_on_every_rank_still_works(ranks, single, name):
+    # distributed=None under an initialised group: batch i on rank i % 2, gathered
     for rank in (0, 1):
-        assert ranks[rank]["unchanged"]
-        assert close(ranks[rank]["older"], single["adaptive"]["value"])
+        got = ranks[rank]["older"][name]
+        assert close(got["value"], single[name]["value"])
+        assert close(got["per_batch"], single[name]["per_batch"])
 
 
 def test_shares_that_are_not_a_strided_deal_are_refused_on_every_rank(ranks):
