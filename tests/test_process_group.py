@@ -24,7 +24,12 @@ from geoopt_quotient import (  # noqa: E402
     hessian_top_eigenvalue,
     hessian_trace,
 )
-from geoopt_quotient.sharpness.ranks import RankFailedError, global_index, share_sizes  # noqa: E402
+from geoopt_quotient.sharpness.ranks import (  # noqa: E402
+    RankFailedError,
+    global_index,
+    share_sizes,
+    weighted_mean_over_ranks,
+)
 
 BATCHES = 5  # shares of 3 and 2 batches on 2 ranks
 RTOL = 1e-10
@@ -128,6 +133,10 @@ def checks(rank: int, world: int) -> dict:
     out["failure_hessian"] = outcome(
         lambda: hessian_trace(model, poisoned_loss, poisoned, probes=1, process_group=group)
     )
+    # rank 0 holds 3 batches of mean 1, rank 1 two of mean 2: the mean of all five
+    mine = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
+    (mean,) = weighted_mean_over_ranks([mine], len(share), group)
+    out["weighted_mean"] = (mean.tolist(), mine.tolist())
     # the group still works afterwards
     out["after"] = SHARPNESS["adaptive"](model, share, process_group=group).value
     return out
@@ -255,9 +264,16 @@ def test_a_rank_that_raises_makes_every_rank_raise(ranks, check):
     assert ranks[0]["after"] == ranks[1]["after"]  # the group is usable afterwards
 
 
+def test_weighted_mean_over_ranks_weights_by_batch_count(ranks):
+    for rank in (0, 1):
+        mean, mine = ranks[rank]["weighted_mean"]
+        assert [x for row in mean for x in row] == pytest.approx([(3 + 2 * 2) / 5] * 6, rel=1e-15)
+        assert mine == [[float(rank + 1)] * 3] * 2  # the input is not modified
+
+
 def test_process_group_none_changes_nothing():
     model, batches = problem()
-    for f in (*SHARPNESS.values(), *HESSIAN.values()):
+    for f in (SHARPNESS["adaptive"], SHARPNESS["mix"], HESSIAN["trace"]):
         default, explicit = f(model, batches[:2]), f(model, batches[:2], process_group=None)
         if hasattr(default, "seconds"):
             default.seconds = explicit.seconds = 0.0
