@@ -267,3 +267,15 @@ def test_torchrun_with_two_processes_matches_one_process(checkpoint, data, tmp_p
         assert two["results"][name]["value"] == pytest.approx(
             one["results"][name]["value"], rel=1e-10
         )
+
+
+def test_each_process_needs_a_batch():
+    """Under torchrun every process measures its share of the batches (every world-th);
+    fewer batches than processes stop every process with a data error, before any
+    communication; one process measures all batches without a process group."""
+    from geoopt_quotient.experiments.classifiers import InputError
+
+    batches = ["b0", "b1"]
+    assert sharpness_cli._share(batches, 0, 1) == (batches, None)
+    with pytest.raises(InputError, match="2 batches for 3 processes"):
+        sharpness_cli._share(batches, 2, 3)

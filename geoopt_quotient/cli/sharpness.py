@@ -313,6 +313,11 @@ def _share(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], An
     one process."""
     if world == 1:
         return batches, None
+    if len(batches) < world:  # every process has all batches: all of them stop here
+        raise InputError(
+            f"{len(batches)} batches for {world} processes: each process needs at least one "
+            "batch (lower --batch-size or the number of processes)"
+        )
     import torch.distributed as dist
 
     return batches[rank::world], dist.group.WORLD
