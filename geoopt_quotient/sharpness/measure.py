@@ -51,6 +51,7 @@ from .functional import (
 from .layout import BallLayout
 from .precision import AutocastState
 from .ranks import BatchShare
+from .sharded import is_sharded, measure_sharded
 
 __all__ = [
     "SharpnessResult",
@@ -210,6 +211,21 @@ def _measure(
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
+    if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
+        return measure_sharded(
+            model,
+            loss_fn,
+            batches,
+            plan,
+            radii=radii,
+            iters=iters,
+            path=path if curvature else "straight",
+            kind=kind,
+            seed=seed,
+            norm=norm,
+            settings=settings,
+            keep_best_gradient=keep_best_gradient,
+        )
     start = time.perf_counter()
     records: List[List[Dict[str, Any]]] = [[] for _ in radii]
     share = _batch_share(batches, distributed, process_group)
