@@ -17,8 +17,9 @@ How the loss is evaluated
     rank (equal rows per rank, a mean loss) the mean over the ranks of the local losses
     is the global batch's loss and that gradient is its gradient; the value is the
     all-reduced mean of the local losses. After each pass every FSDP2 module is
-    resharded, the ``.grad`` are reset to ``None``, and on exit the local tensors get
-    back their saved values, so the parameters are bitwise unchanged.
+    resharded and the ``.grad`` are reset to ``None``; on exit the local tensors get
+    back their values, copied from the ball's base point and from the few entries the
+    rank sent away, so the parameters are bitwise unchanged.
 
 Where the ball lives
     The ball's geometry needs every block of a symmetry group (a head's
@@ -43,11 +44,12 @@ Where the ball lives
 
 Memory
     Per rank, the ball holds its pieces (base point, perturbed point, Auto-PGD's three
-    iterates and one or two gradients) and a copy of the local shards to restore:
+    iterates and one or two gradients), the entries it sent away and the exchange's
+    index maps:
     :meth:`ShardedBall.bytes_per_parameter` reports them per parameter of the whole
     model. With :math:`R` ranks and balanced heads that is about :math:`1/R` of one
     process's ball (:meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`),
-    plus the copy to restore and the index maps of the symmetric groups' entries.
+    plus the index maps of the symmetric groups' entries (two int32 per entry).
 """
 
 from __future__ import annotations
@@ -163,60 +165,84 @@ class _Exchange:
     """Entries between the model's local shards and the ball's pieces on every rank.
 
     The model side is the concatenation of the local shards (in the plan's parameter
-    order), the ball side that of the rank's pieces. Entries held and owned by the same
-    rank are copied with one index; the others go through one ``all_to_all_single``,
-    in an order both sides derive from the plan (group, then entry of its point).
+    order), the ball side that of the rank's pieces. Whole parameters are copied as
+    ranges; other entries held and owned by the same rank with one index (int32 where
+    it fits); the rest go through one ``all_to_all_single``, in an order both sides
+    derive from the plan (group, then entry of its point).
     """
 
     def __init__(self, group, world: int, rank: int):
         self.group, self.world, self.rank = group, world, rank
+        self.ranges: List[Tuple[int, int, int]] = []  # (model start, ball start, size)
         self.local_model: List[torch.Tensor] = []
         self.local_ball: List[torch.Tensor] = []
         self.send: List[List[torch.Tensor]] = [[] for _ in range(world)]
         self.recv: List[List[torch.Tensor]] = [[] for _ in range(world)]
 
     def finish(self) -> None:
-        """Join the per-group maps (int32 where they fit, as the plan's index maps)."""
+        """Join the per-group maps."""
 
         def join(parts: List[torch.Tensor]) -> torch.Tensor:
             out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-            return out.to(torch.int32 if out.numel() == 0 or out.max() < 2**31 else torch.long)
+            small = out.numel() == 0 or int(out.max()) < 2**31
+            return out.to(torch.int32 if small else torch.long)
 
-        self.local_model_index = join(self.local_model).long()
-        self.local_ball_index = join(self.local_ball).long()
-        self.send_index = [join(s) for s in self.send]
-        self.recv_index = [join(r) for r in self.recv]
-        self.send_sizes = [int(s.numel()) for s in self.send_index]
-        self.recv_sizes = [int(r.numel()) for r in self.recv_index]
+        self.local_model_index = join(self.local_model)
+        self.local_ball_index = join(self.local_ball)
+        self.send_sizes = [int(sum(t.numel() for t in s)) for s in self.send]
+        self.recv_sizes = [int(sum(t.numel() for t in r)) for r in self.recv]
+        self.send_index = join([t for s in self.send for t in s])  # by peer, in order
+        self.recv_index = join([t for r in self.recv for t in r])
         del self.local_model, self.local_ball, self.send, self.recv
 
     def index_bytes(self) -> int:
-        maps = [self.local_model_index, self.local_ball_index, *self.send_index]
-        return sum(t.numel() * t.element_size() for t in maps + self.recv_index)
+        maps = (self.local_model_index, self.local_ball_index, self.send_index, self.recv_index)
+        return sum(t.numel() * t.element_size() for t in maps)
 
-    def _all_to_all(self, source: torch.Tensor, pick, sizes_out, sizes_in) -> torch.Tensor:
+    def _copy_ranges(self, source: torch.Tensor, out: torch.Tensor, to_ball: bool) -> None:
+        if not self.ranges:
+            return
+        pairs = [
+            (out[b : b + n], source[m : m + n]) if to_ball else (out[m : m + n], source[b : b + n])
+            for m, b, n in self.ranges
+        ]
+        torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
+
+    def _all_to_all(self, outgoing: torch.Tensor, sizes_out, sizes_in) -> torch.Tensor:
         import torch.distributed as dist
 
-        outgoing = torch.cat([source[i.long()] for i in pick])
-        incoming = source.new_empty(sum(sizes_in))
+        incoming = outgoing.new_empty(sum(sizes_in))
         if self.world > 1:
             dist.all_to_all_single(incoming, outgoing, sizes_in, sizes_out, group=self.group)
-        else:
-            incoming.copy_(outgoing)
         return incoming
+
+    def outgoing(self, model_flat: torch.Tensor) -> torch.Tensor:
+        """The entries of ``model_flat`` this rank holds for other ranks' pieces."""
+        return model_flat[self.send_index.long()]
 
     def to_ball(self, model_flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The model's entries (``model_flat``) written into the ball's layout ``out``."""
-        out.index_copy_(0, self.local_ball_index, model_flat[self.local_model_index])
-        incoming = self._all_to_all(model_flat, self.send_index, self.send_sizes, self.recv_sizes)
-        out.index_copy_(0, torch.cat(self.recv_index).long(), incoming)
+        self._copy_ranges(model_flat, out, to_ball=True)
+        local = model_flat[self.local_model_index.long()]
+        out.index_copy_(0, self.local_ball_index.long(), local)
+        outgoing = self.outgoing(model_flat)
+        incoming = self._all_to_all(outgoing, self.send_sizes, self.recv_sizes)
+        out.index_copy_(0, self.recv_index.long(), incoming)
         return out
 
-    def to_model(self, ball_flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The ball's entries (``ball_flat``) written into the model's layout ``out``."""
-        out.index_copy_(0, self.local_model_index, ball_flat[self.local_ball_index])
-        incoming = self._all_to_all(ball_flat, self.recv_index, self.recv_sizes, self.send_sizes)
-        out.index_copy_(0, torch.cat(self.send_index).long(), incoming)
+    def to_model(
+        self, ball_flat: torch.Tensor, out: torch.Tensor, held: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ball's entries (``ball_flat``) written into the model's layout ``out``;
+        ``held``: the entries other ranks own, given (no communication) instead of
+        received from them."""
+        self._copy_ranges(ball_flat, out, to_ball=False)
+        local = ball_flat[self.local_ball_index.long()]
+        out.index_copy_(0, self.local_model_index.long(), local)
+        if held is None:
+            outgoing = ball_flat[self.recv_index.long()]
+            held = self._all_to_all(outgoing, self.recv_sizes, self.send_sizes)
+        out.index_copy_(0, self.send_index.long(), held)
         return out
 
 
@@ -280,11 +306,15 @@ class ShardedBall:
                 f"parameters, got {sorted(map(str, dtypes))}"
             )
         ((self.dtype, self.device),) = dtypes
-        self.saved = self._model_flat()  # restored on exit: the model bitwise unchanged
         self.parameters = sum(s.param.numel() for s in self.shards)
         self.pieces, self.exchange = self._layout(plan)
         self.base = self._ball_flat()
-        self.exchange.to_ball(self.saved, self.base)
+        model_flat = self._model_flat()
+        self.exchange.to_ball(model_flat, self.base)
+        # with the base point, what restores the model bitwise: the entries it sent away
+        self.saved = self.exchange.outgoing(model_flat)
+        self.model_size = model_flat.numel()
+        del model_flat
         pieces = [p for p in self.pieces if p.numel]
         ball_groups = make_groups([p.group for p in pieces], [p.of(self.base) for p in pieces])
         self.groups, self._parts = _fuse(ball_groups, pieces, self.base)
@@ -313,8 +343,7 @@ class ShardedBall:
                 shard = self.shards[position[group.param_names[0]]]
                 numel = shard.local_numel(rank)
                 model_start = int(offsets[rank, position[shard.name]])
-                exchange.local_model.append(torch.arange(model_start, model_start + numel))
-                exchange.local_ball.append(torch.arange(start, start + numel))
+                exchange.ranges.append((model_start, start, numel))
                 pieces.append(_Piece(group, start, torch.Size([numel])))
                 start += numel
                 continue
@@ -397,12 +426,14 @@ class ShardedBall:
         """This rank's ball memory per parameter of the whole model, by part.
 
         ``base``: the ball's base point (a copy of the rank's entries, its heads whole);
-        ``saved``: the local shards saved to restore the model; ``perturbed``: the
+        ``saved``: the rank's entries of other ranks' heads (with the base point they
+        restore the model's shards, with no communication); ``perturbed``: the
         perturbed point; ``iterates``: Auto-PGD's current, previous and best
         perturbation; ``gradients``: the current gradient, and the best iterate's if
         kept; ``index``: the maps of the exchange; ``total``: their sum. Comparable with
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter` of one
-        process (which holds no ``saved`` copy: it never writes into the model).
+        process, which holds no ``saved`` entries and no ``index`` part (its index maps
+        belong to the plan).
         """
         vector = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
         item = self.base.element_size()
@@ -427,9 +458,7 @@ class ShardedBall:
     def restore(self) -> None:
         """The model's local shards back to their saved values, every ``.grad`` ``None``."""
         _reshard(self.model)
-        with torch.no_grad():
-            views = self.saved.split([s.local.numel() for s in self.shards])
-            torch._foreach_copy_([s.local.view(-1) for s in self.shards], list(views))
+        self._write_model(self.exchange.to_model(self.base, self._model_buffer(), self.saved))
         for s in self.shards:
             s.param.grad = None
 
@@ -446,7 +475,12 @@ class ShardedBall:
     def write(self, ball_flat: torch.Tensor) -> None:
         """Write the ball's point ``ball_flat`` into the model's local shards."""
         _reshard(self.model)
-        model_flat = self.exchange.to_model(ball_flat, torch.empty_like(self.saved))
+        self._write_model(self.exchange.to_model(ball_flat, self._model_buffer()))
+
+    def _model_buffer(self) -> torch.Tensor:
+        return torch.empty(self.model_size, dtype=self.dtype, device=self.device)
+
+    def _write_model(self, model_flat: torch.Tensor) -> None:
         with torch.no_grad():
             views = model_flat.split([s.local.numel() for s in self.shards])
             torch._foreach_copy_([s.local.view(-1) for s in self.shards], list(views))
@@ -638,7 +672,7 @@ def _check_sharded_points(ball: ShardedBall) -> None:
     """Finite parameters (on every rank) and symmetric base points on their manifolds."""
     from .measure import check_points
 
-    finite = torch.isfinite(ball.saved).all().to(torch.float64).reshape(1)
+    finite = torch.isfinite(ball.base).all().to(torch.float64).reshape(1)
     if float(ball.reduce_sum(finite)) != ball.world:
         raise ValueError(
             "the model has NaN/Inf parameter entries: sharpness is undefined; check the "
