@@ -1,0 +1,191 @@
+"""Sharpness of an FSDP2-sharded model (``fully_shard``) on two gloo ranks.
+
+Each rank passes its rows of every batch; the value must be the single-process value on
+the concatenated batches, the same on both ranks, with the model bitwise unchanged, and
+the ball's memory per rank about half of one process's. One spawn runs every check; the
+tests below read its results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+pytest.importorskip("torch.distributed.fsdp")
+pytest.importorskip("transformers")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from geoopt_quotient import adaptive_sharpness, find_symmetries, geodesic_sharpness  # noqa: E402
+from geoopt_quotient.sharpness.functional import trainable_parameters  # noqa: E402
+from geoopt_quotient.sharpness.layout import BallLayout  # noqa: E402
+from geoopt_quotient.sharpness.measure import _ball_groups  # noqa: E402
+
+WORLD = 2
+ROWS = 2  # per rank and batch
+MEASURES = ("adaptive", "inv", "mix")
+RHO = {"adaptive": 0.05, "inv": 0.05, "mix": 0.05}
+ITERS = 5
+
+
+def build_llama() -> torch.nn.Module:
+    """A tiny float64 Llama: 2 layers, 4 heads of 4 (query, key and value), seeded."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=24,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def loss_fn(model, ids):
+    """Next-token cross-entropy in float64, a mean over the rank's rows."""
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 50, (WORLD * ROWS, 6), generator=g) for _ in range(2)]
+
+
+def measure(model, batches, which):
+    if which == "adaptive":
+        return adaptive_sharpness(model, loss_fn, batches, rho=RHO[which], iters=ITERS).value
+    kw = dict(rho=RHO[which], iters=ITERS, metric=which)
+    return geodesic_sharpness(model, loss_fn, batches, **kw).value
+
+
+def shard(model, mesh, **options):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def ball_memory(model) -> float:
+    """Bytes per parameter of this rank's worst-case mix ball (best gradient kept)."""
+    from types import SimpleNamespace
+
+    from geoopt_quotient.sharpness.sharded import ShardedBall
+
+    plan = find_symmetries(model, metric="mix").bind(model)
+
+    def make_groups(groups, points):
+        return _ball_groups(SimpleNamespace(groups=groups), points, "second_order", True)
+
+    ball = ShardedBall(model, plan, loss_fn, make_groups)
+    return ball.bytes_per_parameter(keep_best_gradient=True)
+
+
+def worker(rank: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from geoopt_quotient.sharpness.sharded import ShardingError
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = shard(build_llama(), mesh)
+        local = [b[rank * ROWS : (rank + 1) * ROWS] for b in global_batches()]
+        before = [p.to_local().clone() for p in model.parameters()]
+        results = {"values": {which: measure(model, local, which) for which in MEASURES}}
+        after = list(model.parameters())
+        results["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, after))
+        results["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after)
+        results["no_grads"] = all(p.grad is None for p in after)
+        results["memory"] = ball_memory(model)
+        by_columns = shard(
+            build_llama(), mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None
+        )
+        try:
+            measure(by_columns, local, "mix")
+            results["refusal"] = None
+        except ShardingError as error:
+            results["refusal"] = str(error)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fsdp")
+    mp.start_processes(
+        worker,
+        args=(str(directory / "init"), str(directory)),
+        nprocs=WORLD,
+        join=True,
+        start_method="spawn",
+    )
+    return [torch.load(directory / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    torch.set_num_threads(1)
+    model = build_llama()
+    return {which: measure(model, global_batches(), which) for which in MEASURES}
+
+
+@pytest.mark.parametrize("which", MEASURES)
+def test_fsdp_value_is_the_single_process_value(fsdp_run, single_process, which):
+    expected = single_process[which]
+    values = [run["values"][which] for run in fsdp_run]
+    assert values[0] == values[1]  # every rank returns the same value
+    assert math.isclose(values[0], expected, rel_tol=1e-8), (values, expected)
+
+
+def test_one_ranks_rows_alone_give_another_value(single_process):
+    """The negative: the comparison above can fail; half of each batch is another problem."""
+    half = [b[:ROWS] for b in global_batches()]
+    value = measure(build_llama(), half, "mix")
+    assert not math.isclose(value, single_process["mix"], rel_tol=1e-6)
+
+
+def test_fsdp_model_is_left_as_it_was(fsdp_run):
+    for run in fsdp_run:
+        assert run["unchanged"] and run["still_sharded"] and run["no_grads"]
+
+
+def test_unsupported_placement_is_refused_with_how_to_shard(fsdp_run):
+    for run in fsdp_run:
+        assert run["refusal"] is not None
+        assert "Shard(dim=1)" in run["refusal"] and "shard_placement_fn" in run["refusal"]
+
+
+def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):
+    model = build_llama()
+    plan = find_symmetries(model, metric="mix").bind(model)
+    base = trainable_parameters(model)
+    points = [p.detach() for p in plan.gather(base)]
+    layout = BallLayout(plan, base, _ball_groups(plan, points, "second_order", True))
+    single = layout.bytes_per_parameter(keep_best_gradient=True)["total"]
+    per_rank = [run["memory"]["total"] for run in fsdp_run]
+    assert max(per_rank) <= 0.6 * single, (per_rank, single)
+    assert min(per_rank) >= 0.4 * single  # the pieces are balanced: about half each
