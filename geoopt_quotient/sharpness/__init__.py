@@ -12,6 +12,7 @@ from .measure import (
     adaptive_sharpness,
     geodesic_sharpness,
 )
+from .sharded import ShardingError
 from .stats import kendall_tau, kendall_tau_bootstrap
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LossFnError",
     "NonFiniteError",
     "RhoEvaluation",
+    "ShardingError",
     "SharpnessResult",
     "StaleParameterError",
     "ZeroSharpnessWarning",
