@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import tempfile
-from types import SimpleNamespace
 from typing import Any, Dict
 
 import torch
@@ -78,7 +77,7 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from geoopt_quotient.sharpness.sharded import ShardedBall
+    from geoopt_quotient.sharpness.sharded import sharded_ball
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -98,10 +97,7 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
         for measure in MEASURES:
             plan = plan_for(model, measure)
 
-            def make_groups(groups, points):
-                return _ball_groups(SimpleNamespace(groups=groups), points, "second_order", True)
-
-            ball = ShardedBall(model, plan, None, make_groups)
+            ball = sharded_ball(model, plan, None)
             rows[measure] = {
                 "kept": ball.bytes_per_parameter(keep_best_gradient=True),
                 "not_kept": ball.bytes_per_parameter(keep_best_gradient=False),

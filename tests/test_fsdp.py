@@ -34,21 +34,26 @@ RHO = {"adaptive": 0.05, "inv": 0.05, "mix": 0.05}
 ITERS = 5
 
 
-def build_llama() -> torch.nn.Module:
-    """A tiny float64 Llama: 2 layers, 4 heads of 4 (query, key and value), seeded."""
+def build_llama(heads: int = 4, vocab: int = 50) -> torch.nn.Module:
+    """A tiny float64 Llama: 2 layers, ``heads`` heads of 4 (query, key and value), seeded."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
+        vocab_size=vocab,
+        hidden_size=4 * heads,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         intermediate_size=24,
         max_position_embeddings=16,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).double()
+
+
+#: 3 heads and 51 tokens on 2 ranks: the middle head's rows of W_Q, W_K, W_V are split
+#: over the ranks, and the embedding's rows unevenly (26 and 25).
+SPLIT_HEADS = dict(heads=3, vocab=51)
 
 
 def loss_fn(model, ids):
@@ -82,16 +87,11 @@ def shard(model, mesh, **options):
 
 def ball_memory(model) -> float:
     """Bytes per parameter of this rank's worst-case mix ball (best gradient kept)."""
-    from types import SimpleNamespace
-
-    from geoopt_quotient.sharpness.sharded import ShardedBall
+    from geoopt_quotient.sharpness.sharded import sharded_ball
 
     plan = find_symmetries(model, metric="mix").bind(model)
 
-    def make_groups(groups, points):
-        return _ball_groups(SimpleNamespace(groups=groups), points, "second_order", True)
-
-    ball = ShardedBall(model, plan, loss_fn, make_groups)
+    ball = sharded_ball(model, plan, loss_fn)
     return ball.bytes_per_parameter(keep_best_gradient=True)
 
 
@@ -116,10 +116,17 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         before = [p.to_local().clone() for p in model.parameters()]
         results = {"values": {which: measure(model, local, which) for which in MEASURES}}
         after = list(model.parameters())
+        try:
+            adaptive_sharpness(model, loss_fn, local, rho=0.05, iters=2, kind="average")
+            results["average"] = None
+        except ValueError as error:
+            results["average"] = str(error)
         results["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, after))
         results["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after)
         results["no_grads"] = all(p.grad is None for p in after)
         results["memory"] = ball_memory(model)
+        split = shard(build_llama(**SPLIT_HEADS), mesh)
+        results["split_heads"] = measure(split, local, "inv")
         by_columns = shard(
             build_llama(), mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None
         )
@@ -150,7 +157,9 @@ def fsdp_run(tmp_path_factory):
 def single_process():
     torch.set_num_threads(1)
     model = build_llama()
-    return {which: measure(model, global_batches(), which) for which in MEASURES}
+    values = {which: measure(model, global_batches(), which) for which in MEASURES}
+    values["split_heads"] = measure(build_llama(**SPLIT_HEADS), global_batches(), "inv")
+    return values
 
 
 @pytest.mark.parametrize("which", MEASURES)
@@ -159,6 +168,14 @@ def test_fsdp_value_is_the_single_process_value(fsdp_run, single_process, which)
     values = [run["values"][which] for run in fsdp_run]
     assert values[0] == values[1]  # every rank returns the same value
     assert math.isclose(values[0], expected, rel_tol=1e-8), (values, expected)
+
+
+def test_heads_split_over_ranks_and_uneven_rows_give_the_single_process_value(
+    fsdp_run, single_process
+):
+    values = [run["split_heads"] for run in fsdp_run]
+    assert values[0] == values[1]
+    assert math.isclose(values[0], single_process["split_heads"], rel_tol=1e-8)
 
 
 def test_one_ranks_rows_alone_give_another_value(single_process):
@@ -177,6 +194,11 @@ def test_unsupported_placement_is_refused_with_how_to_shard(fsdp_run):
     for run in fsdp_run:
         assert run["refusal"] is not None
         assert "Shard(dim=1)" in run["refusal"] and "shard_placement_fn" in run["refusal"]
+
+
+def test_average_case_is_refused(fsdp_run):
+    for run in fsdp_run:
+        assert run["average"] is not None and "kind='worst'" in run["average"]
 
 
 def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):

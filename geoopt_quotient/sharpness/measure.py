@@ -273,17 +273,7 @@ def _measure(
                 check_dependence=not records[0],
                 keep_best_gradient=keep_best_gradient,
             )
-            for per_radius, (clean_loss, top, history, passes, seconds) in zip(records, outcomes):
-                per_radius.append(
-                    dict(
-                        index=index,
-                        clean=clean_loss,
-                        top=top,
-                        history=history,
-                        passes=passes,
-                        seconds=seconds,
-                    )
-                )
+            _record(records, index, outcomes)
 
         if share is not None:
             share.run(measure_batch, bar)
@@ -302,6 +292,21 @@ def _measure(
         _result(gather(per_radius), plan, base, kind, seconds, {**settings, "rho": rho}, summary)
         for rho, per_radius in zip(radii, records)
     ]
+
+
+def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outcome]) -> None:
+    """Append batch ``index``'s outcome at each radius to that radius's records."""
+    for per_radius, (clean_loss, top, history, passes, seconds) in zip(records, outcomes):
+        per_radius.append(
+            dict(
+                index=index,
+                clean=clean_loss,
+                top=top,
+                history=history,
+                passes=passes,
+                seconds=seconds,
+            )
+        )
 
 
 def _result(

@@ -594,6 +594,24 @@ class _ShardedObjective:
         return value, grads
 
 
+def sharded_ball(
+    model: torch.nn.Module,
+    plan: BoundPlan,
+    loss_fn: Callable | None,
+    *,
+    path: str = "second_order",
+    norm: bool = True,
+) -> ShardedBall:
+    """The :class:`ShardedBall` of ``model`` with the ball groups
+    :func:`~geoopt_quotient.geodesic_sharpness` makes (``path``, ``norm`` as there)."""
+    from .measure import _ball_groups
+
+    def make_groups(groups, points):
+        return _ball_groups(SimpleNamespace(groups=groups), points, path, norm)
+
+    return ShardedBall(model, plan, loss_fn, make_groups)
+
+
 def measure_sharded(
     model: torch.nn.Module,
     loss_fn: Callable,
@@ -622,14 +640,7 @@ def measure_sharded(
     start = time.perf_counter()
     records: List[List[Dict[str, Any]]] = [[] for _ in radii]
     with preserved_model_state(model):
-        ball = ShardedBall(
-            model,
-            plan,
-            loss_fn,
-            lambda groups, points: measure._ball_groups(
-                SimpleNamespace(groups=groups), points, path, norm
-            ),
-        )
+        ball = sharded_ball(model, plan, loss_fn, path=path, norm=norm)
         try:
             _check_sharded_points(ball)
             keep = ball.keep_best_gradient(keep_best_gradient)
@@ -646,17 +657,7 @@ def measure_sharded(
                         check_dependence=not records[0],
                         keep_best_gradient=keep,
                     )
-                for per_radius, (clean, top, history, passes, seconds) in zip(records, outcomes):
-                    per_radius.append(
-                        dict(
-                            index=index,
-                            clean=clean,
-                            top=top,
-                            history=history,
-                            passes=passes,
-                            seconds=seconds,
-                        )
-                    )
+                measure._record(records, index, outcomes)
             nonzero = ball.nonzero_parameters()
         finally:
             ball.restore()
