@@ -55,6 +55,7 @@ Memory
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -83,11 +84,9 @@ class ShardingError(ValueError):
 
 
 def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
-        return None
-    return DTensor
+    """The DTensor class if its module is loaded (no parameter is one otherwise), or None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else getattr(module, "DTensor", None)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -151,14 +150,29 @@ def _shards(model: torch.nn.Module, names: Sequence[str]) -> Tuple[List[_Shard],
         local = p.to_local()
         rows = p.shape[0] if p.dim() else 1
         world = mesh.size()
-        shard = _Shard(name, p, local, rows, p.numel() // max(rows, 1), -(-rows // world))
-        if local.numel() != shard.local_numel(mesh.get_local_rank()) or not local.is_contiguous():
-            raise ShardingError(
-                f"parameter {name!r}: the local shard of shape {tuple(local.shape)} is not the "
-                f"row block FSDP2 gives by default; {HOW_TO_SHARD}"
-            )
-        shards.append(shard)
+        shards.append(_Shard(name, p, local, rows, p.numel() // max(rows, 1), -(-rows // world)))
+    _check_row_blocks(shards, mesh)
     return shards, mesh.get_group()
+
+
+def _check_row_blocks(shards: List[_Shard], mesh) -> None:
+    """Every local shard is the contiguous row block of :class:`_Shard`, on every rank
+    (agreed with one all-reduce, so that all ranks raise or none)."""
+    import torch.distributed as dist
+
+    rank = mesh.get_local_rank()
+    wrong = [
+        s.name
+        for s in shards
+        if s.local.numel() != s.local_numel(rank) or not s.local.is_contiguous()
+    ]
+    flag = torch.tensor([float(bool(wrong))], device=shards[0].local.device)
+    dist.all_reduce(flag, group=mesh.get_group())
+    if float(flag) > 0:
+        where = f"parameter {wrong[0]!r} here" if wrong else "a parameter on another rank"
+        raise ShardingError(
+            f"{where}: a local shard is not the row block FSDP2 gives by default; {HOW_TO_SHARD}"
+        )
 
 
 class _Exchange:
@@ -179,13 +193,13 @@ class _Exchange:
         self.send: List[List[torch.Tensor]] = [[] for _ in range(world)]
         self.recv: List[List[torch.Tensor]] = [[] for _ in range(world)]
 
-    def finish(self) -> None:
-        """Join the per-group maps."""
+    def finish(self, device: torch.device) -> None:
+        """Join the per-group maps, on the parameters' ``device``."""
 
         def join(parts: List[torch.Tensor]) -> torch.Tensor:
             out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
             small = out.numel() == 0 or int(out.max()) < 2**31
-            return out.to(torch.int32 if small else torch.long)
+            return out.to(device=device, dtype=torch.int32 if small else torch.long)
 
         self.local_model_index = join(self.local_model)
         self.local_ball_index = join(self.local_ball)
@@ -359,7 +373,7 @@ class ShardedBall:
             pieces.append(piece)
             start += piece.numel
         self.ball_size = start
-        exchange.finish()
+        exchange.finish(self.device)
         return pieces, exchange
 
     def _sources(self, group: SymmetryGroup, position, offsets) -> Tuple[torch.Tensor, ...]:
@@ -419,7 +433,7 @@ class ShardedBall:
         if keep is not None:
             return bool(keep)
         size = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
-        total = self.reduce_sum(torch.tensor(float(size), dtype=torch.float64))
+        total = self.reduce_sum(torch.tensor(float(size), device=self.device))
         return bool(total <= KEEP_GRADIENT_MAX_BYTES)
 
     def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
