@@ -34,8 +34,9 @@ RHO = {"adaptive": 0.05, "inv": 0.05, "mix": 0.05}
 ITERS = 5
 
 
-def build_llama(heads: int = 4, vocab: int = 50) -> torch.nn.Module:
-    """A tiny float64 Llama: 2 layers, ``heads`` heads of 4 (query, key and value), seeded."""
+def build_llama(heads: int = 4, kv_heads: int = 4, vocab: int = 50) -> torch.nn.Module:
+    """A tiny float64 Llama: 2 layers, ``heads`` query and ``kv_heads`` key/value heads of
+    4, seeded."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -43,7 +44,7 @@ def build_llama(heads: int = 4, vocab: int = 50) -> torch.nn.Module:
         hidden_size=4 * heads,
         num_hidden_layers=2,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads,
         intermediate_size=24,
         max_position_embeddings=16,
     )
@@ -51,9 +52,11 @@ def build_llama(heads: int = 4, vocab: int = 50) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
-#: 3 heads and 51 tokens on 2 ranks: the middle head's rows of W_Q, W_K, W_V are split
-#: over the ranks, and the embedding's rows unevenly (26 and 25).
-SPLIT_HEADS = dict(heads=3, vocab=51)
+#: 3 query heads sharing 1 key/value head, 51 tokens, on 2 ranks: the middle query head's
+#: rows of W_Q and the key/value head's rows of W_K, W_V are split over the ranks, each
+#: layer's group block (3 query heads on 1 key/value head) is owned by one rank, and the
+#: embedding's rows are split unevenly (26 and 25).
+SPLIT_HEADS = dict(heads=3, kv_heads=1, vocab=51)
 
 
 def loss_fn(model, ids):
