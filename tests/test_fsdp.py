@@ -22,7 +22,12 @@ pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from geoopt_quotient import adaptive_sharpness, find_symmetries, geodesic_sharpness  # noqa: E402
+from geoopt_quotient import (  # noqa: E402
+    adaptive_sharpness,
+    find_symmetries,
+    geodesic_sharpness,
+    hessian_trace,
+)
 from geoopt_quotient.sharpness.functional import trainable_parameters  # noqa: E402
 from geoopt_quotient.sharpness.layout import BallLayout  # noqa: E402
 from geoopt_quotient.sharpness.measure import _ball_groups  # noqa: E402
@@ -124,6 +129,11 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
             results["average"] = None
         except ValueError as error:
             results["average"] = str(error)
+        try:
+            hessian_trace(model, loss_fn, local[:1], probes=1)
+            results["hessian"] = None
+        except ShardingError as error:
+            results["hessian"] = str(error)
         results["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, after))
         results["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after)
         results["no_grads"] = all(p.grad is None for p in after)
@@ -199,9 +209,10 @@ def test_unsupported_placement_is_refused_with_how_to_shard(fsdp_run):
         assert "Shard(dim=1)" in run["refusal"] and "shard_placement_fn" in run["refusal"]
 
 
-def test_average_case_is_refused(fsdp_run):
+def test_average_case_and_hessian_are_refused(fsdp_run):
     for run in fsdp_run:
         assert run["average"] is not None and "kind='worst'" in run["average"]
+        assert run["hessian"] is not None and "unsharded copy" in run["hessian"]
 
 
 def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):

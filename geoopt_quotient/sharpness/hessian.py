@@ -36,6 +36,7 @@ from .functional import (
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
 from .precision import AutocastState
 from .ranks import BatchShare
+from .sharded import refuse_sharded
 
 __all__ = [
     "HessianResult",
@@ -142,6 +143,7 @@ class HessianResult:
 def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast):
     """One pullback per batch, after the same checks as the sharpness functions."""
     check_batches(batches)
+    refuse_sharded(model, "the Riemannian Hessian functions")
     loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
     base = trainable_parameters(model)
@@ -234,6 +236,8 @@ def riemannian_hvp(
     ------
     TypeError
         For a bfloat16/float16 model (second derivatives in that precision are refused).
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When the loss is NaN/Inf.
 
@@ -327,6 +331,8 @@ def hessian_trace(
         For a bfloat16/float16 model.
     ValueError
         For a non-positive ``probes``, no batches, or parameters with NaN/Inf entries.
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When a loss or a Hutchinson sample is NaN/Inf.
 
@@ -459,6 +465,8 @@ def hessian_top_eigenvalue(
         For a bfloat16/float16 model.
     ValueError
         For a non-positive ``iters``, no batches, or parameters with NaN/Inf entries.
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When a loss or a Lanczos coefficient is NaN/Inf.
 

@@ -80,7 +80,18 @@ HOW_TO_SHARD = (
 
 
 class ShardingError(ValueError):
-    """A sharded model whose placement sharpness does not support."""
+    """A sharded model (DTensor parameters) that a function cannot measure: a placement
+    other than FSDP2's default, or a function without a sharded path (the message says
+    what to do)."""
+
+
+def refuse_sharded(model: torch.nn.Module, what: str) -> None:
+    """Raise :class:`ShardingError` if ``model`` is sharded: ``what`` has no sharded path."""
+    if is_sharded(model):
+        raise ShardingError(
+            f"{what} cannot measure a sharded (FSDP2/DTensor) model yet; measure an "
+            "unsharded copy, or use geodesic_sharpness or adaptive_sharpness, which can"
+        )
 
 
 def _dtensor_type():
