@@ -122,6 +122,8 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         model = shard(build_llama(), mesh)
         local = [b[rank * ROWS : (rank + 1) * ROWS] for b in global_batches()]
         before = [p.to_local().clone() for p in model.parameters()]
+        first = next(model.parameters())
+        first.grad = kept = torch.zeros_like(first)  # a caller's gradient, left alone
         results = {"values": {which: measure(model, local, which) for which in MEASURES}}
         after = list(model.parameters())
         try:
@@ -136,7 +138,8 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
             results["hessian"] = str(error)
         results["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, after))
         results["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after)
-        results["no_grads"] = all(p.grad is None for p in after)
+        results["no_grads"] = all(p.grad is None for p in after[1:])
+        results["grad_kept"] = after[0].grad is kept and not kept.to_local().any()
         results["memory"] = ball_memory(model)
         split = shard(build_llama(**SPLIT_HEADS), mesh)
         results["split_heads"] = measure(split, local, "inv")
@@ -200,7 +203,8 @@ def test_one_ranks_rows_alone_give_another_value(single_process):
 
 def test_fsdp_model_is_left_as_it_was(fsdp_run):
     for run in fsdp_run:
-        assert run["unchanged"] and run["still_sharded"] and run["no_grads"]
+        assert run["unchanged"] and run["still_sharded"]
+        assert run["no_grads"] and run["grad_kept"]
 
 
 def test_unsupported_placement_is_refused_with_how_to_shard(fsdp_run):

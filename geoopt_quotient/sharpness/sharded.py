@@ -16,10 +16,13 @@ How the loss is evaluated
     ``.grad``, averaged over the ranks. With the same number of loss terms on every
     rank (equal rows per rank, a mean loss) the mean over the ranks of the local losses
     is the global batch's loss and that gradient is its gradient; the value is the
-    all-reduced mean of the local losses. After each pass every FSDP2 module is
-    resharded and the ``.grad`` are reset to ``None``; on exit the local tensors get
+    all-reduced mean of the local losses. The caller's ``.grad`` are set aside for the
+    call (the passes' gradients would add to them); after each pass every FSDP2 module
+    is resharded and the ``.grad`` are reset to ``None``; on exit the local tensors get
     back their values, copied from the ball's base point and from the few entries the
-    rank sent away, so the parameters are bitwise unchanged.
+    rank sent away, so the parameters are bitwise unchanged, and the ``.grad`` are the
+    caller's again. A rank whose ``loss_fn`` raises leaves the others waiting in FSDP2's
+    collectives until the process group's timeout.
 
 Where the ball lives
     The ball's geometry needs every block of a symmetry group (a head's
@@ -332,6 +335,10 @@ class ShardedBall:
             )
         ((self.dtype, self.device),) = dtypes
         self.parameters = sum(s.param.numel() for s in self.shards)
+        # the passes' gradients must not add to the caller's: set aside, given back on exit
+        self.caller_grads = [s.param.grad for s in self.shards]
+        for s in self.shards:
+            s.param.grad = None
         self.pieces, self.exchange = self._layout(plan)
         self.base = self._ball_flat()
         model_flat = self._model_flat()
@@ -481,11 +488,12 @@ class ShardedBall:
 
     # ------------------------------------------------------------------ evaluation
     def restore(self) -> None:
-        """The model's local shards back to their saved values, every ``.grad`` ``None``."""
+        """The model's local shards back to their saved values, and their ``.grad``
+        back to what they were."""
         _reshard(self.model)
         self._write_model(self.exchange.to_model(self.base, self._model_buffer(), self.saved))
-        for s in self.shards:
-            s.param.grad = None
+        for s, grad in zip(self.shards, self.caller_grads):
+            s.param.grad = grad
 
     def objective(self, batch: Any) -> _ShardedObjective:
         """The objective of :func:`~geoopt_quotient.maximize_in_ball` on this rank's
