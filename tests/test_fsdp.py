@@ -143,6 +143,14 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         results["memory"] = ball_memory(model)
         split = shard(build_llama(**SPLIT_HEADS), mesh)
         results["split_heads"] = measure(split, local, "inv")
+        if rank == 1:  # a NaN on one rank only: every rank must refuse, none wait
+            with torch.no_grad():
+                next(split.parameters()).to_local().view(-1)[0] = math.nan
+        try:
+            measure(split, local, "inv")
+            results["nan"] = None
+        except ValueError as error:
+            results["nan"] = str(error)
         by_columns = shard(
             build_llama(), mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None
         )
@@ -192,6 +200,11 @@ def test_heads_split_over_ranks_and_uneven_rows_give_the_single_process_value(
     values = [run["split_heads"] for run in fsdp_run]
     assert values[0] == values[1]
     assert math.isclose(values[0], single_process["split_heads"], rel_tol=1e-8)
+
+
+def test_a_nan_on_one_rank_is_refused_on_every_rank(fsdp_run):
+    for run in fsdp_run:
+        assert run["nan"] is not None and "NaN/Inf" in run["nan"]
 
 
 def test_one_ranks_rows_alone_give_another_value(single_process):

@@ -703,15 +703,31 @@ def measure_sharded(
 
 
 def _check_sharded_points(ball: ShardedBall) -> None:
-    """Finite parameters (on every rank) and symmetric base points on their manifolds."""
+    """Finite parameters and symmetric base points on their manifolds, on every rank:
+    one all-reduce of the failures, so that every rank raises or none."""
     from .measure import check_points
 
-    finite = torch.isfinite(ball.base).all().to(torch.float64).reshape(1)
-    if float(ball.reduce_sum(finite)) != ball.world:
+    finite = bool(torch.isfinite(ball.base).all())
+    error = None
+    if finite:
+        pieces = [p for p in ball.pieces if p.numel]
+        try:
+            check_points(
+                SimpleNamespace(groups=[p.group for p in pieces]), [p.of(ball.base) for p in pieces]
+            )
+        except ValueError as caught:
+            error = caught
+    flags = torch.tensor([float(not finite), float(error is not None)], device=ball.device)
+    not_finite, off_manifold = ball.reduce_sum(flags).tolist()
+    if not_finite:
         raise ValueError(
             "the model has NaN/Inf parameter entries: sharpness is undefined; check the "
             "checkpoint or the training run that produced it"
         )
-    pieces = [p for p in ball.pieces if p.numel]
-    groups = SimpleNamespace(groups=[p.group for p in pieces])
-    check_points(groups, [p.of(ball.base) for p in pieces])
+    if error is not None:
+        raise error
+    if off_manifold:
+        raise ValueError(
+            "a symmetry group's base point is not on its manifold (a rank-deficient factor) "
+            "on another rank, whose error says which; pass eps > 0 (e.g. eps=1e-6)"
+        )
