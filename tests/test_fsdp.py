@@ -132,6 +132,11 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         except ValueError as error:
             results["average"] = str(error)
         try:
+            adaptive_sharpness(model, loss_fn, local, process_group=dist.group.WORLD)
+            results["process_group"] = None
+        except ValueError as error:
+            results["process_group"] = str(error)
+        try:
             hessian_trace(model, loss_fn, local[:1], probes=1)
             results["hessian"] = None
         except ShardingError as error:
@@ -226,10 +231,11 @@ def test_unsupported_placement_is_refused_with_how_to_shard(fsdp_run):
         assert "Shard(dim=1)" in run["refusal"] and "shard_placement_fn" in run["refusal"]
 
 
-def test_average_case_and_hessian_are_refused(fsdp_run):
+def test_average_case_hessian_and_process_group_are_refused(fsdp_run):
     for run in fsdp_run:
         assert run["average"] is not None and "kind='worst'" in run["average"]
         assert run["hessian"] is not None and "unsharded copy" in run["hessian"]
+        assert run["process_group"] is not None and "process_group=None" in run["process_group"]
 
 
 def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):

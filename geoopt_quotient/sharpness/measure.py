@@ -212,6 +212,12 @@ def _measure(
     check_batches(batches)
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
+        if process_group is not None:
+            raise ValueError(
+                "`process_group` splits the batches over the ranks, but a sharded (FSDP2) "
+                "model needs every rank to pass its rows of every batch: leave "
+                "process_group=None"
+            )
         return measure_sharded(
             model,
             loss_fn,
