@@ -34,6 +34,7 @@ from ._runtime import (
     radii_from_args,
     start_distributed,
 )
+from ._fsdp import all_agree, join_alone, probe_rows, rows_of_batches, shard_model
 from ._types import int_at_least
 
 __all__ = ["register", "run"]
@@ -176,6 +177,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_dtype_argument(parser)
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model over the processes of torchrun with FSDP2 (each transformer "
+        "block, then the root) and give each process its rows of every batch: for a "
+        "checkpoint too large for one device. Every batch must split evenly over the "
+        "processes. Without torchrun: one process in a mesh of one (the same code path)",
+    )
+    parser.add_argument(
         "--json",
         metavar="OUT",
         default=None,
@@ -210,8 +219,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         check_data_file("--data", args.data, arrays=False)
     rank, world = start_distributed(device)
+    device = local_device(device, rank, world)
+    if args.fsdp and world == 1:
+        join_alone(device)
     with quiet_transformers(silent=args.quiet or args.json == "-" or rank > 0):
-        return _run(args, parser, local_device(device, rank, world), rank, world)
+        return _run(args, parser, device, rank, world)
 
 
 #: The options of one data mode only, with their defaults: (--data, --text).
@@ -258,10 +270,18 @@ def _model_info(model: torch.nn.Module, task: str) -> Dict[str, Any]:
     }
 
 
+def _model_device(args: argparse.Namespace, device: torch.device) -> torch.device:
+    """Where a model is loaded: on the CPU with ``--fsdp`` (``fully_shard`` moves each
+    process's rows to ``device``), on ``device`` otherwise."""
+    return torch.device("cpu") if args.fsdp else device
+
+
 def _load_classifier(args: argparse.Namespace, device: torch.device) -> _Loaded:
     """A sequence classifier and its JSONL examples (``--data``)."""
     where = f"--model {args.model}"
-    model, tokenizer = load_checkpoint(args.model, device, where=where, dtype=args.dtype)
+    model, tokenizer = load_checkpoint(
+        args.model, _model_device(args, device), where=where, dtype=args.dtype
+    )
     if tokenizer is None:
         raise InputError(f"{where}: not a sequence classifier")
     examples = load_examples(
@@ -286,7 +306,7 @@ def _load_classifier(args: argparse.Namespace, device: torch.device) -> _Loaded:
 def _load_causal_lm(args: argparse.Namespace, device: torch.device) -> _Loaded:
     """A causal language model and blocks of its tokenised ``--text``."""
     model, tokenizer = load_causal_lm(
-        args.model, device, dtype=args.dtype, where=f"--model {args.model}"
+        args.model, _model_device(args, device), dtype=args.dtype, where=f"--model {args.model}"
     )
     batches = load_text_batches(
         args.text,
@@ -341,25 +361,37 @@ def _run(
     start = time.perf_counter()
     loaded = (_load_causal_lm if args.text is not None else _load_classifier)(args, device)
     model, batches, loss_fn = loaded.model, loaded.batches, loaded.loss_fn
+    if args.fsdp:  # checked on every process before any communication
+        batches = rows_of_batches(batches, rank, world, args.batch_size)
     metrics = ("mix", "inv") if args.metric == "both" else (args.metric,)
+    # With --fsdp the symmetries are found and checked on the model before it is sharded,
+    # on rows that every process has (rank 0's), and the processes agree on the verdict.
+    probe = probe_rows(loaded.batches[0][0], model) if args.fsdp else batches[0][0]
+    failure = None
     try:
-        plan = find_symmetries(
-            model, metric=metrics[0], verify=args.verify, probe_inputs=batches[0][0]
-        )
+        plan = find_symmetries(model, metric=metrics[0], verify=args.verify, probe_inputs=probe)
     except SymmetryVerificationError as error:
-        print(f"{parser.prog}: error: symmetry check failed: {error}", file=sys.stderr)
+        failure = error
+    if failure is not None:
+        print(f"{parser.prog}: error: symmetry check failed: {failure}", file=sys.stderr)
+    if (failure is not None) if not args.fsdp else not all_agree(failure is None, device):
         return 1
+    if args.fsdp:
+        model = shard_model(model, device)
     bound = plan.bind(model)
     if not silent:
         print(
-            f"{type(model).__name__} from {args.model}: {_parameters(model)} "
+            f"{loaded.model_info['class']} from {args.model}: {_parameters(model)} "
             f"{loaded.model_info['dtype']} parameters; {loaded.described}"
         )
         print(bound.summary())
         print()
     radii = radii_from_args(args, StudySettings())
     common = dict(iters=args.iters, seed=args.seed, progress=False if silent else None)
-    share, common["process_group"] = _share(batches, rank, world)
+    if args.fsdp:
+        share, common["process_group"] = batches, None
+    else:
+        share, common["process_group"] = _share(batches, rank, world)
     results: Dict[str, Any] = {}
     results["adaptive"] = adaptive_sharpness(
         model, loss_fn, share, rho=radii["rho_adaptive"], **common
@@ -401,6 +433,7 @@ def _run(
         },
     }
     document["processes"] = world
+    document["sharded"] = args.fsdp
     if rank > 0:
         return 0
     text = json.dumps(document, indent=1)

@@ -1,0 +1,178 @@
+r"""``--fsdp``: one model sharded over the processes of ``torchrun`` with FSDP2.
+
+Every process loads the checkpoint, wraps each transformer block and then the root with
+:func:`torch.distributed.fsdp.fully_shard` on a 1-D device mesh of all processes (each
+keeps its rows of every parameter) and passes its rows of every batch: batch :math:`b`
+of :math:`B` rows gives process :math:`r` of :math:`R` the rows
+:math:`[rB/R, (r+1)B/R)`. The sharpness functions measure the sharded model with one
+ball per global batch (:mod:`geoopt_quotient.sharpness.sharded`); their value is the mean
+of the processes' mean losses, which is the batch's mean loss only when :math:`R`
+divides :math:`B` for every batch, so an uneven batch is refused.
+
+Without ``torchrun`` (or with one process) the mesh has one rank, in a process group of
+one process kept in memory: the same code path, no communication.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..experiments.classifiers import Batch, InputError
+
+__all__ = [
+    "all_agree",
+    "join_alone",
+    "probe_rows",
+    "rows_of_batches",
+    "shard_model",
+    "transformer_blocks",
+    "working_sizes",
+]
+
+
+def join_alone(device: torch.device, timeout_s: float = 600.0) -> None:
+    """A process group of this process alone (rank 0 of 1) in an in-memory store: gloo on
+    CPU, nccl on CUDA (``device`` made the current GPU first).
+
+    For ``--fsdp`` without ``torchrun``: FSDP2 needs a process group, and one of one
+    process needs no rendezvous (no port, no file).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def transformer_blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules that ``fully_shard`` wraps one by one: the transformer blocks.
+
+    Every Hugging Face model names the classes that must not be split over devices in
+    ``_no_split_modules`` (``LlamaDecoderLayer``, ``BertLayer``, ...): its decoder or
+    encoder layers. The outermost modules of those classes are returned, in order (the
+    root excluded).
+
+    Raises
+    ------
+    InputError
+        If the model names no such class, or none of its modules is one.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks: List[torch.nn.Module] = []
+    inside: set = set()
+    for module in model.modules():
+        if module is model or id(module) in inside:
+            continue
+        if type(module).__name__ in names:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    if not blocks:
+        raise InputError(
+            f"--fsdp: {type(model).__name__} declares no transformer blocks to shard "
+            f"(_no_split_modules: {sorted(names) or 'none'})"
+        )
+    return blocks
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Wrap each of :func:`transformer_blocks` and then ``model`` with ``fully_shard`` on a
+    1-D mesh of every process (``device``'s type: ``cpu`` with gloo, ``cuda`` with nccl),
+    FSDP2's default placement (rows); the parameters move to the mesh's device.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``, now sharded (its trainable parameters are DTensors).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def working_sizes(rows: Sequence[int], world: int, batch_size: int) -> List[int]:
+    """``--batch-size`` values near ``batch_size`` whose batches all split evenly over
+    ``world`` processes, for the same examples (``sum(rows)`` of them; at most 3 values)."""
+    total = sum(rows)
+    found = []
+    for size in range(world, max(total, world) + 1, world):
+        if (total % size) % world == 0:
+            found.append(size)
+    found.sort(key=lambda size: (abs(size - batch_size), size))
+    return sorted(found[:3])
+
+
+def rows_of_batches(
+    batches: Sequence[Batch], rank: int, world: int, batch_size: int
+) -> List[Batch]:
+    """This process's rows of every batch: rows ``[rank B/world, (rank+1) B/world)`` of
+    each tensor in the inputs and of the targets.
+
+    Raises
+    ------
+    InputError
+        If a batch's rows do not split evenly over the processes; the message says which
+        ``--batch-size`` would work (and ``--max-examples`` where none does).
+    """
+    rows = [int(targets.shape[0]) for _, targets in batches]
+    for index, count in enumerate(rows):
+        if count % world:
+            raise InputError(_uneven(rows, index, world, batch_size))
+    return [_rows(batch, rank, count // world) for batch, count in zip(batches, rows)]
+
+
+def _rows(batch: Batch, rank: int, per_rank: int) -> Batch:
+    inputs, targets = batch
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    return {k: v[part] for k, v in inputs.items()}, targets[part]
+
+
+def _uneven(rows: Sequence[int], index: int, world: int, batch_size: int) -> str:
+    total = sum(rows)
+    message = (
+        f"--fsdp: batch {index} has {rows[index]} rows, which do not split evenly over "
+        f"{world} processes (every process needs the same number of rows of each batch)"
+    )
+    if total % world:
+        usable = total - total % world
+        return f"{message}: give --max-examples {usable} or another multiple of {world}"
+    sizes = ", ".join(str(s) for s in working_sizes(rows, world, batch_size))
+    return f"{message}: give --batch-size {sizes} or another size that makes every batch " + (
+        f"a multiple of {world} rows"
+    )
+
+
+def probe_rows(inputs: Dict[str, torch.Tensor], model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Rank 0's rows of a batch's ``inputs`` (this process's own rows on rank 0, the same
+    tensors on every process), on the device of the unsharded ``model``, for the
+    symmetry check before sharding."""
+    import torch.distributed as dist
+
+    where = next(model.parameters()).device
+    count = next(iter(inputs.values())).shape[0] // dist.get_world_size()
+    return {k: v[:count].to(where) for k, v in inputs.items()}
+
+
+def all_agree(verdict: bool, device: torch.device) -> bool:
+    """Whether ``verdict`` holds on every process (an all-reduce of its minimum)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(verdict)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
