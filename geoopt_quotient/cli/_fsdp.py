@@ -24,6 +24,7 @@ from ..experiments.classifiers import Batch, InputError
 
 __all__ = [
     "all_agree",
+    "fsdp_info",
     "join_alone",
     "probe_rows",
     "rows_of_batches",
@@ -176,3 +177,24 @@ def all_agree(verdict: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(verdict)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def fsdp_info(
+    model: torch.nn.Module, local_batches: Sequence[Batch], world: int
+) -> Dict[str, object]:
+    """What the JSON document says of a sharded run: the processes, each process's rows of
+    every batch, and the parameter entries rank 0 holds (of the whole model's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = sum(_local(p).numel() for p in model.parameters())
+    return {
+        "processes": world,
+        "rows_per_process": [int(targets.shape[0]) for _, targets in local_batches],
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "parameters_on_rank_0": held,
+    }
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local block; a plain tensor itself."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter

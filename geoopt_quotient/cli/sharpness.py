@@ -23,6 +23,14 @@ from ..experiments.classifiers import (
     make_batches,
 )
 from ..experiments.population.study import StudySettings
+from ._fsdp import (
+    all_agree,
+    fsdp_info,
+    join_alone,
+    probe_rows,
+    rows_of_batches,
+    shard_model,
+)
 from ._runtime import (
     add_dtype_argument,
     add_radius_arguments,
@@ -34,7 +42,6 @@ from ._runtime import (
     radii_from_args,
     start_distributed,
 )
-from ._fsdp import all_agree, join_alone, probe_rows, rows_of_batches, shard_model
 from ._types import int_at_least
 
 __all__ = ["register", "run"]
@@ -433,7 +440,8 @@ def _run(
         },
     }
     document["processes"] = world
-    document["sharded"] = args.fsdp
+    if args.fsdp:
+        document["fsdp"] = fsdp_info(model, batches, world)
     if rank > 0:
         return 0
     text = json.dumps(document, indent=1)
