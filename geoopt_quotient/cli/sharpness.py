@@ -109,6 +109,24 @@ several processes (torchrun --nproc_per_node N): every process loads the model a
   uses the GPU of its LOCAL_RANK (cuda:0 on process 0, cuda:1 on process 1, ...) and
   the processes talk over nccl; on CPU, over gloo. A process that fails makes every
   process stop with an error that names it.
+
+--fsdp (one checkpoint too large for one device, sharded over the processes):
+  every process loads the checkpoint into CPU memory, the symmetries are found and
+  checked there (on process 0's rows of the first batch; every process must pass),
+  then each transformer block (the classes the model's _no_split_modules names, e.g.
+  LlamaDecoderLayer) and the root are wrapped with FSDP2's fully_shard on a mesh of
+  all processes, which moves each process's rows of every weight to its device. Each
+  process passes its rows of every batch (rows [r B/N, (r+1) B/N) of a batch of B
+  rows): one ball per batch, sharded like the model; the value is that of one
+  process on the whole batches. Every batch must split evenly over the N processes
+  (the mean of the processes' mean losses is the batch's mean loss only then):
+  otherwise every process stops with a data error (exit status 2) that names a
+  --batch-size, or a --max-examples, that works. Without torchrun, --fsdp runs in a
+  mesh of one process (the same code path, nothing sharded). A 7B causal LM on one
+  node of 8 GPUs, one block of 2048 tokens per GPU and batch:
+  torchrun --nproc_per_node 8 -m geoopt_quotient sharpness --model ./llama-7b \\
+      --text valid.txt --dtype float32 --block-size 2048 --batch-size 8 \\
+      --max-examples 64 --metric mix --device cuda --fsdp --json llama-7b.json
 """
 
 
