@@ -39,7 +39,14 @@ def join_alone(device: torch.device, timeout_s: float = 600.0) -> None:
     CPU, nccl on CUDA (``device`` made the current GPU first).
 
     For ``--fsdp`` without ``torchrun``: FSDP2 needs a process group, and one of one
-    process needs no rendezvous (no port, no file).
+    process needs no rendezvous (no port, no file). Nothing happens if a group exists.
+
+    Parameters
+    ----------
+    device : torch.device
+        The device of the run (its type picks the backend).
+    timeout_s : float
+        The group's timeout in seconds (default 600).
     """
     import torch.distributed as dist
 
@@ -63,6 +70,16 @@ def transformer_blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
     ``_no_split_modules`` (``LlamaDecoderLayer``, ``BertLayer``, ...): its decoder or
     encoder layers. The outermost modules of those classes are returned, in order (the
     root excluded).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A Hugging Face model (unsharded: ``fully_shard`` renames the classes).
+
+    Returns
+    -------
+    list of torch.nn.Module
+        Its transformer blocks.
 
     Raises
     ------
@@ -91,6 +108,13 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     1-D mesh of every process (``device``'s type: ``cpu`` with gloo, ``cuda`` with nccl),
     FSDP2's default placement (rows); the parameters move to the mesh's device.
 
+    Parameters
+    ----------
+    model : torch.nn.Module
+        An unsharded Hugging Face model (:func:`transformer_blocks`), sharded in place.
+    device : torch.device
+        The device of this process (a CUDA device must be the current one).
+
     Returns
     -------
     torch.nn.Module
@@ -109,7 +133,26 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 def working_sizes(rows: Sequence[int], world: int, batch_size: int) -> List[int]:
     """``--batch-size`` values near ``batch_size`` whose batches all split evenly over
-    ``world`` processes, for the same examples (``sum(rows)`` of them; at most 3 values)."""
+    ``world`` processes, for the same examples (``sum(rows)`` of them).
+
+    Batches are consecutive: ``size`` rows each and the remainder last, so ``size``
+    works when ``world`` divides ``size`` and ``sum(rows) mod size``.
+
+    Parameters
+    ----------
+    rows : sequence of int
+        The rows of each batch now.
+    world : int
+        The number of processes.
+    batch_size : int
+        The ``--batch-size`` given.
+
+    Returns
+    -------
+    list of int
+        Up to three working sizes nearest ``batch_size``, ascending; empty when
+        ``world`` does not divide ``sum(rows)``.
+    """
     total = sum(rows)
     found = []
     for size in range(world, max(total, world) + 1, world):
@@ -124,6 +167,20 @@ def rows_of_batches(
 ) -> List[Batch]:
     """This process's rows of every batch: rows ``[rank B/world, (rank+1) B/world)`` of
     each tensor in the inputs and of the targets.
+
+    Parameters
+    ----------
+    batches : sequence of (dict, torch.Tensor)
+        The batches, the same on every process: inputs and targets.
+    rank, world : int
+        This process and the number of processes.
+    batch_size : int
+        The ``--batch-size`` given (for the message).
+
+    Returns
+    -------
+    list of (dict, torch.Tensor)
+        This process's rows of every batch.
 
     Raises
     ------
