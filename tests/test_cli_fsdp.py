@@ -73,8 +73,10 @@ def single_process(llama):
     return json.loads(out.read_text())
 
 
-def assert_same_values(got: dict, expected: dict) -> None:
-    assert set(got["results"]) == {"adaptive", "geodesic_mix", "geodesic_inv"}
+def assert_same_values(
+    got: dict, expected: dict, names=("adaptive", "geodesic_mix", "geodesic_inv")
+) -> None:
+    assert set(got["results"]) == set(names)
     for name, result in expected["results"].items():
         assert got["results"][name]["per_batch"] == pytest.approx(
             result["per_batch"], rel=RELATIVE
@@ -172,3 +174,38 @@ def test_transformer_blocks_are_the_models_unsplittable_layers():
     assert "BertLayer" in names
     with pytest.raises(InputError, match="declares no transformer blocks"):
         transformer_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_fsdp_measures_a_classifier_too(tmp_path, capsys):
+    """A BERT classifier (blocks: its ``BertLayer`` modules; inputs with token type ids and
+    an attention mask, split by rows), in float64, in a mesh of one."""
+    from conftest import save_tiny_bert_classifier
+
+    (tmp_path / "bert").mkdir()
+    directory = save_tiny_bert_classifier(tmp_path / "bert", layers=2, initializer_range=0.3)
+    rows = ["the cat sat on the mat", "a dog ran", "the movie was very good", "a bad film"]
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(rows))
+    )
+    argv = ["sharpness", "--model", str(directory), "--data", str(data), "--batch-size", "2"]
+    argv += ["--iters", "3", "--metric", "inv", "--dtype", "float64", "--quiet"]
+    alone, sharded = run_json(argv, capsys), run_json([*argv, "--fsdp"], capsys)
+    assert sharded["fsdp"]["fsdp_modules"] > 2  # the layers (and the embeddings) and the root
+    assert_same_values(sharded, alone, names={"adaptive", "geodesic_inv"})
+
+
+def test_a_failed_symmetry_check_stops_every_process(llama, capsys, monkeypatch):
+    """The check runs before sharding; its verdict is agreed by all processes (here one),
+    exit status 1, and the group is left."""
+    from geoopt_quotient.symmetry import SymmetryVerificationError
+
+    def failing(*args, **kwargs):
+        raise SymmetryVerificationError("logits changed by 1")
+
+    monkeypatch.setattr("geoopt_quotient.symmetry.find_symmetries", failing)
+    directory, text = llama
+    argv = ["sharpness", "--model", str(directory), "--text", text, *ARGS, "--fsdp"]
+    assert main(argv) == 1
+    assert "symmetry check failed: logits changed by 1" in capsys.readouterr().err
+    assert not dist.is_initialized()
