@@ -219,7 +219,20 @@ def _uneven(rows: Sequence[int], index: int, world: int, batch_size: int) -> str
 def probe_rows(inputs: Dict[str, torch.Tensor], model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Rank 0's rows of a batch's ``inputs`` (this process's own rows on rank 0, the same
     tensors on every process), on the device of the unsharded ``model``, for the
-    symmetry check before sharding."""
+    symmetry check before sharding.
+
+    Parameters
+    ----------
+    inputs : dict of str to torch.Tensor
+        A whole batch's inputs (rows first).
+    model : torch.nn.Module
+        The model, not yet sharded.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The first ``B / world_size`` rows of each input, on the model's device.
+    """
     import torch.distributed as dist
 
     where = next(model.parameters()).device
@@ -228,7 +241,20 @@ def probe_rows(inputs: Dict[str, torch.Tensor], model: torch.nn.Module) -> Dict[
 
 
 def all_agree(verdict: bool, device: torch.device) -> bool:
-    """Whether ``verdict`` holds on every process (an all-reduce of its minimum)."""
+    """Whether ``verdict`` holds on every process (an all-reduce of its minimum).
+
+    Parameters
+    ----------
+    verdict : bool
+        This process's verdict.
+    device : torch.device
+        Where the flag is reduced (a CUDA device for nccl).
+
+    Returns
+    -------
+    bool
+        The verdict of all processes, the same on each.
+    """
     import torch.distributed as dist
 
     flag = torch.tensor([int(verdict)], device=device)
@@ -240,7 +266,24 @@ def fsdp_info(
     model: torch.nn.Module, local_batches: Sequence[Batch], world: int
 ) -> Dict[str, object]:
     """What the JSON document says of a sharded run: the processes, each process's rows of
-    every batch, and the parameter entries rank 0 holds (of the whole model's)."""
+    every batch, and the parameter entries rank 0 holds (of the whole model's).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The sharded model.
+    local_batches : sequence of (dict, torch.Tensor)
+        This process's rows of every batch.
+    world : int
+        The number of processes.
+
+    Returns
+    -------
+    dict
+        ``processes``, ``rows_per_process`` (per batch), ``fsdp_modules`` (the wrapped
+        blocks and the root) and ``parameters_on_rank_0`` (this process's entries,
+        written by rank 0).
+    """
     from torch.distributed.fsdp import FSDPModule
 
     held = sum(_local(p).numel() for p in model.parameters())
