@@ -16,11 +16,13 @@ one process kept in memory: the same code path, no communication.
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from .._checks import split_measure
 from ..experiments.classifiers import Batch, InputError
+from ..experiments.population import StudySettings
 
 __all__ = [
     "all_agree",
@@ -29,6 +31,7 @@ __all__ = [
     "probe_rows",
     "rows_of_batches",
     "shard_model",
+    "shard_for_study",
     "transformer_blocks",
     "working_sizes",
 ]
@@ -298,3 +301,63 @@ def fsdp_info(
 def _local(parameter: torch.Tensor) -> torch.Tensor:
     """A DTensor's local block; a plain tensor itself."""
     return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+
+
+def shard_for_study(
+    model: torch.nn.Module, batches: List[Batch], settings: StudySettings, device: torch.device
+) -> Tuple[List[Batch], Dict[str, Any]]:
+    """``population --fsdp``'s preparation of one model (a
+    :class:`~geoopt_quotient.experiments.population.JointModels` ``prepare``): this
+    process's rows of every batch, the symmetries of each metric of ``settings.measures``
+    found on the unsharded model (the first metric's checked on :func:`probe_rows` when
+    ``settings.verify``, the verdict agreed by all processes), then the model sharded in
+    place (:func:`shard_model`) and the plans bound to it.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        An unsharded Hugging Face model, sharded in place.
+    batches : list of (dict, torch.Tensor)
+        The whole sharpness batches, the same on every process.
+    settings : StudySettings
+        The study's measures, ``eps``, ``verify`` and ``batch_size`` (for the message of an
+        uneven batch).
+    device : torch.device
+        The device of this process.
+
+    Returns
+    -------
+    rows : list of (dict, torch.Tensor)
+        This process's rows of every batch (:func:`rows_of_batches`).
+    plans : dict of str to BoundPlan
+        The bound plan of each metric, in the order of the measures.
+
+    Raises
+    ------
+    InputError
+        If a batch does not split evenly over the processes (on every process, before any
+        communication).
+    SymmetryVerificationError
+        On every process, if the check failed on any.
+    """
+    import torch.distributed as dist
+
+    from ..symmetry import SymmetryVerificationError, find_symmetries
+
+    rows = rows_of_batches(batches, dist.get_rank(), dist.get_world_size(), settings.batch_size)
+    metrics = dict.fromkeys(split_measure(m)[0] for m in settings.measures)
+    metrics.pop(None, None)
+    probe = probe_rows(batches[0][0], model)
+    plans, failure = {}, None
+    try:
+        for index, metric in enumerate(metrics):
+            check = settings.verify and index == 0
+            plans[metric] = find_symmetries(
+                model, metric=metric, eps=settings.eps, verify=check, probe_inputs=probe
+            )
+    except SymmetryVerificationError as error:
+        failure = error
+    if not all_agree(failure is None, device):
+        raise failure or SymmetryVerificationError("the symmetry check failed on another process")
+    shard_model(model, device)
+    return rows, {metric: plan.bind(model) for metric, plan in plans.items()}

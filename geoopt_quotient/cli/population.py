@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..experiments.population.study import (
     FORMATS,
     PAPER_TAU,
     PROTOCOLS,
+    JointModels,
     StudySettings,
     find_checkpoints,
     format_tau_table,
@@ -22,6 +24,7 @@ from ..experiments.population.study import (
     run_population,
 )
 from ..experiments.records import RecordFile
+from ._fsdp import join_alone, shard_for_study
 from ._runtime import (
     add_dtype_argument,
     add_output_arguments,
@@ -131,7 +134,23 @@ examples:
   geoopt-quotient population --checkpoints runs/ --data train.jsonl --gaps gaps.csv \\
       --rho-scales 0.3,1,3,10    # tau against the radius: 4 scales of every radius
   torchrun --nproc_per_node 4 -m geoopt_quotient population --checkpoints runs/ \\
-      --data train.jsonl --gaps gaps.csv    # models sharded over 4 processes
+      --data train.jsonl --gaps gaps.csv    # models shared out over 4 processes
+  torchrun --nproc_per_node 8 -m geoopt_quotient population --checkpoints llamas/ \\
+      --data train.txt --gaps gaps.csv --dtype float32 --max-length 2048 \\
+      --batch-size 8 --max-examples 64 --device cuda --fsdp   # each model over 8 GPUs
+
+--fsdp (checkpoints too large for one device; --format hf): every process measures
+  every model, one after the other, instead of each process its own models. Each
+  process loads the checkpoint into CPU memory; the symmetries of each metric are
+  found there and the first checked on process 0's rows of the first batch (every
+  process must pass); then each transformer block and the root are wrapped with
+  FSDP2's fully_shard on a mesh of all processes, as by 'sharpness --fsdp'. Each
+  process passes its rows of every sharpness batch (one ball per batch, sharded like
+  the model), so every batch must split evenly over the processes: otherwise a data
+  error (exit status 2) names a --batch-size or --max-examples that works. Measured
+  gaps (--train, --test) are the sharded model's errors on whole batches, every
+  process passing all of them. Process 0 writes the files. Without torchrun: one
+  process in a mesh of one (the same code path).
   geoopt-quotient population --checkpoints soups/ --format model-soups \\
       --train-images imagenet-train-subset/ --test-images imagenet-val/ \\
       --protocol imagenet --device cuda --workers 8
@@ -285,6 +304,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(LOCAL_RANK)",
     )
     add_dtype_argument(parser)
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="measure each model with all processes of torchrun together, sharded over them "
+        "with FSDP2, each process passing its rows of every batch (instead of sharing the "
+        "models out over the processes): for checkpoints too large for one device; see "
+        "'--fsdp' below",
+    )
     add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())
     # None: not given; filled from --protocol or the defaults by apply_protocol
@@ -377,6 +404,11 @@ def _image_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """Check the model-soups inputs; return the sharpness image folder."""
     if args.dtype != "auto":
         parser.error("--dtype is for --format hf; model-soups checkpoints load as saved")
+    if args.fsdp:
+        parser.error(
+            "--fsdp is for --format hf: model-soups CLIP models declare no transformer "
+            "blocks to shard"
+        )
     for flag in ("data", "train", "test"):
         if getattr(args, flag):
             parser.error(
@@ -449,6 +481,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         train = test = None
     rank, world = start_distributed(device)
     device = local_device(device, rank, world)
+    joint = None
+    if args.fsdp:
+        if world == 1:
+            join_alone(device)
+        joint = JointModels(functools.partial(shard_for_study, device=device))
     silent = args.quiet or args.json == "-" or rank > 0
     records = RecordFile(Path(args.out) / "population-records.jsonl", resume=args.resume)
     with quiet_transformers(silent=silent):
@@ -466,10 +503,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             format=args.format,
             workers=args.workers,
             rho_scales=args.rho_scales,
+            joint=joint,
         )
     if rank > 0:
         return 0
     document = {"command": "population", "checkpoints": args.checkpoints, **document}
+    document["fsdp"] = args.fsdp
     where = os.path.basename(os.path.normpath(args.checkpoints)) or args.checkpoints
     report(document, args, "population", f"{len(checkpoints)} checkpoints in {where}/")
     return 0

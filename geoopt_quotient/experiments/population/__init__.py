@@ -23,6 +23,7 @@ from .study import (
     MEASURES,
     MIN_MODELS,
     PAPER_TAU,
+    JointModels,
     StudySettings,
     few_models_warning,
     find_checkpoints,
@@ -36,6 +37,7 @@ from .study import (
 
 __all__ = [
     "ABLATIONS",
+    "JointModels",
     "MEASURES",
     "MIN_MODELS",
     "PAPER_TAU",

@@ -75,6 +75,7 @@ from .rho_grid import RhoSeries, study_scales, tau_by_rho
 __all__ = [
     "ABLATIONS",
     "FORMATS",
+    "JointModels",
     "MEASURES",
     "MIN_MODELS",
     "PAPER_TAU",
@@ -379,12 +380,14 @@ def measure_model(
     *,
     probe_inputs: Any = None,
     on_measure: Optional[Callable[[str], None]] = None,
+    plans: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Dict[str, Any]]:
     """Every measure of ``settings`` for one model: value, per-batch values, losses, seconds.
 
     The symmetries are discovered once per metric (and checked on ``probe_inputs`` when
-    ``settings.verify``). Batches are not sharded over processes here: in a population,
-    models are.
+    ``settings.verify``), unless ``plans`` gives them. Batches are not sharded over
+    processes here: in a population, models are (or, with a model sharded over the
+    processes, each process passes its rows of every batch: :class:`JointModels`).
 
     Parameters
     ----------
@@ -403,6 +406,9 @@ def measure_model(
     on_measure : callable or None
         Called with each measure's name before it is measured (e.g. for a progress
         line).
+    plans : mapping of str to BoundPlan, optional
+        The bound plan of each metric, found beforehand (e.g. on the model before it was
+        sharded); the metrics it lacks are discovered here, unchecked.
 
     Returns
     -------
@@ -411,7 +417,7 @@ def measure_model(
         ``seconds``; with a geodesic measure also ``"_plan"``, the symmetric groups
         (name to count of heads) and the plan's notes.
     """
-    plans: Dict[str, Any] = {}
+    plans = dict(plans or {})
     measured = measure_sharpness(
         model,
         loss_fn,
@@ -445,6 +451,40 @@ def measure_model(
     return results
 
 
+#: ``prepare(model, batches, settings) -> (rows, plans)`` of :class:`JointModels`.
+Prepare = Callable[
+    [torch.nn.Module, List[Batch], StudySettings], Tuple[List[Batch], Dict[str, Any]]
+]
+
+
+@dataclass(frozen=True)
+class JointModels:
+    r"""Every process measures every model together, instead of each process its own.
+
+    For models too large for one device, under ``torch.distributed``: every process
+    loads each checkpoint on ``load_device`` (its batches on the study's device), and
+    ``prepare(model, batches, settings)`` shards the model in place over the processes
+    (e.g. with FSDP2's ``fully_shard``) and returns this process's rows of every batch
+    and the bound plan of each metric of ``settings.measures`` (found, and checked, on
+    the model before it was sharded). The sharpness functions then measure the sharded
+    model on those rows, one ball per global batch; the error rates (measured gaps) are
+    those of the sharded model on whole batches, every process passing the same ones
+    (the sharded forward passes are collectives). Process 0 writes the records.
+
+    Attributes
+    ----------
+    prepare : callable
+        ``prepare(model, batches, settings) -> (rows, plans)``, called on every process
+        in the same order.
+    load_device : torch.device or str
+        Where each checkpoint is loaded before ``prepare`` (default ``"cpu"``: a model
+        too large for one device is sharded from host memory).
+    """
+
+    prepare: Prepare
+    load_device: torch.device | str = "cpu"
+
+
 @dataclass(frozen=True)
 class _LoadedCheckpoint:
     """A model with its sharpness batches and loss, and a way to measure its error on a
@@ -457,13 +497,18 @@ class _LoadedCheckpoint:
 
 
 def _load_hf(
-    directory: str, settings: StudySettings, data: str, device: torch.device
+    directory: str,
+    settings: StudySettings,
+    data: str,
+    device: torch.device,
+    model_device: Optional[torch.device] = None,
 ) -> _LoadedCheckpoint:
     """A Hugging Face checkpoint directory: a classifier with ``.jsonl`` text or ``.npz``
-    arrays, or a causal LM with plain text (:func:`_load_causal_lm`)."""
+    arrays, or a causal LM with plain text (:func:`_load_causal_lm`); the model on
+    ``model_device`` (default ``device``), the batches on ``device``."""
     if is_causal_lm(read_config(directory)):
-        return _load_causal_lm(directory, settings, data, device)
-    model, tokenizer = load_checkpoint(directory, device, dtype=settings.dtype)
+        return _load_causal_lm(directory, settings, data, device, model_device)
+    model, tokenizer = load_checkpoint(directory, model_device or device, dtype=settings.dtype)
     batch_args = dict(max_length=settings.max_length, device=device)
     batches: List[Batch] = load_batches(
         data,
@@ -493,13 +538,17 @@ def _causal_lm_text(path: str, where: str) -> None:
 
 
 def _load_causal_lm(
-    directory: str, settings: StudySettings, data: str, device: torch.device
+    directory: str,
+    settings: StudySettings,
+    data: str,
+    device: torch.device,
+    model_device: Optional[torch.device] = None,
 ) -> _LoadedCheckpoint:
     """A causal LM: next-token loss on ``settings.max_examples`` blocks of
     ``settings.max_length`` tokens of the text ``data``, drawn with seed 0; the error
     rate is the next-token error over every block of a text."""
     _causal_lm_text(data, f"data {data}")
-    model, tokenizer = load_causal_lm(directory, device, dtype=settings.dtype)
+    model, tokenizer = load_causal_lm(directory, model_device or device, dtype=settings.dtype)
     batches = load_text_batches(
         data,
         model,
@@ -576,6 +625,7 @@ def _measure_checkpoint(
     workers: int = 0,
     scales: Sequence[Tuple[float, str]] = ((1.0, ""),),
     on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
+    joint: Optional[JointModels] = None,
 ) -> List[Dict[str, Any]]:
     """Load one checkpoint, measure its sharpness (and its gap when train/test are given).
 
@@ -583,20 +633,23 @@ def _measure_checkpoint(
     with the measures at ``scale`` times the radii of ``settings`` on the same batches.
     Records at a scale other than 1 have a ``scale`` key; those at scale 1 are the records
     of a study without scales. ``on_record`` receives each record as soon as it is
-    finished.
+    finished. With ``joint`` the model is prepared (sharded) before anything is measured.
     """
     start = time.perf_counter()
     if format == "model-soups":
         loaded = _load_model_soups(checkpoint, settings, data, device, workers)
     else:
-        loaded = _load_hf(checkpoint, settings, data, device)
-    model = loaded.model
+        model_device = None if joint is None else torch.device(joint.load_device)
+        loaded = _load_hf(checkpoint, settings, data, device, model_device)
+    model, batches, plans = loaded.model, loaded.batches, None
     record: Dict[str, Any] = {
         "checkpoint": Path(checkpoint).name,
         "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "signature": checkpoint_signature(checkpoint),
     }
+    if joint is not None:  # sharded in place: error_on measures the sharded model
+        batches, plans = joint.prepare(model, batches, settings)
     if train_data is not None and test_data is not None:
         if loaded.error_on is None:
             raise InputError(f"checkpoint {checkpoint}: error rates need a classifier")
@@ -612,10 +665,11 @@ def _measure_checkpoint(
         measures = measure_model(
             model,
             loaded.loss_fn,
-            loaded.batches,
+            batches,
             scaled_settings(settings, scale),
-            probe_inputs=loaded.batches[0][0],
+            probe_inputs=batches[0][0],
             on_measure=on_measure if len(scales) == 1 else _with_scale(on_measure, scale),
+            plans=plans,
         )
         finished = dict(record, plan=measures.pop("_plan", {}), measures=measures)
         finished["seconds"] = time.perf_counter() - start
@@ -822,6 +876,7 @@ def run_population(
     format: str = "hf",
     workers: int = 0,
     rho_scales: Optional[Sequence[float]] = None,
+    joint: Optional[JointModels] = None,
 ) -> Dict[str, Any]:
     """Measure every checkpoint and correlate each measure with the generalization gap.
 
@@ -866,6 +921,10 @@ def run_population(
         (:func:`scaled_settings`; scale 1 is always measured), on the same batches. Each
         (model, scale) is a record of its own, appended as it finishes: a resumed run
         recomputes no finished scale.
+    joint : JointModels, optional
+        Every process measures every model together, each model sharded over the
+        processes by ``joint.prepare`` (``format="hf"`` only), instead of the models
+        being shared out over the processes.
 
     Raises
     ------
@@ -880,8 +939,9 @@ def run_population(
         seconds), ``tau`` (per measure: tau, p-value, CI, warning), ``warning``
         (:func:`few_models_warning`, None from :data:`MIN_MODELS` models on),
         ``paper_tau``, ``timings``, ``processes``. With ``torch.distributed``
-        initialised the models are sharded over the ranks (model ``i`` of each round of
-        ``world_size`` on rank ``i``) and every rank returns the same document. With
+        initialised the models are shared out over the ranks (model ``i`` of each round
+        of ``world_size`` on rank ``i``; with ``joint``, every rank measures every model)
+        and every rank returns the same document. With
         ``rho_scales`` also: ``rho_scales`` (the scales measured, 1 included), per model
         ``by_scale`` (scale as text, e.g. ``"3"`` -> that scale's ``measures``),
         ``tau_by_rho`` (the records of
@@ -906,10 +966,14 @@ def run_population(
     }
     done = _finished_records(records, checkpoints, studies)
     world, rank = _process_grid()
+    if joint is not None and format != "hf":
+        raise InputError(f"models of format {format!r} cannot be measured jointly")
+    # the processes over which the models are shared out: one, when all measure each
+    shares = 1 if joint is not None else world
     todo = [
         c for c, n in zip(checkpoints, names) if any((n, scale) not in done for scale in scales)
     ]
-    append_now = records is not None and world == 1
+    append_now = records is not None and shares == 1 and rank == 0
     bar = progress_bar(
         total=len(checkpoints),
         initial=len(done),
@@ -919,8 +983,9 @@ def run_population(
         dynamic_ncols=True,
     )
     with bar:
-        for round_ in _rounds(todo, world):
-            mine = round_[rank] if rank < len(round_) else None
+        for round_ in _rounds(todo, shares):
+            share = rank if shares > 1 else 0
+            mine = round_[share] if share < len(round_) else None
             record = None
             if mine is not None:
                 name = Path(mine).name
@@ -938,17 +1003,18 @@ def run_population(
                         workers=workers,
                         scales=tuple(missing),
                         on_record=records.append if append_now else None,
+                        joint=joint,
                     )
                 except Exception as error:
                     if hasattr(error, "add_note"):  # Python >= 3.11
                         error.add_note(f"while measuring model {name!r}")
                     raise
-            for finished in _gather(record, world):
+            for finished in _gather(record, shares):
                 if finished is None:
                     continue
                 for one in finished:
                     done[one["checkpoint"], float(one.get("scale", 1.0))] = one
-                    if records is not None and rank == 0 and not append_now:
+                    if records is not None and shares > 1 and rank == 0:
                         records.append(one)
                 bar.update(1)
     models = []
