@@ -30,8 +30,8 @@ __all__ = [
     "join_alone",
     "probe_rows",
     "rows_of_batches",
-    "shard_model",
     "shard_for_study",
+    "shard_model",
     "transformer_blocks",
     "working_sizes",
 ]

@@ -37,10 +37,10 @@ from .study import (
 
 __all__ = [
     "ABLATIONS",
-    "JointModels",
     "MEASURES",
     "MIN_MODELS",
     "PAPER_TAU",
+    "JointModels",
     "StudySettings",
     "few_models_warning",
     "figure_title",

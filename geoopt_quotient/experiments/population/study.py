@@ -75,11 +75,11 @@ from .rho_grid import RhoSeries, study_scales, tau_by_rho
 __all__ = [
     "ABLATIONS",
     "FORMATS",
-    "JointModels",
     "MEASURES",
     "MIN_MODELS",
     "PAPER_TAU",
     "PROTOCOLS",
+    "JointModels",
     "StudySettings",
     "few_models_warning",
     "find_checkpoints",
