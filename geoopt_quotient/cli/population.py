@@ -138,6 +138,9 @@ examples:
   torchrun --nproc_per_node 8 -m geoopt_quotient population --checkpoints llamas/ \\
       --data train.txt --gaps gaps.csv --dtype float32 --max-length 2048 \\
       --batch-size 8 --max-examples 64 --device cuda --fsdp   # each model over 8 GPUs
+  geoopt-quotient population --checkpoints soups/ --format model-soups \\
+      --train-images imagenet-train-subset/ --test-images imagenet-val/ \\
+      --protocol imagenet --device cuda --workers 8
 
 --fsdp (checkpoints too large for one device; --format hf): every process measures
   every model, one after the other, instead of each process its own models. Each
@@ -151,9 +154,6 @@ examples:
   gaps (--train, --test) are the sharded model's errors on whole batches, every
   process passing all of them. Process 0 writes the files. Without torchrun: one
   process in a mesh of one (the same code path).
-  geoopt-quotient population --checkpoints soups/ --format model-soups \\
-      --train-images imagenet-train-subset/ --test-images imagenet-val/ \\
-      --protocol imagenet --device cuda --workers 8
 """
 
 
