@@ -1,0 +1,293 @@
+r"""The tangent space of :class:`~geoopt_quotient.GLQuotient` at a fixed point, with every
+operation of a sharpness iteration a few batched products.
+
+Auto-PGD evaluates, at one base point :math:`X = [G; H]` and many times, the metric's
+Gram matrix of three vectors, the Riemannian gradient (metric conversion and horizontal
+projection), the second-order retraction and its pullback. The reference formulas
+(:class:`~geoopt_quotient.GLQuotient`) apply them factor by factor and solve the
+projection's Sylvester equation from the converted gradient. Here everything that
+depends on the point only is combined once (:class:`_Kernel`), so that each operation
+is linear algebra on the tangent vectors alone:
+
+- with :math:`n = m` rows in both factors, a batch of points ``(..., 2n, h)`` is a batch
+  of twice as many ``n x h`` matrices :math:`(G_b, H_b)`: each per-factor product
+  :math:`\xi_F W_F` is one batched product with the stacked :math:`h \times h` weights
+  :math:`[W_G; W_H]`;
+- the Riemannian gradient's projection, from the Euclidean gradient :math:`\nabla`, has
+  a right-hand side that factors through :math:`D = H^\top\nabla_H - \nabla_G^\top G`:
+  inv, with :math:`\rho_F = \nabla_F S_F`, :math:`S_G H^\top \rho_H - \rho_G^\top G S_H
+  = S_G D S_H`; mix, with :math:`\rho_G = \nabla_G S_H^{-1}`, :math:`\rho_H = \nabla_H
+  S_G^{-1}`, :math:`\rho_H^\top H S_H^{-1} - S_G^{-1} G^\top \rho_G = S_G^{-1} D^\top
+  S_H^{-1}`. The solution's transpose :math:`T = \Omega^\top` is then
+  :math:`P_l\,[(L D R) \odot Q]\,P_r` with matrices :math:`L, R, P_l, P_r, Q` of the
+  point (below), and the gradient is :math:`\nabla_F K_F + F\,O_F` with
+  :math:`O = [T^\top; -T]`: one batched product and one batched multiply-add.
+
+Results equal the reference formulas up to float rounding (the order of sums); the
+tests compare both in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ._linalg import capped
+from .tangent import CachedTangentSpace
+
+
+class _Kernel(NamedTuple):
+    r"""The point's matrices, flattened to one batch dimension, for a point with
+    :math:`n = m`: ``x`` the point ``(B, 2n, h)``; the others ``(B, 2, h, h)`` (rows: the
+    :math:`G` and :math:`H` factor) unless said otherwise."""
+
+    x: torch.Tensor
+    metric: torch.Tensor  # W_F: <u, v> = sum_F tr(W_F u_F^T v_F)
+    convert: torch.Tensor  # K_F: the Riemannian gradient before projection, grad_F K_F
+    inverses: torch.Tensor  # S_F^{-1}
+    swapped: torch.Tensor  # S_F'^{-1}, F' the other factor
+    left: torch.Tensor  # L (B, h, h), in the projection's precision
+    right: torch.Tensor  # R
+    quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
+    outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
+    outer_right: Optional[torch.Tensor]  # P_r
+
+    def part(self, start: int, stop: int) -> _Kernel:
+        return _Kernel(*(None if t is None else t[start:stop] for t in self))
+
+
+def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return torch.stack((first, second), dim=-3)
+
+
+def _kernel(manifold, x: torch.Tensor, state) -> _Kernel:
+    """The :class:`_Kernel` of the point ``x`` (``n = m``, in its working dtype) and its
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`."""
+    rank = x.shape[-1]
+    s_g, s_h = state.grams
+    s_g_inv, s_h_inv = state.inverses
+    inverses = _stack(s_g_inv, s_h_inv)
+    swapped = _stack(s_h_inv, s_g_inv)
+    if manifold.metric == "inv":
+        metric, convert = inverses, _stack(s_g, s_h)
+    else:
+        metric, convert = _stack(s_h, s_g), swapped
+    pairs = [t.reshape(-1, 2, rank, rank) for t in (metric, convert, inverses, swapped)]
+    projection = [
+        None if t is None else t.reshape(-1, rank, rank) for t in _projection(manifold, state)
+    ]
+    return _Kernel(x.reshape(-1, *x.shape[-2:]), *pairs, *projection)
+
+
+def _projection(manifold, state) -> Tuple[Optional[torch.Tensor], ...]:
+    r"""``(L, R, Q, P_l, P_r)`` with :math:`T = \Omega^\top = P_l [(L D R) \odot Q] P_r`
+    (module docstring).
+
+    inv: :math:`Y = \Omega^\top` solves :math:`A Y + Y B = S_G D S_H` in the eigenbases
+    :math:`A = P_a \Lambda P_a^{-1}`, :math:`B = P_b M P_b^{-1}`:
+    :math:`L = P_a^{-1} S_G`, :math:`R = S_H P_b`, :math:`Q_{ij} = 1 / (\lambda_i +
+    \mu_j)`, :math:`P_l = P_a`, :math:`P_r = P_b^{-1}`.
+    mix, ``eps = 0``: :math:`\Omega = \tfrac12 S_G^{-1} D^\top S_H^{-1}`, so
+    :math:`L = \tfrac12 S_H^{-1}`, :math:`R = S_G^{-1}`.
+    mix, ``eps > 0``: :math:`\Omega = U_G [(U_G^\top \Delta U_H) \oslash (a_i + b_j)]
+    U_H^\top` with :math:`\Delta = S_G^{-1} D^\top S_H^{-1}` and the eigenbases
+    :math:`S_F = U_F \operatorname{diag}(\sigma_F) U_F^\top`,
+    :math:`a = 1 - \varepsilon / \sigma_G`, :math:`b = 1 - \varepsilon / \sigma_H`; so
+    :math:`L = U_H^\top S_H^{-1}`, :math:`R = S_G^{-1} U_G`, :math:`P_l = U_H`,
+    :math:`P_r = U_G^\top`. Degenerate sums (relaxed, rank-deficient points) get
+    :math:`Q = 0`, as in the reference.
+    """
+    from ._linalg import _safe_divide_eigensum
+
+    high = state.high
+    if manifold.metric == "inv":
+        s_g, s_h = state.grams_exact
+        left, right = state.inv_sylvester_bases
+        q = 1.0 / (left.values[..., :, None] + right.values[..., None, :])
+        if manifold.eps:
+            q = _safe_divide_eigensum(torch.ones_like(q), left.values, right.values)
+        return left.inverse @ s_g, s_h @ right.vectors, q, left.vectors, right.inverse
+    s_g_inv, s_h_inv = state.inverses
+    if not manifold.eps:
+        return 0.5 * s_h_inv, s_g_inv, None, None, None
+    sig, u_g = torch.linalg.eigh(state.grams_exact[0])
+    tau, u_h = torch.linalg.eigh(state.grams_exact[1])
+    a, b = (sig - manifold.eps) / sig, (tau - manifold.eps) / tau
+    q = _safe_divide_eigensum(torch.ones_like(u_g), b, a)
+    left = u_h.mT @ s_h_inv.to(high)
+    return left, s_g_inv.to(high) @ u_g, q, u_h, u_g.mT
+
+
+#: Bytes of the batch slice handled at once on the CPU (as the reference's fused
+#: operations: the slice's temporaries stay in cache).
+CHUNK_BYTES = 1 << 21
+
+
+class GLTangentSpace(CachedTangentSpace):
+    """:class:`~geoopt_quotient.manifolds.tangent.CachedTangentSpace` of a
+    :class:`~geoopt_quotient.GLQuotient` whose hot operations (:meth:`gram`,
+    :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
+    where they apply (``n == m``, contiguous tensors of the point's shape and working
+    dtype, nothing for autograd to record), and the reference ones otherwise."""
+
+    def __init__(self, manifold, x: torch.Tensor, state):
+        super().__init__(manifold, x, state)
+        from .gl_quotient import GLQuotient
+
+        self._fast_projection = type(manifold)._proju is GLQuotient._proju
+        self._kernel: _Kernel | None = None
+
+    def _applies(self, *tensors: torch.Tensor) -> bool:
+        return self.manifold.n == self.manifold.m and self.manifold._can_fuse(self.state, *tensors)
+
+    def _parts(self, *tensors: torch.Tensor):
+        """``(kernel, tensors)`` a slice of the batch at a time, the tensors viewed as
+        ``(B, 2n, h)``."""
+        if self._kernel is None:
+            self._kernel = _kernel(self.manifold, self.x, self.state)
+        kernel = self._kernel
+        count, rows, rank = kernel.x.shape
+        flats = [t.view(count, rows, rank) for t in tensors]
+        budget = CHUNK_BYTES if self.x.device.type == "cpu" else 1 << 28
+        per = max(1, budget // (rows * rank * kernel.x.element_size()))
+        if per >= count or capped(self.x.device):
+            yield kernel, flats
+            return
+        for start in range(0, count, per):
+            stop = min(start + per, count)
+            yield kernel.part(start, stop), [f[start:stop] for f in flats]
+
+    # ------------------------------------------------------------------ metric
+    def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not self._applies(*vectors):
+            return super().gram(vectors)
+        size = len(vectors)
+        total = torch.zeros(size, size, dtype=torch.float64, device=self.x.device)
+        for kernel, pieces in self._parts(*vectors):
+            count, rows, rank = kernel.x.shape
+            half = rows // 2
+            stacked = torch.stack([p.view(2 * count, half, rank) for p in pieces], dim=1)
+            stacked = stacked.view(2 * count, size * half, rank)
+            weighted = torch.bmm(stacked, kernel.metric.view(-1, rank, rank))
+            pairs = torch.bmm(
+                weighted.view(2 * count, size, -1), stacked.view(2 * count, size, -1).mT
+            )
+            total += pairs.sum(0).double()
+        return (total + total.mT) / 2
+
+    # ------------------------------------------------------------------ gradient
+    def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
+        if not (self._fast_projection and self._applies(u)):
+            return super().egrad2rgrad_(u)
+        for kernel, (piece,) in self._parts(u):
+            piece.copy_(_riemannian_gradient(kernel, piece))
+        return u
+
+    # ------------------------------------------------------------------ retraction
+    def retr_vjp(
+        self, u: torch.Tensor, out: torch.Tensor
+    ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        manifold = self.manifold
+        if manifold.retraction == "first_order" or not self._applies(u, out):
+            return super().retr_vjp(u, out)
+        saved: List[torch.Tensor] = []
+        mix = manifold.metric == "mix"
+        for kernel, (u_, o_) in self._parts(u, out):
+            saved.append(_retract(kernel, u_, o_, mix))
+
+        def pullback(c: torch.Tensor) -> torch.Tensor:
+            if not self._applies(c):
+                raise ValueError("the cotangent must be a contiguous tensor like the point")
+            for (kernel, (u_, c_)), step in zip(self._parts(u, c), saved):
+                _pull_back_(kernel, u_, c_, step, mix)
+            return c
+
+        return out, pullback
+
+
+def _factors(t: torch.Tensor) -> torch.Tensor:
+    """``(B, 2n, h)`` as the ``(2B, n, h)`` batch of its factors."""
+    count, rows, rank = t.shape
+    return t.view(2 * count, rows // 2, rank)
+
+
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """``(2B, h, h)`` as ``(B, 2, h, h)``."""
+    return t.view(-1, 2, *t.shape[-2:])
+
+
+def _riemannian_gradient(kernel: _Kernel, grad: torch.Tensor) -> torch.Tensor:
+    r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
+    rank = grad.shape[-1]
+    x, g = _factors(kernel.x), _factors(grad)
+    cross = _pairs(torch.bmm(x.mT, g))  # (G^T grad_G, H^T grad_H)
+    d = cross[:, 1] - cross[:, 0].mT
+    work = kernel.left.dtype
+    t = torch.bmm(torch.bmm(kernel.left, d.to(work)), kernel.right)
+    if kernel.quotient is not None:
+        t = t * kernel.quotient
+    if kernel.outer_left is not None:
+        t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
+    t = t.to(grad.dtype)
+    shift = torch.stack((t.mT, -t), dim=1).view(-1, rank, rank)
+    out = torch.bmm(g, kernel.convert.view(-1, rank, rank))
+    return out.baddbmm_(x, shift).view(grad.shape)
+
+
+def _coefficients(kernel: _Kernel, u: torch.Tensor, mix: bool) -> Tuple[torch.Tensor, ...]:
+    r"""``(E, Y)`` of the retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`,
+    :math:`E_F = I - \tfrac12 X_F` (the Christoffel coefficients of the reference:
+    :math:`M_F = \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv:
+    :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H
+    S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged)."""
+    rank = u.shape[-1]
+    x, v = _factors(kernel.x), _factors(u)
+    k = torch.bmm(x.mT, v)
+    m, b = k + k.mT, torch.bmm(v.mT, v)
+    eye = torch.eye(rank, dtype=u.dtype, device=u.device)
+    if mix:
+        swapped = kernel.swapped.view(-1, rank, rank)
+        e = torch.baddbmm(eye, _pairs(m).flip(1).view(-1, rank, rank), swapped, alpha=-0.5)
+        y = torch.bmm(_pairs(b).flip(1).view(-1, rank, rank), swapped).neg_()
+        return e, y
+    inverses = kernel.inverses.view(-1, rank, rank)
+    return torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
+
+
+def _retract(kernel: _Kernel, u: torch.Tensor, out: torch.Tensor, mix: bool) -> torch.Tensor:
+    """The retraction written into ``out``; returns ``E`` for the pullback."""
+    x, v, o = _factors(kernel.x), _factors(u), _factors(out)
+    e, y = _coefficients(kernel, u, mix)
+    torch.baddbmm(x, v, e, out=o)
+    o.baddbmm_(x, y, alpha=-0.5)
+    return e
+
+
+def _pull_back_(kernel: _Kernel, u: torch.Tensor, c: torch.Tensor, e: torch.Tensor, mix: bool):
+    r""":math:`(D_\xi R_X)^\top c`, written into ``c``: with :math:`\bar X_F = \xi_F^\top
+    c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F = -S_F^{-1}
+    \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar X_G
+    S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}` (and exchanged),
+
+    .. math::
+
+        c_F E_F^\top - \tfrac12 F (\bar M_F + \bar M_F^\top)
+        - \tfrac12 \xi_F (\bar B_F + \bar B_F^\top).
+    """
+    rank = u.shape[-1]
+    x, v, w = _factors(kernel.x), _factors(u), _factors(c)
+    x_bar, y_bar = torch.bmm(v.mT, w), torch.bmm(x.mT, w)
+    inverses = kernel.inverses.view(-1, rank, rank)
+    if mix:
+        # -M_bar and B_bar... signs folded into alpha below
+        m_bar = torch.bmm(_pairs(x_bar).flip(1).view(-1, rank, rank), inverses)
+        b_bar = torch.bmm(_pairs(y_bar).flip(1).view(-1, rank, rank), inverses)
+        m_alpha, b_alpha = -0.5, 0.5
+    else:
+        m_bar, b_bar = torch.bmm(inverses, x_bar), torch.bmm(inverses, y_bar)
+        m_alpha, b_alpha = 0.5, -0.5
+    result = torch.bmm(w, e.mT)
+    result.baddbmm_(x, m_bar + m_bar.mT, alpha=m_alpha)
+    result.baddbmm_(v, b_bar + b_bar.mT, alpha=b_alpha)
+    w.copy_(result)
