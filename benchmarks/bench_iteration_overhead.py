@@ -196,9 +196,20 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     return row
 
 
+def flat_points(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The model's parameters as the ball's points of an adaptive measure: one flat,
+    aligned buffer (the sharpness engine's layout)."""
+    from geoopt_quotient.sharpness.layout import _Flat
+
+    params = [p.detach() for p in model.parameters()]
+    names = [str(i) for i in range(len(params))]
+    flat = _Flat(names, [p.shape for p in params], params[0].dtype, params[0].device)
+    return [flat.filled(params)]
+
+
 def update_breakdown(model, repeats: int) -> Dict[str, float]:
     """Median seconds of the adaptive update's element-wise steps on the model's size,
-    with its small tensors fused into one group as in the engine's ball.
+    with its parameters in one flat group as in the engine's ball.
 
     ``riemannian gradient``: c² ⊙ g written into g (at a point of ones, where repeated
     calls keep the values; the work is the same at any point); ``gram``: the 3 × 3 Gram
@@ -207,11 +218,9 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
     ``copy``: one vector copied, the yardstick.
     """
     from geoopt_quotient.sharpness import apgd
-    from geoopt_quotient.sharpness.fusion import fuse_elementwise
 
     manifold = gq.AdaptiveEuclidean()
-    groups = [apgd.BallGroup(p.detach(), manifold) for p in model.parameters()]
-    points = [g.point for g in fuse_elementwise(groups).groups]  # as the engine's ball
+    points = flat_points(model)  # as the engine's ball
     ball, _ = apgd._prepare([(p, manifold) for p in points], 0.1, "straight")
     unit, _ = apgd._prepare([(torch.ones_like(p), manifold) for p in points], 0.1, "straight")
     generator = torch.Generator().manual_seed(0)
