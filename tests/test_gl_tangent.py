@@ -22,14 +22,14 @@ def case(manifold, batch, rank, seed, dtype=torch.float64, zero_rows=False):
     padding), the batched and the reference tangent space there, a horizontal vector and
     a cotangent."""
     generator = torch.Generator().manual_seed(seed)
-    n = manifold.n
+    n, m = manifold.n, manifold.m
     x, noise, c = (
-        torch.randn(*batch, 2 * n, rank, generator=generator, dtype=dtype) for _ in range(3)
+        torch.randn(*batch, n + m, rank, generator=generator, dtype=dtype) for _ in range(3)
     )
     if zero_rows:
         for t in (x, noise, c):
             t[..., n - 1, :] = 0
-            t[..., 2 * n - 1, :] = 0
+            t[..., n + m - 1, :] = 0
     fast = manifold.tangent_space(x)
     reference = CachedTangentSpace(manifold, x, PointState(manifold, x))
     u = 0.3 * reference.proju(noise)
@@ -50,6 +50,7 @@ cases = dict(
     seed=st.integers(0, 2**16),
     chunk=st.sampled_from([1, 500, 1 << 21]),
     zero_rows=st.booleans(),
+    rows=st.sampled_from([(4, 4), (4, 5), (6, 4)]),
 )
 
 
@@ -62,9 +63,9 @@ def close(a, b, dtype, magnitude):
 @settings(max_examples=40, deadline=None)
 @given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_batched_operations_are_the_reference_formulas(
-    metric, eps, batch, rank, seed, chunk, zero_rows, dtype
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
 ):
-    manifold = gq.GLQuotient(4, 4, metric, eps)
+    manifold = gq.GLQuotient(*rows, metric, eps)
     x, fast, reference, u, c = case(manifold, batch, rank, seed, dtype, zero_rows)
     assert isinstance(fast, _gl_tangent.GLTangentSpace)
     scale = (1 + float(x.abs().max())) ** 4
@@ -82,16 +83,17 @@ def test_batched_operations_are_the_reference_formulas(
     close(point, expected_point, dtype, scale)
     close(pulled, expected_pullback(c.clone()), dtype, float(c.abs().max()) * scale)
     if zero_rows:  # a stack's padding stays exactly zero
+        n, m = rows
         for t in (rgrad, point, pulled):
-            assert not t[..., 3, :].any() and not t[..., 7, :].any()
+            assert not t[..., n - 1, :].any() and not t[..., n + m - 1, :].any()
 
 
 @settings(max_examples=20, deadline=None)
 @given(**cases)
 def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
-    metric, eps, batch, rank, seed, chunk, zero_rows
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows
 ):
-    manifold = gq.GLQuotient(5, 5, metric, eps)
+    manifold = gq.GLQuotient(*rows, metric, eps)
     x, fast, _, _, c = case(manifold, batch, rank, seed, zero_rows=zero_rows)
     with chunk_bytes(chunk):
         rgrad = fast.egrad2rgrad_(c.clone())
@@ -105,29 +107,29 @@ def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
     assert torch.allclose(fast.inner(rgrad, v), (c * v).sum(), rtol=1e-9, atol=1e-12 * magnitude)
 
 
-def test_unequal_factors_rotary_projections_and_other_tensors_use_the_reference(monkeypatch):
+def test_other_tensors_use_the_reference_and_rotary_keeps_its_projection(monkeypatch):
     calls = []
     for name in ("_riemannian_gradient", "_retract"):
         original = getattr(_gl_tangent, name)
         monkeypatch.setattr(
             _gl_tangent, name, lambda *a, o=original, n=name: calls.append(n) or o(*a)
         )
-    unequal = gq.GLQuotient(4, 5, "inv")
-    x = unequal.random(2, 9, 2, dtype=torch.float64)
-    space = unequal.tangent_space(x)
+    manifold = gq.GLQuotient(4, 5, "inv")
+    x = manifold.random(2, 9, 2, dtype=torch.float64)
+    space = manifold.tangent_space(x)
+    u = 0.1 * space.proju(torch.randn_like(x))
+    assert space.retr_vjp(u.float(), torch.empty_like(x).float()) is None  # another dtype
+    assert space.retr_vjp(u.mT.contiguous().mT, torch.empty_like(x)) is None  # strided
+    assert calls == []
+    space.retr_vjp(u, torch.empty_like(x))
     space.egrad2rgrad_(torch.randn_like(x))
-    space.retr_vjp(0.1 * space.proju(torch.randn_like(x)), torch.empty_like(x))
-    assert calls == []
-    equal = gq.GLQuotient(4, 4, "inv")
-    x = equal.random(2, 8, 2, dtype=torch.float64)
-    space = equal.tangent_space(x)
-    assert space.retr_vjp(torch.randn_like(x).float(), torch.empty_like(x).float()) is None
-    assert calls == []
-    space.retr_vjp(0.1 * space.proju(torch.randn_like(x)), torch.empty_like(x))
-    assert calls == ["_retract"]
-    rotary = gq.RotaryGLQuotient(4, 4, rotary_dim=2, metric="inv")
+    assert calls == ["_retract", "_riemannian_gradient"]
+    rotary = gq.RotaryGLQuotient(4, 5, rotary_dim=2, metric="inv")
+    x = rotary.random(2, 9, 2, dtype=torch.float64)
     space = rotary.tangent_space(x)
     c = torch.randn_like(x)
     expected = rotary.egrad2rgrad(x, c)
     assert torch.allclose(space.egrad2rgrad_(c.clone()), expected, rtol=0, atol=1e-12)
-    assert calls == ["_retract"]  # the rotary projection is its own
+    assert calls == ["_retract", "_riemannian_gradient"]  # the rotary projection is its own
+    generic = gq.GLQuotient(4, 5, "inv").egrad2rgrad(x, c)  # the negative: GL(h)'s differs
+    assert not torch.allclose(expected, generic, rtol=0, atol=1e-6)

@@ -9,10 +9,11 @@ projection's Sylvester equation from the converted gradient. Here everything tha
 depends on the point only is combined once (:class:`_Kernel`), so that each operation
 is linear algebra on the tangent vectors alone:
 
-- with :math:`n = m` rows in both factors, a batch of points ``(..., 2n, h)`` is a batch
-  of twice as many ``n x h`` matrices :math:`(G_b, H_b)`: each per-factor product
-  :math:`\xi_F W_F` is one batched product with the stacked :math:`h \times h` weights
-  :math:`[W_G; W_H]`;
+- each per-factor product :math:`\xi_F W_F` is one batched product per factor, and
+  with :math:`n = m` rows in both factors (the sharpness ball's layout pads its stacked
+  groups to that) one for both: a batch of points ``(..., 2n, h)`` is a batch of twice
+  as many ``n x h`` matrices :math:`(G_b, H_b)`, multiplied by the stacked
+  :math:`h \times h` weights :math:`[W_G; W_H]`;
 - the Riemannian gradient's projection, from the Euclidean gradient :math:`\nabla`, has
   a right-hand side that factors through :math:`D = H^\top\nabla_H - \nabla_G^\top G`:
   inv, with :math:`\rho_F = \nabla_F S_F`, :math:`S_G H^\top \rho_H - \rho_G^\top G S_H
@@ -38,9 +39,9 @@ from .tangent import CachedTangentSpace
 
 
 class _Kernel(NamedTuple):
-    r"""The point's matrices, flattened to one batch dimension, for a point with
-    :math:`n = m`: ``x`` the point ``(B, 2n, h)``; the others ``(B, 2, h, h)`` (rows: the
-    :math:`G` and :math:`H` factor) unless said otherwise."""
+    r"""The point's matrices, flattened to one batch dimension: ``x`` the point
+    ``(B, n + m, h)``; the others ``(B, 2, h, h)`` (rows: the :math:`G` and :math:`H`
+    factor) unless said otherwise."""
 
     x: torch.Tensor
     metric: torch.Tensor  # W_F: <u, v> = sum_F tr(W_F u_F^T v_F)
@@ -61,9 +62,10 @@ def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.stack((first, second), dim=-3)
 
 
-def _kernel(manifold, x: torch.Tensor, state) -> _Kernel:
-    """The :class:`_Kernel` of the point ``x`` (``n = m``, in its working dtype) and its
-    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`."""
+def _kernel(manifold, x: torch.Tensor, state, projection: bool = True) -> _Kernel:
+    """The :class:`_Kernel` of the point ``x`` (in its working dtype) and its
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`; without the projection's
+    matrices unless ``projection``."""
     rank = x.shape[-1]
     s_g, s_h = state.grams
     s_g_inv, s_h_inv = state.inverses
@@ -74,9 +76,8 @@ def _kernel(manifold, x: torch.Tensor, state) -> _Kernel:
     else:
         metric, convert = _stack(s_h, s_g), swapped
     pairs = [t.reshape(-1, 2, rank, rank) for t in (metric, convert, inverses, swapped)]
-    projection = [
-        None if t is None else t.reshape(-1, rank, rank) for t in _projection(manifold, state)
-    ]
+    matrices = _projection(manifold, state) if projection else (None,) * 5
+    projection = [None if t is None else t.reshape(-1, rank, rank) for t in matrices]
     return _Kernel(x.reshape(-1, *x.shape[-2:]), *pairs, *projection)
 
 
@@ -128,27 +129,36 @@ class GLTangentSpace(CachedTangentSpace):
     """:class:`~geoopt_quotient.manifolds.tangent.CachedTangentSpace` of a
     :class:`~geoopt_quotient.GLQuotient` whose hot operations (:meth:`gram`,
     :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
-    where they apply (``n == m``, contiguous tensors of the point's shape and working
-    dtype, nothing for autograd to record), and the reference ones otherwise."""
+    where they apply (contiguous tensors of the point's shape and working dtype, nothing
+    for autograd to record), and the reference ones otherwise. A subclass with its own
+    horizontal projection (:class:`~geoopt_quotient.RotaryGLQuotient`) keeps it: the
+    metric conversion is batched, the projection is the subclass's."""
 
     def __init__(self, manifold, x: torch.Tensor, state):
         super().__init__(manifold, x, state)
         from .gl_quotient import GLQuotient
 
-        self._fast_projection = type(manifold)._proju is GLQuotient._proju
+        self._own_projection = type(manifold)._proju is not GLQuotient._proju
+        self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
+        self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
-        return self.manifold.n == self.manifold.m and self.manifold._can_fuse(self.state, *tensors)
+        return self.manifold._can_fuse(self.state, *tensors)
+
+    def _whole(self) -> _Kernel:
+        if self._kernel is None:
+            own = self._own_projection
+            whole = _kernel(self.manifold, self.x, self.state, projection=not own)
+            self._kernel = self._split.keep(whole)
+        return self._kernel
 
     def _parts(self, *tensors: torch.Tensor):
-        """``(kernel, tensors)`` a slice of the batch at a time, the tensors viewed as
-        ``(B, 2n, h)``."""
-        if self._kernel is None:
-            self._kernel = _kernel(self.manifold, self.x, self.state)
-        kernel = self._kernel
+        """``(kernel, tensors)`` a slice of the batch at a time (:data:`CHUNK_BYTES` on the
+        CPU, one slice where blocks are capped), the tensors viewed as ``(B, n + m, h)``."""
+        kernel = self._whole()
         count, rows, rank = kernel.x.shape
-        flats = [t.view(count, rows, rank) for t in tensors]
+        flats = [t if t.shape == kernel.x.shape else t.view(count, rows, rank) for t in tensors]
         budget = CHUNK_BYTES if self.x.device.type == "cpu" else 1 << 28
         per = max(1, budget // (rows * rank * kernel.x.element_size()))
         if per >= count or capped(self.x.device):
@@ -156,72 +166,131 @@ class GLTangentSpace(CachedTangentSpace):
             return
         for start in range(0, count, per):
             stop = min(start + per, count)
-            yield kernel.part(start, stop), [f[start:stop] for f in flats]
+            part = self._slices.get((start, stop))
+            if part is None:
+                part = self._slices[start, stop] = self._split.keep(kernel.part(start, stop))
+            yield part, [f[start:stop] for f in flats]
 
     # ------------------------------------------------------------------ metric
     def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not self._applies(*vectors):
             return super().gram(vectors)
-        size = len(vectors)
+        size, split = len(vectors), self._split
         total = torch.zeros(size, size, dtype=torch.float64, device=self.x.device)
         for kernel, pieces in self._parts(*vectors):
-            count, rows, rank = kernel.x.shape
-            half = rows // 2
-            stacked = torch.stack([p.view(2 * count, half, rank) for p in pieces], dim=1)
-            stacked = stacked.view(2 * count, size * half, rank)
-            weighted = torch.bmm(stacked, kernel.metric.view(-1, rank, rank))
-            pairs = torch.bmm(
-                weighted.view(2 * count, size, -1), stacked.view(2 * count, size, -1).mT
-            )
-            total += pairs.sum(0).double()
+            per_vector = [split.factors(p) for p in pieces]
+            for index, weight in enumerate(split.small(kernel.metric)):
+                parts = [factors[index] for factors in per_vector]
+                batch, rows, rank = parts[0].shape
+                stacked = torch.stack(parts, dim=1).view(batch, size * rows, rank)
+                weighted = torch.bmm(stacked, weight).view(batch, size, -1)
+                pairs = torch.bmm(weighted, stacked.view(batch, size, -1).mT)
+                total += pairs.sum(0).double()
         return (total + total.mT) / 2
 
     # ------------------------------------------------------------------ gradient
     def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
-        if not (self._fast_projection and self._applies(u)):
+        if not self._applies(u):
             return super().egrad2rgrad_(u)
+        if self._own_projection:
+            converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
+            return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
         for kernel, (piece,) in self._parts(u):
-            piece.copy_(_riemannian_gradient(kernel, piece))
+            piece.copy_(_riemannian_gradient(kernel, self._split, piece))
         return u
 
     # ------------------------------------------------------------------ retraction
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
     ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
-        manifold = self.manifold
+        manifold, split = self.manifold, self._split
         if manifold.retraction == "first_order" or not self._applies(u, out):
             return super().retr_vjp(u, out)
         saved: List[torch.Tensor] = []
         mix = manifold.metric == "mix"
         for kernel, (u_, o_) in self._parts(u, out):
-            saved.append(_retract(kernel, u_, o_, mix))
+            saved.append(_retract(kernel, split, u_, o_, mix))
 
         def pullback(c: torch.Tensor) -> torch.Tensor:
             if not self._applies(c):
                 raise ValueError("the cotangent must be a contiguous tensor like the point")
             for (kernel, (u_, c_)), step in zip(self._parts(u, c), saved):
-                _pull_back_(kernel, u_, c_, step, mix)
+                _pull_back_(kernel, split, u_, c_, step, mix)
             return c
 
         return out, pullback
 
 
-def _factors(t: torch.Tensor) -> torch.Tensor:
-    """``(B, 2n, h)`` as the ``(2B, n, h)`` batch of its factors."""
-    count, rows, rank = t.shape
-    return t.view(2 * count, rows // 2, rank)
+class _Split:
+    """Per-factor products of tensors ``(B, n + m, h)`` with ``h x h`` matrices of each
+    factor, ``(B, 2, h, h)``: for ``n == m`` one batched product over both factors (the
+    tensor viewed as ``(2B, n, h)``), otherwise one per factor."""
+
+    def __init__(self, n: int, m: int):
+        self.n, self.m = n, m
+        self.merged = n == m
+        self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
+
+    def keep(self, kernel: _Kernel) -> _Kernel:
+        """Make the operands of ``kernel``'s tensors once (views cost a dispatch each);
+        each tensor is kept with them, so that its id stays its own. Returns ``kernel``."""
+        self._kept[id(kernel.x)] = (kernel.x, self._factors(kernel.x))
+        for t in (kernel.metric, kernel.convert):
+            self._kept[id(t)] = (t, self._small(t))
+        return kernel
+
+    def _lookup(self, t: torch.Tensor):
+        entry = self._kept.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def factors(self, t: torch.Tensor) -> List[torch.Tensor]:
+        """``t`` (``(B, n + m, h)``) as the operands of one batched product per factor, or
+        one for both."""
+        return self._lookup(t) or self._factors(t)
+
+    def small(self, s: torch.Tensor) -> List[torch.Tensor]:
+        """``s`` (``(B, 2, h, h)``) as the matching operands of :meth:`factors`."""
+        return self._lookup(s) or self._small(s)
+
+    def _factors(self, t: torch.Tensor) -> List[torch.Tensor]:
+        if self.merged:
+            return [t.view(-1, self.n, t.shape[-1])]
+        return list(t.split((self.n, self.m), dim=1))
+
+    def _small(self, s: torch.Tensor) -> List[torch.Tensor]:
+        if self.merged:
+            return [s.view(-1, *s.shape[-2:])]
+        return [s[:, 0], s[:, 1]]
+
+    def inner(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r""":math:`a_F^\top b_F` for both factors, ``(B, 2, h, h)``."""
+        products = [torch.bmm(p.mT, q) for p, q in zip(self.factors(a), self.factors(b))]
+        if self.merged:
+            return products[0].view(-1, 2, *products[0].shape[-2:])
+        return torch.stack(products, dim=1)
+
+    def times(self, big: torch.Tensor, s: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """A new tensor: ``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors."""
+        smalls = [w.mT if transposed else w for w in self.small(s)]
+        parts = [torch.bmm(p, w) for p, w in zip(self.factors(big), smalls)]
+        return parts[0].view(big.shape) if self.merged else torch.cat(parts, dim=1)
+
+    def add_times_(self, out: torch.Tensor, big: torch.Tensor, s: torch.Tensor, alpha: float):
+        """``out_F += alpha big_F s_F`` for both factors."""
+        for o, p, w in zip(self.factors(out), self.factors(big), self.small(s)):
+            o.baddbmm_(p, w, alpha=alpha)
+
+    def sum_into(self, out: torch.Tensor, base: torch.Tensor, big: torch.Tensor, s: torch.Tensor):
+        """``out_F = base_F + big_F s_F`` for both factors."""
+        for o, b, p, w in zip(
+            self.factors(out), self.factors(base), self.factors(big), self.small(s)
+        ):
+            torch.baddbmm(b, p, w, out=o)
 
 
-def _pairs(t: torch.Tensor) -> torch.Tensor:
-    """``(2B, h, h)`` as ``(B, 2, h, h)``."""
-    return t.view(-1, 2, *t.shape[-2:])
-
-
-def _riemannian_gradient(kernel: _Kernel, grad: torch.Tensor) -> torch.Tensor:
+def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> torch.Tensor:
     r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
-    rank = grad.shape[-1]
-    x, g = _factors(kernel.x), _factors(grad)
-    cross = _pairs(torch.bmm(x.mT, g))  # (G^T grad_G, H^T grad_H)
+    cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H)
     d = cross[:, 1] - cross[:, 0].mT
     work = kernel.left.dtype
     t = torch.bmm(torch.bmm(kernel.left, d.to(work)), kernel.right)
@@ -230,64 +299,71 @@ def _riemannian_gradient(kernel: _Kernel, grad: torch.Tensor) -> torch.Tensor:
     if kernel.outer_left is not None:
         t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
     t = t.to(grad.dtype)
-    shift = torch.stack((t.mT, -t), dim=1).view(-1, rank, rank)
-    out = torch.bmm(g, kernel.convert.view(-1, rank, rank))
-    return out.baddbmm_(x, shift).view(grad.shape)
+    out = split.times(grad, kernel.convert)
+    split.add_times_(out, kernel.x, torch.stack((t.mT, -t), dim=1), 1.0)
+    return out
 
 
-def _coefficients(kernel: _Kernel, u: torch.Tensor, mix: bool) -> Tuple[torch.Tensor, ...]:
-    r"""``(E, Y)`` of the retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`,
-    :math:`E_F = I - \tfrac12 X_F` (the Christoffel coefficients of the reference:
-    :math:`M_F = \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv:
-    :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H
-    S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged)."""
+def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
+    r"""``(E, Y)``, ``(B, 2, h, h)``, of the retraction :math:`R_X(\xi)_F = F + \xi_F E_F
+    - \tfrac12 F Y_F`, :math:`E_F = I - \tfrac12 X_F` (the Christoffel coefficients of the
+    reference: :math:`M_F = \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top
+    \xi_F`; inv: :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G
+    = M_H S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors
+    exchanged)."""
     rank = u.shape[-1]
-    x, v = _factors(kernel.x), _factors(u)
-    k = torch.bmm(x.mT, v)
-    m, b = k + k.mT, torch.bmm(v.mT, v)
+    k = split.inner(kernel.x, u)
+    m, b = k + k.mT, split.inner(u, u)
     eye = torch.eye(rank, dtype=u.dtype, device=u.device)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, rank, rank)
+
     if mix:
-        swapped = kernel.swapped.view(-1, rank, rank)
-        e = torch.baddbmm(eye, _pairs(m).flip(1).view(-1, rank, rank), swapped, alpha=-0.5)
-        y = torch.bmm(_pairs(b).flip(1).view(-1, rank, rank), swapped).neg_()
-        return e, y
-    inverses = kernel.inverses.view(-1, rank, rank)
-    return torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
+        swapped = flat(kernel.swapped)
+        e = torch.baddbmm(eye, flat(m.flip(1)), swapped, alpha=-0.5)
+        y = torch.bmm(flat(b.flip(1)), swapped).neg_()
+    else:
+        inverses = flat(kernel.inverses)
+        e, y = torch.baddbmm(eye, inverses, flat(m), alpha=0.5), torch.bmm(inverses, flat(b))
+    return e.view(m.shape), y.view(m.shape)
 
 
-def _retract(kernel: _Kernel, u: torch.Tensor, out: torch.Tensor, mix: bool) -> torch.Tensor:
+def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor, mix: bool):
     """The retraction written into ``out``; returns ``E`` for the pullback."""
-    x, v, o = _factors(kernel.x), _factors(u), _factors(out)
-    e, y = _coefficients(kernel, u, mix)
-    torch.baddbmm(x, v, e, out=o)
-    o.baddbmm_(x, y, alpha=-0.5)
+    e, y = _coefficients(kernel, split, u, mix)
+    split.sum_into(out, kernel.x, u, e)
+    split.add_times_(out, kernel.x, y, -0.5)
     return e
 
 
-def _pull_back_(kernel: _Kernel, u: torch.Tensor, c: torch.Tensor, e: torch.Tensor, mix: bool):
+def _pull_back_(
+    kernel: _Kernel, split: _Split, u: torch.Tensor, c: torch.Tensor, e: torch.Tensor, mix: bool
+):
     r""":math:`(D_\xi R_X)^\top c`, written into ``c``: with :math:`\bar X_F = \xi_F^\top
-    c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F = -S_F^{-1}
-    \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar X_G
-    S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}` (and exchanged),
+    c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F =
+    -S_F^{-1} \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar
+    X_G S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}` (and exchanged),
 
     .. math::
 
         c_F E_F^\top - \tfrac12 F (\bar M_F + \bar M_F^\top)
         - \tfrac12 \xi_F (\bar B_F + \bar B_F^\top).
+
+    The signs of :math:`\bar M, \bar B` are carried by the products' ``alpha``.
     """
     rank = u.shape[-1]
-    x, v, w = _factors(kernel.x), _factors(u), _factors(c)
-    x_bar, y_bar = torch.bmm(v.mT, w), torch.bmm(x.mT, w)
-    inverses = kernel.inverses.view(-1, rank, rank)
+    x_bar, y_bar = split.inner(u, c), split.inner(kernel.x, c)
+    inverses = kernel.inverses.reshape(-1, rank, rank)
     if mix:
-        # -M_bar and B_bar... signs folded into alpha below
-        m_bar = torch.bmm(_pairs(x_bar).flip(1).view(-1, rank, rank), inverses)
-        b_bar = torch.bmm(_pairs(y_bar).flip(1).view(-1, rank, rank), inverses)
+        m_bar = torch.bmm(x_bar.flip(1).view(-1, rank, rank), inverses)
+        b_bar = torch.bmm(y_bar.flip(1).view(-1, rank, rank), inverses)
         m_alpha, b_alpha = -0.5, 0.5
     else:
-        m_bar, b_bar = torch.bmm(inverses, x_bar), torch.bmm(inverses, y_bar)
+        m_bar = torch.bmm(inverses, x_bar.view(-1, rank, rank))
+        b_bar = torch.bmm(inverses, y_bar.view(-1, rank, rank))
         m_alpha, b_alpha = 0.5, -0.5
-    result = torch.bmm(w, e.mT)
-    result.baddbmm_(x, m_bar + m_bar.mT, alpha=m_alpha)
-    result.baddbmm_(v, b_bar + b_bar.mT, alpha=b_alpha)
-    w.copy_(result)
+    result = split.times(c, e, transposed=True)
+    split.add_times_(result, kernel.x, (m_bar + m_bar.mT).view(e.shape), m_alpha)
+    split.add_times_(result, u, (b_bar + b_bar.mT).view(e.shape), b_alpha)
+    c.copy_(result)
