@@ -10,9 +10,12 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   the ball's own path lives in one flat buffer per ``(dtype, device, eps)``: one ball
   group, whose perturbed point :math:`x + \xi` is written into the buffer the model
   reads, as views;
-- every other parameter (those of the symmetry groups, already stacked by discovery into
-  one batch per geometry, and any other group) lives in one flat buffer per
-  ``(dtype, device)``, written from the groups' perturbed points with one index copy;
+- every other parameter (those of the symmetry groups, stacked over the layers by
+  discovery, and any other group) lives in one flat buffer per ``(dtype, device)``,
+  written from the groups' perturbed points with one index copy; the
+  :class:`~geoopt_quotient.GLQuotient` groups of one geometry are stacked into one batch
+  whose two factors have equal rows (:class:`_Stack`), so that the geometry's operations
+  are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
   one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
   read back into the groups' shapes with one index gather.
