@@ -50,7 +50,7 @@ cases = dict(
     seed=st.integers(0, 2**16),
     chunk=st.sampled_from([1, 500, 1 << 21]),
     zero_rows=st.booleans(),
-    rows=st.sampled_from([(4, 4), (4, 5), (6, 4)]),
+    rows=st.sampled_from([(4, 4), (4, 5), (6, 4), (4, 8)]),
 )
 
 

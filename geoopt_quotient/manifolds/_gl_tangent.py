@@ -30,6 +30,7 @@ tests compare both in float64.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -120,6 +121,8 @@ def _projection(manifold, state) -> Tuple[Optional[torch.Tensor], ...]:
     return left, s_g_inv.to(high) @ u_g, q, u_h, u_g.mT
 
 
+#: At most this many blocks of rows per point for the one-call products of :class:`_Split`.
+MAX_BLOCKS = 8
 #: Bytes of the batch slice handled at once on the CPU (as the reference's fused
 #: operations: the slice's temporaries stay in cache).
 CHUNK_BYTES = 1 << 21
@@ -222,13 +225,19 @@ class GLTangentSpace(CachedTangentSpace):
 
 
 class _Split:
-    """Per-factor products of tensors ``(B, n + m, h)`` with ``h x h`` matrices of each
-    factor, ``(B, 2, h, h)``: for ``n == m`` one batched product over both factors (the
-    tensor viewed as ``(2B, n, h)``), otherwise one per factor."""
+    r"""Per-factor products of tensors ``(B, n + m, h)`` with ``h x h`` matrices of each
+    factor, ``(B, 2, h, h)``. Where both factors are made of a few blocks of
+    :math:`b = \gcd(n, m)` rows (at most :data:`MAX_BLOCKS` in all: ``n == m``, or
+    Llama's ``m = 2n`` of grouped-query attention), a tensor is one batch of ``b x h``
+    blocks and each product one batched call, the matrices repeated per block;
+    otherwise one call per factor."""
 
     def __init__(self, n: int, m: int):
         self.n, self.m = n, m
-        self.merged = n == m
+        rows = math.gcd(n, m)
+        self.counts = (n // rows, m // rows)
+        self.rows = rows if sum(self.counts) <= MAX_BLOCKS else 0
+        self._index: dict = {}  # device -> which factor each block belongs to
         self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
 
     def keep(self, kernel: _Kernel) -> _Kernel:
@@ -253,27 +262,38 @@ class _Split:
         return self._lookup(s) or self._small(s)
 
     def _factors(self, t: torch.Tensor) -> List[torch.Tensor]:
-        if self.merged:
-            return [t.view(-1, self.n, t.shape[-1])]
+        if self.rows:
+            return [t.view(-1, self.rows, t.shape[-1])]
         return list(t.split((self.n, self.m), dim=1))
 
     def _small(self, s: torch.Tensor) -> List[torch.Tensor]:
-        if self.merged:
-            return [s.view(-1, *s.shape[-2:])]
-        return [s[:, 0], s[:, 1]]
+        if not self.rows:
+            return [s[:, 0], s[:, 1]]
+        if self.counts != (1, 1):
+            index = self._index.get(s.device)
+            if index is None:
+                which = [0] * self.counts[0] + [1] * self.counts[1]
+                index = self._index[s.device] = torch.tensor(which, device=s.device)
+            s = s.index_select(1, index)
+        return [s.view(-1, *s.shape[-2:])]
 
     def inner(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        r""":math:`a_F^\top b_F` for both factors, ``(B, 2, h, h)``."""
+        r""":math:`a_F^\top b_F` for both factors, ``(B, 2, h, h)`` (a sum over the blocks
+        of a factor)."""
         products = [torch.bmm(p.mT, q) for p, q in zip(self.factors(a), self.factors(b))]
-        if self.merged:
-            return products[0].view(-1, 2, *products[0].shape[-2:])
-        return torch.stack(products, dim=1)
+        if not self.rows:
+            return torch.stack(products, dim=1)
+        blocks = products[0].view(-1, sum(self.counts), *products[0].shape[-2:])
+        if self.counts == (1, 1):
+            return blocks
+        first = self.counts[0]
+        return torch.stack((blocks[:, :first].sum(1), blocks[:, first:].sum(1)), dim=1)
 
     def times(self, big: torch.Tensor, s: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         """A new tensor: ``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors."""
         smalls = [w.mT if transposed else w for w in self.small(s)]
         parts = [torch.bmm(p, w) for p, w in zip(self.factors(big), smalls)]
-        return parts[0].view(big.shape) if self.merged else torch.cat(parts, dim=1)
+        return parts[0].view(big.shape) if self.rows else torch.cat(parts, dim=1)
 
     def add_times_(self, out: torch.Tensor, big: torch.Tensor, s: torch.Tensor, alpha: float):
         """``out_F += alpha big_F s_F`` for both factors."""
