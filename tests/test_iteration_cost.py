@@ -199,6 +199,21 @@ def test_stacked_quotients_have_the_joint_geometry_and_keep_the_padding_zero(
     close(pullback(stacked(stack, groups, cotangents)), separate)
 
 
+def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factors():
+    model, _ = tiny_bert()
+    plan = gq.find_symmetries(model, metric="inv").bind(model)
+    base = {name: p.detach() for name, p in model.named_parameters()}
+    points = [p.detach() for p in plan.gather(base)]
+    groups = measure_module._ball_groups(plan, points, "second_order", True)
+    layout = layout_module.BallLayout(plan, base, groups)
+    quotients = [g for g in groups if isinstance(g.manifold, gq.GLQuotient)]
+    stacked = [g for g in layout.groups if isinstance(g.manifold, gq.GLQuotient)]
+    assert len(quotients) == 2 and len(stacked) == 1
+    ((point, manifold),) = [(g.point, g.manifold) for g in stacked]
+    assert manifold.n == manifold.m == max(max(g.manifold.n, g.manifold.m) for g in quotients)
+    assert point.numel() >= sum(g.point.numel() for g in quotients)
+
+
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])
 def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
     """The flat buffers against the reference: one ball group per plan group, written
