@@ -617,7 +617,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
         "--json benchmarks/results/cpu/iteration_overhead.json",
         [
             "Time of a 20-iteration sharpness run per iteration, over a plain forward and "
-            "backward pass of the same loss (interleaved, medians)."
+            "backward pass of the same loss (interleaved, medians); "
+            + (
+                "the process's CPU time (--clock process: the machine was shared)."
+                if dig(doc, "settings", "clock") == "process"
+                else "wall time."
+            )
         ],
     )
 
