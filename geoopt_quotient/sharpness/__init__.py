@@ -12,6 +12,7 @@ from .measure import (
     adaptive_sharpness,
     geodesic_sharpness,
 )
+from .path_gap import PathGapWarning
 from .stats import kendall_tau, kendall_tau_bootstrap
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "IndependentLossError",
     "LossFnError",
     "NonFiniteError",
+    "PathGapWarning",
     "RhoEvaluation",
     "SharpnessResult",
     "StaleParameterError",
