@@ -21,6 +21,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sklearn")
 
+import itertools
+
 from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier
 
 from geoopt_quotient.cli import main
@@ -220,7 +222,7 @@ def check_tau_by_rho(doc, scales, measures, radii):
     for model in doc["models"]:
         for measure in measures:
             column = [model["by_scale"][f"{s:g}"][measure] for s in sorted(scales)]
-            for smaller, larger in zip(column, column[1:]):
+            for smaller, larger in itertools.pairwise(column):
                 assert larger["value"] >= smaller["value"]
                 assert all(b >= a for a, b in zip(smaller["per_batch"], larger["per_batch"]))
     ratios = {(r["scale"], r["measure"]): r["ratio"] for r in doc["sharpness_to_clean_loss"]}
