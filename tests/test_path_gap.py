@@ -18,37 +18,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_bert_classifier, tiny_llama_causal_lm
+from test_radius_grid import bert_case, llama_case
 
 from geoopt_quotient import find_symmetries, geodesic_sharpness
 from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
 from geoopt_quotient.sharpness.functional import trainable_parameters
 from geoopt_quotient.sharpness.path_gap import PATH_GAP_TOLERANCE, path_gap
-
-
-def llama_case():
-    pytest.importorskip("transformers")
-    ids = torch.randint(0, 50, (2, 2, 6), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(model, batch):
-        return model(input_ids=batch, labels=batch).loss
-
-    return tiny_llama_causal_lm().eval(), loss_fn, list(ids)
-
-
-def bert_case():
-    pytest.importorskip("transformers")
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 30, (2, 3, 6), generator=g)
-    labels = torch.randint(0, 3, (2, 3), generator=g)
-
-    def loss_fn(model, batch):
-        ids, y = batch
-        return model(input_ids=ids, labels=y).loss
-
-    return tiny_bert_classifier(), loss_fn, list(zip(tokens, labels))
-
 
 CASES = {"bert": bert_case, "llama": llama_case}
 

@@ -1,20 +1,9 @@
 """Auto-PGD restarts from random points of the ball: never worse, deterministic."""
 
 import pytest
-import torch
-from conftest import tiny_llama_causal_lm
+from test_radius_grid import llama_case
 
 from geoopt_quotient import adaptive_sharpness, geodesic_sharpness
-
-
-def llama_case():
-    pytest.importorskip("transformers")
-    ids = torch.randint(0, 50, (2, 2, 6), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(model, batch):
-        return model(input_ids=batch, labels=batch).loss
-
-    return tiny_llama_causal_lm().eval(), loss_fn, list(ids)
 
 
 def measure(name, model, loss_fn, batches, **options):

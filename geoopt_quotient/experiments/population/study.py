@@ -662,7 +662,7 @@ def _measure_checkpoint(
             gap=errors["test"] - errors["train"],
         )
     if len(scales) == 1:
-        (scale, _), = scales
+        ((scale, _),) = scales
         per_scale = [
             measure_model(
                 model,
