@@ -122,3 +122,19 @@ def test_exact_loss_on_the_default_inv_radius_and_other_paths():
         assert "path_gap" not in other.rows()[0]
     average = geodesic_sharpness(model, loss_fn, batches, rho=rho, iters=3, kind="average")
     assert average.path_gaps is None
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_large_groups_taken_a_slice_at_a_time_give_the_same_report(metric, monkeypatch):
+    """The float64 copies of a large group are made a slice at a time (flat pieces of the
+    adaptive buffers, batches of quotient points): the same gap and exact loss."""
+    from geoopt_quotient.sharpness import path_gap as module
+
+    model, loss_fn, batches = llama_case()
+    whole = geodesic_sharpness(model, loss_fn, batches, rho=0.005, metric=metric, iters=2)
+    monkeypatch.setattr(module, "SLICE_ENTRIES", 7)
+    sliced = geodesic_sharpness(model, loss_fn, batches, rho=0.005, metric=metric, iters=2)
+    assert sliced.perturbed_losses == whole.perturbed_losses
+    for a, b in zip(sliced.path_gaps, whole.path_gaps):
+        assert a == pytest.approx(b, rel=1e-9)
+    assert sliced.exact_losses == pytest.approx(whole.exact_losses, rel=1e-12, abs=0)

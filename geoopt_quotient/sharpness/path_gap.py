@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
-from ..manifolds import GeodesicDomainError
+from ..manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
 from .apgd import BallGroup, _prepare, _straight, as_scalar
 from .precision import AutocastState
 
@@ -119,14 +119,53 @@ def _path_gap(groups, exact, objective, xi) -> Tuple[float, float]:
     return (math.sqrt(squared) / step if step > 0 else 0.0), loss
 
 
+#: Entries of a group handled at once by :func:`_group_gap` (its float64 copies stay small).
+SLICE_ENTRIES = 1 << 22
+
+
 def _group_gap(
     group: BallGroup, exact: BallGroup, v: torch.Tensor
 ) -> Tuple[float, float, torch.Tensor]:
     r"""(:math:`|R(v) - \operatorname{Exp}(v)|^2`, :math:`|v|^2`, :math:`\operatorname{Exp}(v)`)
-    of one group, in float64: the two points differ by :math:`O(|v|^3)`, which float32
-    rounding of each (relative :math:`10^{-7}` of the weights) would swamp at small radii."""
-    x = group.point.detach().double()
-    v = v.detach().double()
+    of one group, the first two in float64: the two points differ by :math:`O(|v|^3)`, which
+    float32 rounding of each (relative :math:`10^{-7}` of the weights) would swamp at small
+    radii. A large group is taken a slice at a time (:func:`_slices`), so that its float64
+    copies take at most :data:`SLICE_ENTRIES` entries each; the end point is in the point's
+    dtype."""
+    x = group.point.detach()
+    end = torch.empty_like(x, memory_format=torch.contiguous_format)
+    difference_sq = step_sq = 0.0
+    for part in _slices(group, exact):
+        d, s, e = _slice_gap(group, exact, x[part], v.detach()[part])
+        difference_sq, step_sq = difference_sq + d, step_sq + s
+        end[part] = e
+    return difference_sq, step_sq, end
+
+
+def _slices(group: BallGroup, exact: BallGroup) -> List[Any]:
+    """Index expressions covering a group's point, in pieces where its geometry allows:
+    flat pieces of an element-wise adaptive group, slices along the batch dimension of a
+    batch of quotient points (this package's GL quotients, whose paths act per point)."""
+    x = group.point
+    size = x.numel()
+    if size <= SLICE_ENTRIES:
+        return [Ellipsis]
+    owners = [group.manifold, exact.manifold]
+    owners += [getattr(p, "__self__", None) for p in (group.path, exact.path) if p is not None]
+    elementwise = type(group.manifold) is AdaptiveEuclidean and group.manifold.ndim == 0
+    if elementwise and len(owners) == 2 and x.dim() == 1:
+        return [slice(i, i + SLICE_ENTRIES) for i in range(0, size, SLICE_ENTRIES)]
+    if x.dim() > 2 and all(isinstance(m, (GLQuotient, AdaptiveEuclidean)) for m in owners):
+        rows = max(1, SLICE_ENTRIES // (size // x.shape[0]))
+        return [slice(i, i + rows) for i in range(0, x.shape[0], rows)]
+    return [Ellipsis]
+
+
+def _slice_gap(
+    group: BallGroup, exact: BallGroup, x: torch.Tensor, v: torch.Tensor
+) -> Tuple[float, float, torch.Tensor]:
+    wide = torch.float64 if x.device.type != "mps" else torch.float32  # MPS has no float64
+    x, v = x.to(wide), v.to(wide)
     (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
     (_, (geodesic,)) = _prepare([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
     (space,) = ball.spaces
