@@ -1017,7 +1017,7 @@ def path_gap(results: Results) -> Table:
         "python benchmarks/path_gap.py --json benchmarks/results/cpu/path_gap.json",
         [
             "Worst case, second-order path, 10 Auto-PGD iterations (3 on all-MiniLM-L6-v2), "
-            "2 batches; the path gap is the mean over batches of |R - Exp| / |xi| in the "
+            "2 batches; the path gap is the mean over batches of ‖R − Exp‖ / ‖ξ‖ in the "
             "metric at the maximiser. The warning fires above 0.1 in the last numeric column."
         ],
     )
