@@ -994,7 +994,9 @@ def path_gap(results: Results) -> Table:
                         metric,
                         fmt(row["rho"], "g"),
                         fmt(row["sharpness"], ".3g"),
-                        fmt(row["path_gap_mean"], ".2g"),
+                        fmt(row["path_gap_mean"], ".2g")
+                        if row["path_gap_mean"] is not None
+                        else "geodesic failed",
                         fmt(row["loss_gap_ratio"], ".2g")
                         if not failed
                         else f"geodesic failed on {failed} batch(es)",
