@@ -241,9 +241,9 @@ def test_library_loader_reports_data_that_is_not_text(checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_with_two_processes_matches_one_process(checkpoint, data, tmp_path):
-    """``torchrun --nproc_per_node 2 -m geoopt_quotient sharpness`` shards the batches over
-    two gloo processes; the values equal a single process's run with the same thread
-    settings (float32 reductions depend on the number of threads)."""
+    """``torchrun --nproc_per_node 2 -m geoopt_quotient sharpness`` gives each of two gloo
+    processes its share of the batches; the values equal a single process's run with the
+    same thread settings (float32 reductions depend on the number of threads)."""
     import subprocess
     import sys
 
@@ -253,13 +253,9 @@ def test_torchrun_with_two_processes_matches_one_process(checkpoint, data, tmp_p
     single, double = tmp_path / "one.json", tmp_path / "two.json"
     one_process = [sys.executable, "-m", "geoopt_quotient", *argv, "--json", str(single)]
     subprocess.run(one_process, check=True, env=env, timeout=300)  # same threads as workers
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+    # --standalone: torchrun's own rendezvous on a port the system assigns, none probed
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc_per_node", "2"]
     torchrun += ["-m", "geoopt_quotient"]
     subprocess.run([*torchrun, *argv, "--json", str(double)], check=True, env=env, timeout=300)
     one, two = json.loads(single.read_text()), json.loads(double.read_text())
@@ -271,3 +267,15 @@ def test_torchrun_with_two_processes_matches_one_process(checkpoint, data, tmp_p
         assert two["results"][name]["value"] == pytest.approx(
             one["results"][name]["value"], rel=1e-10
         )
+
+
+def test_each_process_needs_a_batch():
+    """Under torchrun every process measures its share of the batches (every world-th);
+    fewer batches than processes stop every process with a data error, before any
+    communication; one process measures all batches without a process group."""
+    from geoopt_quotient.experiments.classifiers import InputError
+
+    batches = ["b0", "b1"]
+    assert sharpness_cli._share(batches, 0, 1) == (batches, None)
+    with pytest.raises(InputError, match="2 batches for 3 processes"):
+        sharpness_cli._share(batches, 2, 3)

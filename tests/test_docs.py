@@ -21,6 +21,7 @@ PUBLIC_MODULES = (
     "geoopt_quotient.manifolds",
     "geoopt_quotient.symmetry",
     "geoopt_quotient.sharpness",
+    "geoopt_quotient.sharpness.ranks",
     "geoopt_quotient.nn",
     "geoopt_quotient.optim",
     "geoopt_quotient.testing",

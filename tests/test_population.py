@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -372,12 +371,6 @@ def test_population_json_to_stdout_prints_nothing_else(text_population, tmp_path
     assert "mix 0.01" in doc["figure_title"] and "warning: only 3 models" in doc["figure_title"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @slow
 def test_torchrun_shards_models_over_two_processes(quick, tmp_path, single_thread):
     """Both runs single-threaded: float32 sums depend on the thread count."""
@@ -386,8 +379,9 @@ def test_torchrun_shards_models_over_two_processes(quick, tmp_path, single_threa
     argv += ["--data", str(out / "data/train.npz"), "--gaps", str(out / "gaps.csv")]
     assert main([*argv, "--out", str(tmp_path / "one")]) == 0
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    # --standalone: torchrun's own rendezvous on a port the system assigns, none probed
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc_per_node", "2"]
     command = [*torchrun, "-m", "geoopt_quotient", *argv, "--out", str(tmp_path / "two")]
     subprocess.run(command, check=True, env=env, timeout=300)
     one = json.loads((tmp_path / "one/population.json").read_text())

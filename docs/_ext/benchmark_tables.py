@@ -687,6 +687,37 @@ def cpu_ball_memory(results: Results) -> Table:
     )
 
 
+def cpu_sharded_ball_memory(results: Results) -> Table:
+    doc = results.json("cpu/sharded_ball_memory.json").data
+    parts = ("base", "saved", "perturbed", "iterates", "gradients", "index", "total")
+    rows = []
+    for measure in ("adaptive", "inv", "mix"):
+        single = dig(doc, "single_process", measure, "not_kept") or {}
+        rows.append(
+            [f"{measure}, 1 process", *(fmt(single.get(part, 0.0), ".2f", " B") for part in parts)]
+        )
+        for world, by_measure in sorted(
+            (dig(doc, "ranks") or {}).items(), key=lambda kv: int(kv[0])
+        ):
+            top = dig(by_measure, measure, "max_rank_not_kept") or {}
+            rows.append(
+                [f"{measure}, {world} ranks", *(fmt(top.get(part), ".2f", " B") for part in parts)]
+            )
+    model = dig(doc, "model") or NOT_MEASURED
+    return Table(
+        ["measure, processes", *parts],
+        rows,
+        "python benchmarks/bench_sharded_ball_memory.py "
+        "--json benchmarks/results/cpu/sharded_ball_memory.json",
+        [
+            f"Model: {model}, float32, each decoder layer and the root wrapped with "
+            "fully_shard on gloo ranks. Bytes per parameter of the whole model held by the "
+            "worst case's ball on the rank holding the most (best gradient not kept); one "
+            "process holds no saved entries and no index maps of its own."
+        ],
+    )
+
+
 def gpu_flat_ball(results: Results) -> Table:
     measures = ("adaptive", "inv", "mix")
     rows = []
@@ -1044,6 +1075,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-sharpness-iteration": cpu_sharpness_iteration,
     "cpu-memory": cpu_memory,
     "cpu-ball-memory": cpu_ball_memory,
+    "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
     "transformers-seeds": transformers_seeds,

@@ -70,7 +70,8 @@ def start_distributed(device: torch.device) -> Tuple[int, int]:
     """Join the process group when launched by ``torchrun`` with several processes.
 
     Returns ``(rank, world_size)``; ``(0, 1)`` for a plain single process. The backend is
-    nccl on CUDA and gloo on CPU.
+    nccl on CUDA and gloo on CPU; on CUDA each process first makes its own GPU
+    (``LOCAL_RANK``, :func:`local_device`) the current one, which nccl's collectives use.
     """
     import torch.distributed as dist
 
@@ -78,6 +79,9 @@ def start_distributed(device: torch.device) -> Tuple[int, int]:
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
+        if device.type == "cuda":
+            rank = int(os.environ.get("RANK", "0"))
+            torch.cuda.set_device(local_device(device, rank, world))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
 

@@ -278,7 +278,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="skip checking each model's discovered symmetries on its first batch",
     )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cpu, cuda:0; under torchrun, cuda is each process's own GPU "
+        "(LOCAL_RANK)",
+    )
     add_dtype_argument(parser)
     add_threads_argument(parser)
     add_study_arguments(parser, StudySettings())

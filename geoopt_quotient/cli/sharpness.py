@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -92,7 +92,15 @@ examples:
       --rho-adaptive 0.2 --rho-inv 0.05 --rho-mix 0.01 --iters 20 \\
       --batch-size 32 --max-examples 512 --json result.json
   torchrun --nproc_per_node 4 -m geoopt_quotient sharpness --model ./my-bert \\
-      --data dev.jsonl      # batches sharded over 4 processes, same result
+      --data dev.jsonl      # batches over 4 processes, same result
+
+several processes (torchrun --nproc_per_node N): every process loads the model and
+  the data; process r measures the batches r, r + N, r + 2N, ... (its share), the
+  processes exchange their per-batch results, and process 0 prints and writes the
+  result, the value of one process on all batches. With --device cuda each process
+  uses the GPU of its LOCAL_RANK (cuda:0 on process 0, cuda:1 on process 1, ...) and
+  the processes talk over nccl; on CPU, over gloo. A process that fails makes every
+  process stop with an error that names it.
 """
 
 
@@ -160,7 +168,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--text: seed of the draw of blocks into batches (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="maximiser seed (default 0)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cpu, cuda:0; under torchrun, cuda is each process's own GPU "
+        "(LOCAL_RANK)",
+    )
     add_dtype_argument(parser)
     parser.add_argument(
         "--json",
@@ -294,6 +307,22 @@ def _load_causal_lm(args: argparse.Namespace, device: torch.device) -> _Loaded:
     )
 
 
+def _share(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], Any]:
+    """This process's batches (every ``world``-th from ``rank``) and the process group
+    over which the sharpness functions gather the results; all batches and ``None`` for
+    one process."""
+    if world == 1:
+        return batches, None
+    if len(batches) < world:  # every process has all batches: all of them stop here
+        raise InputError(
+            f"{len(batches)} batches for {world} processes: each process needs at least one "
+            "batch (lower --batch-size or the number of processes)"
+        )
+    import torch.distributed as dist
+
+    return batches[rank::world], dist.group.WORLD
+
+
 def _run(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
@@ -330,16 +359,17 @@ def _run(
         print()
     radii = radii_from_args(args, StudySettings())
     common = dict(iters=args.iters, seed=args.seed, progress=False if silent else None)
+    share, common["process_group"] = _share(batches, rank, world)
     results: Dict[str, Any] = {}
     results["adaptive"] = adaptive_sharpness(
-        model, loss_fn, batches, rho=radii["rho_adaptive"], **common
+        model, loss_fn, share, rho=radii["rho_adaptive"], **common
     )
     for metric in metrics:
         symmetries = bound if metric == metrics[0] else None
         results[f"geodesic_{metric}"] = geodesic_sharpness(
             model,
             loss_fn,
-            batches,
+            share,
             rho=radii[f"rho_{metric}"],
             metric=metric,
             symmetries=symmetries,

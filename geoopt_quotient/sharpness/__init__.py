@@ -13,6 +13,7 @@ from .measure import (
     geodesic_sharpness,
 )
 from .path_gap import PathGapWarning
+from .sharded import ShardingError
 from .stats import kendall_tau, kendall_tau_bootstrap
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "NonFiniteError",
     "PathGapWarning",
     "RhoEvaluation",
+    "ShardingError",
     "SharpnessResult",
     "StaleParameterError",
     "ZeroSharpnessWarning",

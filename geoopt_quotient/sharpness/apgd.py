@@ -148,6 +148,9 @@ class _Ball:
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
+        #: Sums a local inner product or Gram matrix over the processes that hold the
+        #: other pieces of the ball (a sharded model's); ``None``: the ball is all here.
+        self.reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def vector_bytes(self) -> int:
         """Memory of one vector of the ball."""
@@ -158,7 +161,10 @@ class _Ball:
         return _joint_buffer(self.points, self.dtypes, zero=True)
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
-        return sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v))
+        return self._reduced(sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v)))
+
+    def _reduced(self, local: torch.Tensor) -> torch.Tensor:
+        return local if self.reduce_sum is None else self.reduce_sum(local)
 
     def norm(self, u: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.inner(u, u).clamp_min(0).sqrt()
@@ -183,7 +189,7 @@ class _Ball:
         per_group = (
             space.gram([u[i] for u in vectors]).to(device) for i, space in enumerate(self.spaces)
         )
-        return torch.stack(list(per_group)).sum(0)
+        return self._reduced(torch.stack(list(per_group)).sum(0))
 
     def riemannian_gradient_(self, egrads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Replace the Euclidean gradients in ``egrads`` by Riemannian ones (horizontal for
@@ -398,6 +404,10 @@ def maximize_in_ball(
         ``objective(points) -> scalar tensor``, with ``points`` the perturbed points;
         differentiable in at least one of them
         (:class:`~geoopt_quotient.sharpness.functional.IndependentLossError` otherwise).
+        An objective with a ``reduce_sum`` method holds one piece of a ball split over
+        processes (:class:`~geoopt_quotient.sharpness.sharded.ShardedBall`): the ball's
+        inner products and Gram matrices are passed through it, to sum them over the
+        pieces.
     rho : float
         Radius :math:`\rho > 0` of the ball, in the joint metric norm :math:`|\xi|_x`.
     iters : int
@@ -526,6 +536,7 @@ def _maximize(
     keep_best_gradient: bool | None = None,
 ) -> BallMaxResult:
     ball, paths = _prepare(groups, rho, path)
+    ball.reduce_sum = getattr(objective, "reduce_sum", None)
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")

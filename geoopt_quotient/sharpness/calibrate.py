@@ -157,11 +157,15 @@ def calibrate_rho(
         Also return every evaluation, in order, as :class:`RhoEvaluation`.
     **options
         Options of the sharpness function: ``iters``, ``seed``, ``eps``,
-        ``distributed``, ``kind`` (only ``"worst"``), and for ``inv``/``mix`` also
-        ``symmetries``, ``path``, ``norm``, ``curvature``. The same options, the same
-        seed included, are used at every evaluation, so the sharpness is a
-        deterministic function of :math:`\rho`. With ``symmetries=None`` the
-        symmetries are discovered once, not at every evaluation.
+        ``distributed``, ``process_group``, ``kind`` (only ``"worst"``), and for
+        ``inv``/``mix`` also ``symmetries``, ``path``, ``norm``, ``curvature``. The same
+        options, the same seed included, are used at every evaluation, so the sharpness
+        is a deterministic function of :math:`\rho`. With ``process_group`` each rank
+        passes its share of the batches (``all_batches[rank::world_size]``, see
+        :func:`geodesic_sharpness`): every evaluation returns the gathered value on every
+        rank, so the search makes the same steps and returns the same radius everywhere.
+        With ``symmetries=None`` the symmetries are discovered once, not at every
+        evaluation.
 
     Returns
     -------

@@ -35,6 +35,8 @@ from .functional import (
 )
 from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
 from .precision import AutocastState
+from .ranks import BatchShare
+from .sharded import refuse_sharded
 
 __all__ = [
     "HessianResult",
@@ -141,6 +143,7 @@ class HessianResult:
 def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast):
     """One pullback per batch, after the same checks as the sharpness functions."""
     check_batches(batches)
+    refuse_sharded(model, "the Riemannian Hessian functions")
     loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
     base = trainable_parameters(model)
@@ -233,6 +236,8 @@ def riemannian_hvp(
     ------
     TypeError
         For a bfloat16/float16 model (second derivatives in that precision are refused).
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When the loss is NaN/Inf.
 
@@ -258,6 +263,7 @@ def hessian_trace(
     probes: int = 10,
     seed: int = 0,
     probe_vectors: Callable[[int, int], Sequence[torch.Tensor]] | None = None,
+    process_group: Any = None,
 ) -> HessianResult:
     r"""Hutchinson estimate of the trace of the (Riemannian or Euclidean) Hessian.
 
@@ -301,6 +307,17 @@ def hessian_trace(
         ``probe_vectors(batch_index, probe_index)`` returns the probe :math:`v_p` instead
         of a random one: one tensor per plan group (Riemannian) or per trainable
         parameter (Euclidean).
+    process_group : ProcessGroup or None
+        Estimate over the ranks of this ``torch.distributed`` process group, each rank
+        passing its share of the batches: of :math:`B` global batches on :math:`W`
+        ranks, rank :math:`r` passes the global batches :math:`r, r + W, \dots`
+        (``all_batches[r::W]``, as :class:`~torch.utils.data.DistributedSampler` with
+        ``shuffle=False`` deals them out; none empty). The probes are those of one
+        process on all batches (every rank draws the other ranks' probes too, and
+        ``probe_vectors`` gets the global batch index), and every rank returns the same
+        result, in global order. A rank that raises makes every other raise
+        :class:`~geoopt_quotient.sharpness.ranks.RankFailedError`. ``None`` (default):
+        no communication.
 
     Returns
     -------
@@ -314,6 +331,8 @@ def hessian_trace(
         For a bfloat16/float16 model.
     ValueError
         For a non-positive ``probes``, no batches, or parameters with NaN/Inf entries.
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When a loss or a Hutchinson sample is NaN/Inf.
 
@@ -351,21 +370,28 @@ def hessian_trace(
     True
     """
     probes = check_positive_int(probes, "probes")
-    per_batch, samples = [], []
+    records: List[Dict[str, Any]] = []
     with _full_precision(model) as autocast:
-        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
+        share = None if process_group is None else BatchShare(batches, process_group)
+        local = batches if share is None else share.local
+        pulls = _pullbacks(model, loss_fn, local, symmetries, metric, riemannian, autocast)
         generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
-        for b, pull in enumerate(pulls):
+
+        def trace_of(b: int, pull: _Pullback) -> None:
             values = []
-            with noting_batch(b):
-                for p in range(probes):
-                    v = probe_vectors(b, p) if probe_vectors else pull.probe(generator)
-                    sample = sum((h * a).sum() for h, a in zip(pull.hvp(v), v))
-                    values.append(_finite(sample, "a Hutchinson sample"))
+            for p in range(probes):
+                v = probe_vectors(b, p) if probe_vectors else pull.probe(generator)
+                sample = sum((h * a).sum() for h, a in zip(pull.hvp(v), v))
+                values.append(_finite(sample, "a Hutchinson sample"))
             values = torch.stack(values).tolist()
-            samples.append(values)
-            per_batch.append(sum(values) / len(values))
-    return HessianResult(sum(per_batch) / len(per_batch), per_batch, samples)
+            records.append(dict(index=b, value=sum(values) / len(values), samples=values))
+
+        def skip(b: int) -> None:  # another rank's batch: its probes are drawn all the same
+            for _ in range(0 if probe_vectors else probes):
+                pulls[0].probe(generator)
+
+        _each_batch(pulls, trace_of, share, skip)
+    return _hessian_result(records, share)
 
 
 def hessian_top_eigenvalue(
@@ -379,6 +405,7 @@ def hessian_top_eigenvalue(
     iters: int = 20,
     seed: int = 0,
     start_vectors: Callable[[int], Sequence[torch.Tensor]] | None = None,
+    process_group: Any = None,
 ) -> HessianResult:
     r"""Largest eigenvalue of the Hessian by Lanczos in the metric (per batch, averaged).
 
@@ -418,6 +445,13 @@ def hessian_top_eigenvalue(
     start_vectors : callable or None
         ``start_vectors(batch_index)`` returns the start vector :math:`v` instead (one
         tensor per plan group, or per trainable parameter when Euclidean).
+    process_group : ProcessGroup or None
+        Each rank passes its share of the batches (``all_batches[rank::world_size]``), as
+        for :func:`hessian_trace`: the statistic is per batch (each batch's top
+        eigenvalue, then their mean), so every rank runs Lanczos on its own batches,
+        from the start vectors of one process (``start_vectors`` gets the global batch
+        index), and every rank returns the same result. ``None`` (default): no
+        communication.
 
     Returns
     -------
@@ -431,6 +465,8 @@ def hessian_top_eigenvalue(
         For a bfloat16/float16 model.
     ValueError
         For a non-positive ``iters``, no batches, or parameters with NaN/Inf entries.
+    ShardingError
+        For a sharded (FSDP2/DTensor) model: no sharded path yet.
     NonFiniteError
         When a loss or a Lanczos coefficient is NaN/Inf.
 
@@ -440,16 +476,48 @@ def hessian_top_eigenvalue(
     :cite:`absil2008optimization`; Boumal (2023) :cite:`boumal2023introduction`.
     """
     iters = check_positive_int(iters, "iters")
-    per_batch, samples = [], []
+    records: List[Dict[str, Any]] = []
     with _full_precision(model) as autocast:
-        pulls = _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast)
+        share = None if process_group is None else BatchShare(batches, process_group)
+        local = batches if share is None else share.local
+        pulls = _pullbacks(model, loss_fn, local, symmetries, metric, riemannian, autocast)
         generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
-        for b, pull in enumerate(pulls):
+
+        def top_of(b: int, pull: _Pullback) -> None:
             v = start_vectors(b) if start_vectors else pull.probe(generator)
-            with noting_batch(b):
-                estimates = _lanczos(pull, v, iters)
-            samples.append(estimates)
-            per_batch.append(estimates[-1])
+            estimates = _lanczos(pull, v, iters)
+            records.append(dict(index=b, value=estimates[-1], samples=estimates))
+
+        def skip(b: int) -> None:  # another rank's batch: its start is drawn all the same
+            if not start_vectors:
+                pulls[0].probe(generator)
+
+        _each_batch(pulls, top_of, share, skip)
+    return _hessian_result(records, share)
+
+
+def _each_batch(
+    pulls: List[_Pullback],
+    measure: Callable[[int, _Pullback], None],
+    share: BatchShare | None,
+    skip: Callable[[int], None],
+) -> None:
+    """``measure(index, pull)`` for every local batch: in order, or in the rounds of
+    ``share`` with global indices (``skip`` for the other ranks' batches)."""
+    if share is not None:
+        share.run(measure, pulls, skip)
+        return
+    for b, pull in enumerate(pulls):
+        with noting_batch(b):
+            measure(b, pull)
+
+
+def _hessian_result(records: List[Dict[str, Any]], share: BatchShare | None) -> HessianResult:
+    """The mean over the batches' records (every rank's, in global order, with ``share``)."""
+    if share is not None:
+        records = share.gather(records)
+    per_batch = [r["value"] for r in records]
+    samples = [r["samples"] for r in records]
     return HessianResult(sum(per_batch) / len(per_batch), per_batch, samples)
 
 

@@ -51,6 +51,8 @@ from .functional import (
 from .layout import BallLayout
 from .path_gap import exact_groups, path_gap, warn_if_path_gap
 from .precision import AutocastState
+from .ranks import BatchShare
+from .sharded import is_sharded, measure_sharded
 
 __all__ = [
     "SharpnessResult",
@@ -224,6 +226,7 @@ def _measure(
     settings: Dict[str, Any],
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
+    process_group: Any = None,
     restarts: int = 0,
 ) -> List[SharpnessResult]:
     """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
@@ -235,9 +238,33 @@ def _measure(
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
+    if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
+        if process_group is not None:
+            raise ValueError(
+                "`process_group` splits the batches over the ranks, but a sharded (FSDP2) "
+                "model needs every rank to pass its rows of every batch: leave "
+                "process_group=None"
+            )
+        if restarts:
+            raise ValueError("`restarts` is not available for a sharded (FSDP2) model yet")
+        return measure_sharded(
+            model,
+            loss_fn,
+            batches,
+            plan,
+            radii=radii,
+            iters=iters,
+            path=path if curvature else "straight",
+            kind=kind,
+            seed=seed,
+            norm=norm,
+            settings=settings,
+            keep_best_gradient=keep_best_gradient,
+        )
     start = time.perf_counter()
     records: List[List[Dict[str, Any]]] = [[] for _ in radii]
-    world, rank = _process_grid(distributed)
+    share = _batch_share(batches, distributed, process_group)
+    world, rank = _process_grid(distributed) if share is None else (share.world, share.rank)
     with preserved_model_state(model):
         base = trainable_parameters(model)
         check_parameters(base)
@@ -267,51 +294,62 @@ def _measure(
             return objective
 
         bar = tqdm(
-            batches,
+            batches if share is None else share.local,
             desc=f"{settings['measure']} sharpness",
             unit="batch",
             disable=not _show_progress(progress) or rank > 0,
             leave=False,
         )
-        for index, batch in enumerate(bar):
-            if index % world != rank:
-                continue
-            with noting_batch(index):
-                outcomes = _measure_batch(
-                    kind,
-                    groups,
-                    objective_for(batch),
-                    radii=radii,
-                    iters=iters,
-                    path=path,
-                    seed=seed + index,
-                    check_dependence=not records[0],
-                    keep_best_gradient=keep_best_gradient,
-                    restarts=restarts,
-                    exact=exact,
-                )
-            for per_radius, (clean_loss, top, history, passes, seconds, gap) in zip(
-                records, outcomes
-            ):
-                per_radius.append(
-                    dict(
-                        index=index,
-                        clean=clean_loss,
-                        top=top,
-                        history=history,
-                        passes=passes,
-                        seconds=seconds,
-                        gap=gap,
-                    )
-                )
+
+        def measure_batch(index: int, batch: Any) -> None:
+            outcomes = _measure_batch(
+                kind,
+                groups,
+                objective_for(batch),
+                radii=radii,
+                iters=iters,
+                path=path,
+                seed=seed + index,
+                check_dependence=not records[0],
+                keep_best_gradient=keep_best_gradient,
+                restarts=restarts,
+                exact=exact,
+            )
+            _record(records, index, outcomes)
+
+        if share is not None:
+            share.run(measure_batch, bar)
+        else:
+            for index, batch in enumerate(bar):
+                if index % world != rank:
+                    continue
+                with noting_batch(index):
+                    measure_batch(index, batch)
     seconds = time.perf_counter() - start
     summary = plan.summary()
+    if share is not None:  # every rank returns the same result
+        seconds = share.maximum(seconds)
+    gather = (lambda r: _gather(r, world)) if share is None else share.gather
     return [
-        _result(
-            _gather(per_radius, world), plan, base, kind, seconds, {**settings, "rho": rho}, summary
-        )
+        _result(gather(per_radius), plan, base, kind, seconds, {**settings, "rho": rho}, summary)
         for rho, per_radius in zip(radii, records)
     ]
+
+
+def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outcome]) -> None:
+    """Append batch ``index``'s outcome at each radius to that radius's records."""
+    for per_radius, (clean_loss, top, history, passes, seconds, gap) in zip(records, outcomes):
+        per_radius.append(
+            dict(
+                index=index,
+                clean=clean_loss,
+                top=top,
+                history=history,
+                passes=passes,
+                seconds=seconds,
+                gap=gap,
+            )
+        )
 
 
 def _result(
@@ -584,6 +622,21 @@ def _process_grid(distributed: bool | None) -> Tuple[int, int]:
     return dist.get_world_size(), dist.get_rank()
 
 
+def _batch_share(
+    batches: Iterable[Any], distributed: bool | None, process_group: Any
+) -> BatchShare | None:
+    """This rank's share of the batches under ``process_group`` (a collective); ``None``
+    without one (the older ``distributed`` mode, or one process)."""
+    if process_group is None:
+        return None
+    if distributed:
+        raise ValueError(
+            "pass either `process_group` (each rank passes its share of the batches) or "
+            "`distributed=True` (every rank passes all batches), not both"
+        )
+    return BatchShare(batches, process_group)
+
+
 def _gather(records: List[Dict[str, Any]], world: int) -> List[Dict[str, Any]]:
     """Every rank's per-batch records, in batch order (the same on every rank)."""
     if world > 1:
@@ -694,6 +747,7 @@ def geodesic_sharpness(
     progress: bool | None = None,
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
+    process_group: Any = None,
     restarts: int = 0,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
@@ -776,16 +830,32 @@ def geodesic_sharpness(
     progress : bool or None
         Show a progress bar (default: when stderr is a terminal).
     distributed : bool or None
-        Shard the batches over the ranks of the default ``torch.distributed`` process
-        group (batch ``i`` on rank ``i % world_size``) and gather the per-batch results,
-        so every rank returns the single-process result. ``None``: when a process group
-        is initialised. Every rank must see the same ``batches``.
+        The older mode, where every rank passes all batches: shard them over the ranks
+        of the default ``torch.distributed`` process group (batch ``i`` on rank
+        ``i % world_size``) and gather the per-batch results, so every rank returns the
+        single-process result. ``None``: when a process group is initialised and no
+        ``process_group`` is given. Every rank must see the same ``batches``. ``True``
+        together with ``process_group`` is a ``ValueError``.
     keep_best_gradient : bool or None
         Worst case: keep the best iterate's gradient, so that Auto-PGD's restarts from it
         cost no pass, at the price of one more parameter-sized vector alive throughout.
         ``None``: kept when that vector takes at most 64 MiB
         (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 16M
         float32 parameters). The values are the same either way.
+    process_group : ProcessGroup or None
+        Measure over the ranks of this ``torch.distributed`` process group (e.g.
+        ``torch.distributed.group.WORLD``), each rank passing only its share of the
+        batches: ``batches`` is then this rank's share as
+        :class:`~torch.utils.data.DistributedSampler` with ``shuffle=False`` deals them
+        out. Of :math:`B` global batches on :math:`W` ranks, rank :math:`r` passes the
+        global batches :math:`r, r + W, r + 2W, \dots` (``all_batches[r::W]``); the
+        shares differ in length by one at most and none may be empty. Each batch is
+        seeded by its global index, the per-batch records are gathered in global order,
+        and every rank returns the same result: the one-process result on all batches
+        (``seconds`` is the slowest rank's). The ranks say after each round of :math:`W`
+        batches whether they failed: a rank that raised re-raises, every other raises
+        :class:`~geoopt_quotient.sharpness.ranks.RankFailedError`; none waits. Every rank
+        passes the same other arguments. ``None`` (default): no communication.
     restarts : int
         Worst case: this many more Auto-PGD searches per batch and radius, each from a
         random point of the ball (a Gaussian horizontal :math:`\xi` in the metric,
@@ -817,10 +887,14 @@ def geodesic_sharpness(
     ValueError
         For a non-positive ``rho`` or ``iters``, an unknown ``metric``, ``path`` or
         ``kind``, no batches, parameters with NaN/Inf entries, or a symmetry group whose
-        base point is not on its manifold (a rank-deficient factor with ``eps=0``).
+        base point is not on its manifold (a rank-deficient factor with ``eps=0``); with
+        ``process_group``, shares that are not those of a strided deal (see there) or an
+        empty share, on every rank, or ``distributed=True`` as well.
     TypeError
         For non-floating-point parameters, or a ``loss_fn`` that does not return a
         scalar tensor.
+    RankFailedError
+        With ``process_group``, on every rank but the one that raised.
     IndependentLossError, StaleParameterError
         When ``loss_fn`` does not depend on the perturbed parameters (see ``loss_fn``).
     NonFiniteError
@@ -924,6 +998,7 @@ def geodesic_sharpness(
             settings=settings,
             distributed=distributed,
             keep_best_gradient=keep_best_gradient,
+            process_group=process_group,
             restarts=restarts,
         ),
     )
@@ -942,6 +1017,7 @@ def adaptive_sharpness(
     progress: bool | None = None,
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
+    process_group: Any = None,
     restarts: int = 0,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
@@ -987,10 +1063,14 @@ def adaptive_sharpness(
     progress : bool or None
         Show a progress bar (default: when stderr is a terminal).
     distributed : bool or None
-        Shard the batches over the ranks of ``torch.distributed``, as for
+        The older mode (every rank passes all batches), as for
         :func:`geodesic_sharpness`.
     keep_best_gradient : bool or None
         As for :func:`geodesic_sharpness`; the values are the same either way.
+    process_group : ProcessGroup or None
+        Each rank passes its share of the batches (``all_batches[rank::world_size]``), as
+        for :func:`geodesic_sharpness`; every rank returns the same result, the
+        one-process result on all batches. ``None`` (default): no communication.
     restarts : int
         Worst case: more Auto-PGD searches from seeded random points of the ball, the
         best kept, as for :func:`geodesic_sharpness` (default 0).
@@ -1067,6 +1147,7 @@ def adaptive_sharpness(
             settings=settings,
             distributed=distributed,
             keep_best_gradient=keep_best_gradient,
+            process_group=process_group,
             restarts=restarts,
         ),
     )

@@ -1,0 +1,733 @@
+r"""Sharpness of a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Under FSDP2 every trainable parameter is a :class:`~torch.distributed.tensor.DTensor`:
+each rank of a 1-D device mesh holds a block of its rows (placement ``Shard(0)``), and
+the forward pass all-gathers a layer's parameters just before it runs. Each rank passes
+its own rows of every batch, so the global batch is the union of the ranks' rows, and
+the perturbation is one ball per global batch, sharded like the model and never
+gathered whole.
+
+How the loss is evaluated
+    :func:`torch.func.functional_call` cannot swap tensors into an FSDP2 module (its
+    pre-forward hook installs the all-gathered parameters). Instead the perturbed
+    point is written, without autograd, into each sharded parameter's local tensor;
+    ``loss_fn(model, batch)`` runs as in training and is differentiated with
+    ``backward``; FSDP2 reduce-scatters the gradient into the parameters' sharded
+    ``.grad``, averaged over the ranks. With the same number of loss terms on every
+    rank (equal rows per rank, a mean loss) the mean over the ranks of the local losses
+    is the global batch's loss and that gradient is its gradient; the value is the
+    all-reduced mean of the local losses. The caller's ``.grad`` are set aside for the
+    call (the passes' gradients would add to them); after each pass every FSDP2 module
+    is resharded and the ``.grad`` are reset to ``None``; on exit the local tensors get
+    back their values, copied from the ball's base point and from the few entries the
+    rank sent away, so the parameters are bitwise unchanged, and the ``.grad`` are the
+    caller's again. A rank whose ``loss_fn`` raises leaves the others waiting in FSDP2's
+    collectives until the process group's timeout.
+
+Where the ball lives
+    The ball's geometry needs every block of a symmetry group (a head's
+    :math:`G, H` pair) on one rank: its :math:`h \times h` Gram matrices, their
+    inverses, the horizontal projection and the retraction are per-head algebra. FSDP2's
+    default placement keeps whole heads of :math:`W_Q, W_K, W_V` on one rank when the
+    number of heads is a multiple of the world size, but splits every head's columns
+    of :math:`W_O` by its rows. Rather than reducing partial Grams over the mesh inside
+    every operation of the geometry (a collective in each projection, retraction and
+    pullback), each head is *owned* by the rank holding most of its entries, and the
+    ball's copy of it lives there, whole: an all-to-all exchange
+    (:class:`_Exchange`) moves the few entries held elsewhere (a :math:`W_O` head's
+    other rows) to the owner when gradients arrive, and the perturbed entries back to
+    their shards before each pass. The geometry then runs unchanged and exactly on
+    each rank's heads (the same arithmetic as in one process); so does the adaptive
+    metric on the entries each rank holds. Every norm, inner product and Gram matrix of
+    the ball is a sum over disjoint pieces, so the only other collective is one
+    all-reduce of the :math:`k \times k` Gram matrix (and of a norm where Auto-PGD
+    needs one), through the ball's reduction hook. Any ``Shard(0)`` split works
+    (uneven ones, heads split over ranks); other placements are refused
+    (:class:`ShardingError`).
+
+Memory
+    Per rank, the ball holds its pieces (base point, perturbed point, Auto-PGD's three
+    iterates and one or two gradients), the entries it sent away and the exchange's
+    index maps:
+    :meth:`ShardedBall.bytes_per_parameter` reports them per parameter of the whole
+    model. With :math:`R` ranks and balanced heads that is about :math:`1/R` of one
+    process's ball (:meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`),
+    plus the index maps of the symmetric groups' entries (two int32 per entry).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from ..manifolds import AdaptiveEuclidean
+from ..manifolds._linalg import compute_dtype
+from ..symmetry.plan import BoundPlan, SymmetryGroup, _WholeParameter
+from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, _explicit_path, as_scalar
+from .functional import check_depends_on_perturbation, noting_batch
+
+__all__ = ["ShardedBall", "ShardingError", "is_sharded"]
+
+#: How to shard a model so that :func:`~geoopt_quotient.geodesic_sharpness` can measure it.
+HOW_TO_SHARD = (
+    "shard every parameter by rows on a 1-D device mesh, FSDP2's default: "
+    "fully_shard(module, mesh=init_device_mesh(device_type, (world_size,))) without a "
+    "shard_placement_fn, or with shard_placement_fn=lambda param: Shard(0)"
+)
+
+
+class ShardingError(ValueError):
+    """A sharded model (DTensor parameters) that a function cannot measure: a placement
+    other than FSDP2's default, or a function without a sharded path (the message says
+    what to do)."""
+
+
+def refuse_sharded(model: torch.nn.Module, what: str) -> None:
+    """Raise :class:`ShardingError` if ``model`` is sharded: ``what`` has no sharded path."""
+    if is_sharded(model):
+        raise ShardingError(
+            f"{what} cannot measure a sharded (FSDP2/DTensor) model yet; measure an "
+            "unsharded copy, or use geodesic_sharpness or adaptive_sharpness, which can"
+        )
+
+
+def _dtensor_type():
+    """The DTensor class if its module is loaded (no parameter is one otherwise), or None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else getattr(module, "DTensor", None)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any trainable parameter of ``model`` is a DTensor (FSDP2, tensor parallel)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(
+        isinstance(p, dtensor) for p in model.parameters() if p.requires_grad
+    )
+
+
+def fsdp_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The FSDP2 modules in ``model`` (those ``fully_shard`` wrapped)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@dataclass
+class _Shard:
+    """One parameter's rows over the ranks: rank ``r`` holds rows
+    ``[min(r c, R), min((r + 1) c, R))``, :math:`c = \\lceil R / W \\rceil` (FSDP2's
+    ``torch.chunk`` split)."""
+
+    name: str
+    param: torch.Tensor  # the sharded DTensor parameter
+    local: torch.Tensor  # its local tensor (a view: writing it writes the shard)
+    rows: int
+    row_size: int
+    chunk: int
+
+    def local_numel(self, rank: int) -> int:
+        start = min(rank * self.chunk, self.rows)
+        stop = min((rank + 1) * self.chunk, self.rows)
+        return (stop - start) * self.row_size
+
+
+def _shards(model: torch.nn.Module, names: Sequence[str]) -> Tuple[List[_Shard], Any]:
+    """The sharded parameters ``names`` of ``model`` (checked) and their process group."""
+    from torch.distributed.tensor import Shard
+
+    dtensor = _dtensor_type()
+    params = dict(model.named_parameters())
+    shards, mesh = [], None
+    for name in names:
+        p = params[name]
+        if not isinstance(p, dtensor):
+            raise ShardingError(
+                f"parameter {name!r} is not sharded while others are DTensors: sharpness of a "
+                f"sharded model needs every trainable parameter sharded; {HOW_TO_SHARD}"
+            )
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ShardingError(
+                f"parameter {name!r} is placed as {tuple(p.placements)} on a mesh of shape "
+                f"{tuple(p.device_mesh.shape)}; sharpness supports one placement, Shard(0) on "
+                f"a 1-D mesh: {HOW_TO_SHARD}"
+            )
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise ShardingError(f"parameter {name!r} is on another device mesh; {HOW_TO_SHARD}")
+        local = p.to_local()
+        rows = p.shape[0] if p.dim() else 1
+        world = mesh.size()
+        shards.append(_Shard(name, p, local, rows, p.numel() // max(rows, 1), -(-rows // world)))
+    _check_row_blocks(shards, mesh)
+    return shards, mesh.get_group()
+
+
+def _check_row_blocks(shards: List[_Shard], mesh) -> None:
+    """Every local shard is the contiguous row block of :class:`_Shard`, on every rank
+    (agreed with one all-reduce, so that all ranks raise or none)."""
+    import torch.distributed as dist
+
+    rank = mesh.get_local_rank()
+    wrong = [
+        s.name
+        for s in shards
+        if s.local.numel() != s.local_numel(rank) or not s.local.is_contiguous()
+    ]
+    flag = torch.tensor([float(bool(wrong))], device=shards[0].local.device)
+    dist.all_reduce(flag, group=mesh.get_group())
+    if float(flag) > 0:
+        where = f"parameter {wrong[0]!r} here" if wrong else "a parameter on another rank"
+        raise ShardingError(
+            f"{where}: a local shard is not the row block FSDP2 gives by default; {HOW_TO_SHARD}"
+        )
+
+
+class _Exchange:
+    """Entries between the model's local shards and the ball's pieces on every rank.
+
+    The model side is the concatenation of the local shards (in the plan's parameter
+    order), the ball side that of the rank's pieces. Whole parameters are copied as
+    ranges; other entries held and owned by the same rank with one index (int32 where
+    it fits); the rest go through one ``all_to_all_single``, in an order both sides
+    derive from the plan (group, then entry of its point).
+    """
+
+    def __init__(self, group, world: int, rank: int):
+        self.group, self.world, self.rank = group, world, rank
+        self.ranges: List[Tuple[int, int, int]] = []  # (model start, ball start, size)
+        self.local_model: List[torch.Tensor] = []
+        self.local_ball: List[torch.Tensor] = []
+        self.send: List[List[torch.Tensor]] = [[] for _ in range(world)]
+        self.recv: List[List[torch.Tensor]] = [[] for _ in range(world)]
+
+    def finish(self, device: torch.device) -> None:
+        """Join the per-group maps, on the parameters' ``device``."""
+
+        def join(parts: List[torch.Tensor]) -> torch.Tensor:
+            out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+            small = out.numel() == 0 or int(out.max()) < 2**31
+            return out.to(device=device, dtype=torch.int32 if small else torch.long)
+
+        self.local_model_index = join(self.local_model)
+        self.local_ball_index = join(self.local_ball)
+        self.send_sizes = [int(sum(t.numel() for t in s)) for s in self.send]
+        self.recv_sizes = [int(sum(t.numel() for t in r)) for r in self.recv]
+        self.send_index = join([t for s in self.send for t in s])  # by peer, in order
+        self.recv_index = join([t for r in self.recv for t in r])
+        del self.local_model, self.local_ball, self.send, self.recv
+
+    def index_bytes(self) -> int:
+        maps = (self.local_model_index, self.local_ball_index, self.send_index, self.recv_index)
+        return sum(t.numel() * t.element_size() for t in maps)
+
+    def _copy_ranges(self, source: torch.Tensor, out: torch.Tensor, to_ball: bool) -> None:
+        if not self.ranges:
+            return
+        pairs = [
+            (out[b : b + n], source[m : m + n]) if to_ball else (out[m : m + n], source[b : b + n])
+            for m, b, n in self.ranges
+        ]
+        torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
+
+    def _all_to_all(self, outgoing: torch.Tensor, sizes_out, sizes_in) -> torch.Tensor:
+        import torch.distributed as dist
+
+        incoming = outgoing.new_empty(sum(sizes_in))
+        if self.world > 1:
+            dist.all_to_all_single(incoming, outgoing, sizes_in, sizes_out, group=self.group)
+        return incoming
+
+    def outgoing(self, model_flat: torch.Tensor) -> torch.Tensor:
+        """The entries of ``model_flat`` this rank holds for other ranks' pieces."""
+        return model_flat[self.send_index.long()]
+
+    def to_ball(self, model_flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The model's entries (``model_flat``) written into the ball's layout ``out``."""
+        self._copy_ranges(model_flat, out, to_ball=True)
+        local = model_flat[self.local_model_index.long()]
+        out.index_copy_(0, self.local_ball_index.long(), local)
+        outgoing = self.outgoing(model_flat)
+        incoming = self._all_to_all(outgoing, self.send_sizes, self.recv_sizes)
+        out.index_copy_(0, self.recv_index.long(), incoming)
+        return out
+
+    def to_model(
+        self, ball_flat: torch.Tensor, out: torch.Tensor, held: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ball's entries (``ball_flat``) written into the model's layout ``out``;
+        ``held``: the entries other ranks own, given (no communication) instead of
+        received from them."""
+        self._copy_ranges(ball_flat, out, to_ball=False)
+        local = ball_flat[self.local_ball_index.long()]
+        out.index_copy_(0, self.local_model_index.long(), local)
+        if held is None:
+            outgoing = ball_flat[self.recv_index.long()]
+            held = self._all_to_all(outgoing, self.recv_sizes, self.send_sizes)
+        out.index_copy_(0, self.send_index.long(), held)
+        return out
+
+
+@dataclass
+class _Piece:
+    """This rank's part of one plan group: where it sits in the ball's flat buffer."""
+
+    group: SymmetryGroup
+    start: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.start + self.numel].view(self.shape)
+
+
+class ShardedBall:
+    """The ball of one sharded model on this rank, and the loss evaluated at its points.
+
+    Built once per sharpness call from the plan bound to the FSDP2 model (discovered
+    on its logical shapes). :attr:`groups` are this rank's ball groups (its heads of
+    each symmetry group, its entries of the adaptive rest); :meth:`objective` gives,
+    for one batch (this rank's rows of it), the objective Auto-PGD evaluates through
+    :meth:`evaluate_ball`, whose ``reduce_sum`` hook all-reduces the ball's inner
+    products and Gram matrices.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The FSDP2 model (every trainable parameter a ``Shard(0)`` DTensor on one 1-D mesh).
+    plan : BoundPlan
+        The symmetry plan bound to it.
+    loss_fn : callable
+        ``loss_fn(model, batch) -> scalar tensor``, the mean loss of this rank's rows.
+    make_groups : callable
+        ``make_groups(groups, points) -> list of BallGroup``: the ball groups of plan
+        groups at their (local) points, as one process would make them.
+
+    Raises
+    ------
+    ShardingError
+        For a placement other than FSDP2's default ``Shard(0)`` on a 1-D mesh (the
+        message says how to shard), or parameters of several dtypes or devices.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: BoundPlan, loss_fn: Callable, make_groups):
+        import torch.distributed as dist
+
+        self.model, self.loss_fn = model, loss_fn
+        _reshard(model)
+        self.shards, self.process_group = _shards(model, plan.param_names)
+        self.world = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        dtypes = {(s.local.dtype, s.local.device) for s in self.shards}
+        if len(dtypes) != 1:
+            raise ShardingError(
+                "sharpness of a sharded model needs one dtype and device for its trainable "
+                f"parameters, got {sorted(map(str, dtypes))}"
+            )
+        ((self.dtype, self.device),) = dtypes
+        self.parameters = sum(s.param.numel() for s in self.shards)
+        # the passes' gradients must not add to the caller's: set aside, given back on exit
+        self.caller_grads = [s.param.grad for s in self.shards]
+        for s in self.shards:
+            s.param.grad = None
+        self.pieces, self.exchange = self._layout(plan)
+        self.base = self._ball_flat()
+        model_flat = self._model_flat()
+        self.exchange.to_ball(model_flat, self.base)
+        # with the base point, what restores the model bitwise: the entries it sent away
+        self.saved = self.exchange.outgoing(model_flat)
+        self.model_size = model_flat.numel()
+        del model_flat
+        pieces = [p for p in self.pieces if p.numel]
+        ball_groups = make_groups([p.group for p in pieces], [p.of(self.base) for p in pieces])
+        self.groups, self._parts = _fuse(ball_groups, pieces, self.base)
+        self._perturbed: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ layout
+    def _model_flat(self) -> torch.Tensor:
+        return torch.cat([s.local.reshape(-1) for s in self.shards])
+
+    def _ball_flat(self) -> torch.Tensor:
+        return torch.empty(self.ball_size, dtype=self.dtype, device=self.device)
+
+    def _layout(self, plan: BoundPlan) -> Tuple[List[_Piece], _Exchange]:
+        """This rank's piece of each group, and the exchange of their entries."""
+        world, rank = self.world, self.rank
+        position = {s.name: i for i, s in enumerate(self.shards)}
+        sizes = torch.tensor(
+            [[s.local_numel(r) for s in self.shards] for r in range(world)], dtype=torch.long
+        )
+        offsets = torch.cumsum(sizes, 1) - sizes  # (world, params): local offsets
+        exchange = _Exchange(self.process_group, world, rank)
+        pieces, start = [], 0
+        ordered = sorted(plan.groups, key=lambda g: g.kind == "adaptive")  # symmetric first
+        for group in ordered:
+            if isinstance(group, _WholeParameter):
+                shard = self.shards[position[group.param_names[0]]]
+                numel = shard.local_numel(rank)
+                model_start = int(offsets[rank, position[shard.name]])
+                exchange.ranges.append((model_start, start, numel))
+                pieces.append(_Piece(group, start, torch.Size([numel])))
+                start += numel
+                continue
+            source, model_pos = self._sources(group, position, offsets)
+            if group.kind == "adaptive":  # element-wise: each entry stays where it is
+                mine = (source == rank).nonzero().reshape(-1)
+                exchange.local_model.append(model_pos[mine])
+                exchange.local_ball.append(torch.arange(start, start + mine.numel()))
+                pieces.append(_Piece(group, start, torch.Size([mine.numel()])))
+                start += mine.numel()
+                continue
+            piece = self._blocks(group, source, model_pos, start, exchange)
+            pieces.append(piece)
+            start += piece.numel
+        self.ball_size = start
+        exchange.finish(self.device)
+        return pieces, exchange
+
+    def _sources(self, group: SymmetryGroup, position, offsets) -> Tuple[torch.Tensor, ...]:
+        """For every entry of ``group``'s point (flattened): the rank holding it and its
+        position in that rank's concatenated local shards."""
+        index = group.index.reshape(-1).long()
+        shards = [self.shards[position[n]] for n in group.param_names]
+        numels = torch.tensor([s.rows * s.row_size for s in shards])
+        ends = torch.cumsum(numels, 0)
+        which = torch.searchsorted(ends, index, right=True)
+        within = index - (ends - numels)[which]
+        row_size = torch.tensor([s.row_size for s in shards])[which]
+        chunk = torch.tensor([s.chunk for s in shards])[which]
+        source = torch.div(within // row_size, chunk, rounding_mode="floor")
+        params = torch.tensor([position[s.name] for s in shards])[which]
+        model_pos = offsets[source, params] + within - source * chunk * row_size
+        return source, model_pos
+
+    def _blocks(self, group, source, model_pos, start: int, exchange: _Exchange) -> _Piece:
+        """This rank's whole blocks (heads) of a symmetry group; each block is owned by
+        the rank holding most of its entries (the lowest such rank on a tie)."""
+        world, rank = self.world, self.rank
+        block_shape = group.shape[-group.manifold.ndim :] if group.manifold.ndim else ()
+        block = math.prod(block_shape)
+        source = source.view(-1, block)
+        model_pos = model_pos.view(-1, block)
+        counts = torch.stack([(source == r).sum(1) for r in range(world)], 1)
+        owner = counts.argmax(1)  # the first maximum
+        slot = torch.zeros_like(owner)  # the block's place among its owner's blocks
+        for r in range(world):
+            mask = owner == r
+            slot[mask] = torch.arange(int(mask.sum()))
+        ball_pos = slot[:, None] * block + torch.arange(block)  # in the owner's piece
+        for peer in range(world):
+            if peer == rank:
+                continue
+            outgoing = (source == rank) & (owner == peer)[:, None]
+            exchange.send[peer].append(model_pos[outgoing])
+            incoming = (source == peer) & (owner == rank)[:, None]
+            exchange.recv[peer].append(start + ball_pos[incoming])
+        local = (source == rank) & (owner == rank)[:, None]
+        exchange.local_model.append(model_pos[local])
+        exchange.local_ball.append(start + ball_pos[local])
+        return _Piece(group, start, torch.Size([int((owner == rank).sum()), *block_shape]))
+
+    # ------------------------------------------------------------------ reductions
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the ranks (a new tensor, the same on every rank)."""
+        import torch.distributed as dist
+
+        total = value.detach().clone()
+        dist.all_reduce(total, group=self.process_group)
+        return total
+
+    def keep_best_gradient(self, keep: bool | None) -> bool:
+        """``keep_best_gradient`` resolved from the whole ball's size, alike on every rank."""
+        if keep is not None:
+            return bool(keep)
+        size = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+        total = self.reduce_sum(torch.tensor(float(size), device=self.device))
+        return bool(total <= KEEP_GRADIENT_MAX_BYTES)
+
+    def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
+        """This rank's ball memory per parameter of the whole model, by part.
+
+        ``base``: the ball's base point (a copy of the rank's entries, its heads whole);
+        ``saved``: the rank's entries of other ranks' heads (with the base point they
+        restore the model's shards, with no communication); ``perturbed``: the
+        perturbed point; ``iterates``: Auto-PGD's current, previous and best
+        perturbation; ``gradients``: the current gradient, and the best iterate's if
+        kept; ``index``: the maps of the exchange; ``total``: their sum. Comparable with
+        :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter` of one
+        process, which holds no ``saved`` entries and no ``index`` part (its index maps
+        belong to the plan).
+        """
+        vector = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+        item = self.base.element_size()
+        parts = {
+            "base": self.base.numel() * item,
+            "saved": self.saved.numel() * item,
+            "perturbed": self.ball_size * item,
+            "iterates": 3 * vector,
+            "gradients": (2 if keep_best_gradient else 1) * vector,
+            "index": self.exchange.index_bytes(),
+        }
+        parts["total"] = sum(parts.values())
+        return {part: size / self.parameters for part, size in parts.items()}
+
+    def nonzero_parameters(self) -> Dict[str, torch.Tensor]:
+        """Per parameter, a 0-d tensor: whether any of its entries (on any rank) is not 0."""
+        local = torch.stack([s.local.any() for s in self.shards]).to(torch.float64)
+        nonzero = self.reduce_sum(local) > 0
+        return {s.name: flag for s, flag in zip(self.shards, nonzero)}
+
+    # ------------------------------------------------------------------ evaluation
+    def restore(self) -> None:
+        """The model's local shards back to their saved values, and their ``.grad``
+        back to what they were."""
+        _reshard(self.model)
+        self._write_model(self.exchange.to_model(self.base, self._model_buffer(), self.saved))
+        for s, grad in zip(self.shards, self.caller_grads):
+            s.param.grad = grad
+
+    def objective(self, batch: Any) -> _ShardedObjective:
+        """The objective of :func:`~geoopt_quotient.maximize_in_ball` on this rank's
+        rows ``batch`` of one global batch."""
+        return _ShardedObjective(self, batch)
+
+    def perturbed_buffer(self) -> torch.Tensor:
+        if self._perturbed is None:
+            self._perturbed = self._ball_flat()
+        return self._perturbed
+
+    def write(self, ball_flat: torch.Tensor) -> None:
+        """Write the ball's point ``ball_flat`` into the model's local shards."""
+        _reshard(self.model)
+        self._write_model(self.exchange.to_model(ball_flat, self._model_buffer()))
+
+    def _model_buffer(self) -> torch.Tensor:
+        return torch.empty(self.model_size, dtype=self.dtype, device=self.device)
+
+    def _write_model(self, model_flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            views = model_flat.split([s.local.numel() for s in self.shards])
+            torch._foreach_copy_([s.local.view(-1) for s in self.shards], list(views))
+
+    def loss(self, batch: Any, grad: bool, autocast) -> Tuple[torch.Tensor, torch.Tensor | None]:
+        """The global batch's loss (mean over the ranks) at the written point, and with
+        ``grad`` its gradient in the ball's layout."""
+        try:
+            with torch.enable_grad() if grad else torch.no_grad():
+                with autocast.restored():
+                    value = as_scalar(self.loss_fn(self.model, batch))
+                if grad:
+                    check_depends_on_perturbation(value, grads_found=True)
+                    value.backward()
+            flat = None
+            if grad:
+                grads = [s.param.grad for s in self.shards]
+                check_depends_on_perturbation(value, any(g is not None for g in grads))
+                flat = torch.cat(
+                    [
+                        torch.zeros_like(s.local).reshape(-1)
+                        if g is None
+                        else g.to_local().reshape(-1).to(self.dtype)
+                        for s, g in zip(self.shards, grads)
+                    ]
+                )
+        finally:
+            _reshard(self.model)
+            for s in self.shards:
+                s.param.grad = None
+        mean = self.reduce_sum(value.detach().reshape(()).to(torch.float64)) / self.world
+        if flat is None:
+            return mean, None
+        return mean, self.exchange.to_ball(flat, self._ball_flat())
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 module back to its sharded parameters (an evaluation without
+    backward leaves the root's all-gathered ones registered)."""
+    for module in fsdp_modules(model):
+        module.reshard()
+
+
+def _fuse(
+    groups: List[BallGroup], pieces: List[_Piece], base: torch.Tensor
+) -> Tuple[List[BallGroup], List]:
+    """The element-wise adaptive groups of one ``eps``, adjacent at the end of the ball's
+    buffer, as one ball group each (fewer, larger operations); ``parts``: per ball group,
+    the pieces' span ``(start, shape)`` in the ball's buffer."""
+    out: List[BallGroup] = []
+    parts: List[Tuple[int, torch.Size]] = []
+    for group, piece in zip(groups, pieces):
+        m = group.manifold
+        fusible = type(m) is AdaptiveEuclidean and m.ndim == 0 and group.path is None
+        if fusible and out and parts[-1][2] == m.eps:
+            start, _, eps = parts[-1]
+            size = piece.start + piece.numel - start
+            out[-1] = BallGroup(base[start : start + size], AdaptiveEuclidean(eps=eps))
+            parts[-1] = (start, torch.Size([size]), eps)
+            continue
+        out.append(group)
+        parts.append((piece.start, piece.shape, m.eps if fusible else None))
+    return out, [(start, shape) for start, shape, _ in parts]
+
+
+class _ShardedObjective:
+    """One global batch's objective on a :class:`ShardedBall` (this rank's rows)."""
+
+    def __init__(self, ball: ShardedBall, batch: Any):
+        self.ball, self.batch = ball, batch
+        self.reduce_sum = ball.reduce_sum
+
+    def __call__(self, points: List[torch.Tensor]) -> torch.Tensor:
+        from .precision import AutocastState
+
+        flat = self.ball.perturbed_buffer()
+        for point, (start, shape) in zip(points, self.ball._parts):
+            flat[start : start + math.prod(shape)].view(shape).copy_(point.detach())
+        self.ball.write(flat)
+        return self.ball.loss(self.batch, False, AutocastState.capture())[0]
+
+    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast):
+        """The loss at the perturbed points and its gradient with respect to ``xi``, as
+        :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it."""
+        owner = self.ball
+        flat = owner.perturbed_buffer()
+        pullbacks, traced = [], {}
+        for index, (path, x, v, (start, shape)) in enumerate(
+            zip(paths, ball.points, xi, owner._parts)
+        ):
+            view = flat[start : start + math.prod(shape)].view(shape)
+            point, pullback = _explicit_path(path, x, v, lambda view=view: view)
+            if point is None:
+                leaf = v.detach().requires_grad_(grad)
+                with torch.enable_grad() if grad else torch.no_grad():
+                    point = path(x, leaf).to(x.dtype)
+                traced[index] = (leaf, point)
+                with torch.no_grad():
+                    view.copy_(point)
+            pullbacks.append(pullback)
+        owner.write(flat)
+        value, flat_grad = owner.loss(self.batch, grad, autocast)
+        if not grad:
+            return value, None
+        grads = [
+            flat_grad[start : start + math.prod(shape)].view(shape) for start, shape in owner._parts
+        ]
+        for index, (leaf, point) in traced.items():
+            (grads[index],) = torch.autograd.grad(point, leaf, grads[index])
+        grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
+        return value, grads
+
+
+def sharded_ball(
+    model: torch.nn.Module,
+    plan: BoundPlan,
+    loss_fn: Callable | None,
+    *,
+    path: str = "second_order",
+    norm: bool = True,
+) -> ShardedBall:
+    """The :class:`ShardedBall` of ``model`` with the ball groups
+    :func:`~geoopt_quotient.geodesic_sharpness` makes (``path``, ``norm`` as there)."""
+    from .measure import _ball_groups
+
+    def make_groups(groups, points):
+        return _ball_groups(SimpleNamespace(groups=groups), points, path, norm)
+
+    return ShardedBall(model, plan, loss_fn, make_groups)
+
+
+def measure_sharded(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batches: Any,
+    plan: BoundPlan,
+    *,
+    radii: Sequence[float],
+    iters: int,
+    path: str,
+    kind: str,
+    seed: int,
+    norm: bool,
+    settings: Dict[str, Any],
+    keep_best_gradient: bool | None,
+) -> List[Any]:
+    """:func:`~geoopt_quotient.sharpness.measure._measure` for an FSDP2 model: every rank
+    passes its rows of every batch; one result per radius, the same on every rank."""
+    from .._model_state import preserved_model_state
+    from . import measure
+
+    if kind != "worst":
+        raise ValueError(
+            "kind='average' is not supported for a sharded (FSDP2) model: its samples would "
+            "need one generator stream per piece of the ball; use kind='worst'"
+        )
+    start = time.perf_counter()
+    records: List[List[Dict[str, Any]]] = [[] for _ in radii]
+    with preserved_model_state(model):
+        ball = sharded_ball(model, plan, loss_fn, path=path, norm=norm)
+        try:
+            _check_sharded_points(ball)
+            keep = ball.keep_best_gradient(keep_best_gradient)
+            for index, batch in enumerate(batches):
+                with noting_batch(index):
+                    outcomes = measure._measure_batch(
+                        kind,
+                        ball.groups,
+                        ball.objective(batch),
+                        radii=radii,
+                        iters=iters,
+                        path=path,
+                        seed=seed + index,
+                        check_dependence=not records[0],
+                        keep_best_gradient=keep,
+                    )
+                measure._record(records, index, outcomes)
+            nonzero = ball.nonzero_parameters()
+        finally:
+            ball.restore()
+    seconds = time.perf_counter() - start
+    summary = plan.summary()
+    return [
+        measure._result(per_radius, plan, nonzero, kind, seconds, {**settings, "rho": rho}, summary)
+        for rho, per_radius in zip(radii, records)
+    ]
+
+
+def _check_sharded_points(ball: ShardedBall) -> None:
+    """Finite parameters and symmetric base points on their manifolds, on every rank:
+    one all-reduce of the failures, so that every rank raises or none."""
+    from .measure import check_points
+
+    finite = bool(torch.isfinite(ball.base).all())
+    error = None
+    if finite:
+        pieces = [p for p in ball.pieces if p.numel]
+        try:
+            check_points(
+                SimpleNamespace(groups=[p.group for p in pieces]), [p.of(ball.base) for p in pieces]
+            )
+        except ValueError as caught:
+            error = caught
+    flags = torch.tensor([float(not finite), float(error is not None)], device=ball.device)
+    not_finite, off_manifold = ball.reduce_sum(flags).tolist()
+    if not_finite:
+        raise ValueError(
+            "the model has NaN/Inf parameter entries: sharpness is undefined; check the "
+            "checkpoint or the training run that produced it"
+        )
+    if error is not None:
+        raise error
+    if off_manifold:
+        raise ValueError(
+            "a symmetry group's base point is not on its manifold (a rank-deficient factor) "
+            "on another rank, whose error says which; pass eps > 0 (e.g. eps=1e-6)"
+        )
