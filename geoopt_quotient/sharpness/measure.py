@@ -98,7 +98,8 @@ class SharpnessResult:
         The symmetry plan's summary table
         (:meth:`~geoopt_quotient.symmetry.BoundPlan.summary`).
     path_gaps : list of float or None
-        Worst case on ``path="second_order"`` only (else ``None``): per batch, the
+        Worst case on ``path="second_order"`` only (else ``None``, and for an
+        FSDP2-sharded model, which has no such report yet): per batch, the
         relative gap between the path's point and the exact geodesic's at the maximiser
         :math:`\xi^*`,
         :math:`|R_w(\xi^*) - \operatorname{Exp}_w(\xi^*)|_w / |\xi^*|_w` in the metric at
@@ -863,7 +864,8 @@ def geodesic_sharpness(
         has very few dimensions), seeded from ``seed`` and the batch index, so the
         result is deterministic. The best of all searches is kept: the value is at least
         that of ``restarts=0`` with the same ``seed``, whose search from
-        :math:`\xi = 0` is among them. Default 0.
+        :math:`\xi = 0` is among them. Default 0; not available for an FSDP2-sharded
+        model.
 
     Returns
     -------
