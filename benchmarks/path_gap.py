@@ -42,7 +42,7 @@ from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.path_gap import PATH_GAP_TOLERANCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import conftest  # the tests' tiny models, built the same way
+from test_radius_grid import bert_case, llama_case  # the tests' tiny models and batches
 
 METRICS = ("inv", "mix")
 SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
@@ -51,31 +51,6 @@ SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 PRETRAINED_SCALES = (0.25, 1.0, 4.0)
 PRETRAINED_ITERS = 3
 Model = Tuple[torch.nn.Module, Callable[[Any, Any], torch.Tensor], List[Any]]
-
-
-def tiny_bert() -> Model:
-    """The tests' tiny float64 BERT classifier (``tests/conftest.py``), two random batches."""
-    model = conftest.tiny_bert_classifier()
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 30, (2, 3, 6), generator=g)
-    labels = torch.randint(0, 3, (2, 3), generator=g)
-
-    def loss_fn(model, batch):
-        ids, y = batch
-        return model(input_ids=ids, labels=y).loss
-
-    return model, loss_fn, list(zip(tokens, labels))
-
-
-def tiny_llama() -> Model:
-    """The tests' tiny float64 Llama (``tests/conftest.py``), two random batches."""
-    model = conftest.tiny_llama_causal_lm().eval()
-    ids = torch.randint(0, 50, (2, 2, 6), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(model, batch):
-        return model(input_ids=batch, labels=batch).loss
-
-    return model, loss_fn, list(ids)
 
 
 SENTENCES = [
@@ -167,7 +142,7 @@ def main(argv: List[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     scales = (0.25, 1.0, 4.0) if args.quick else SCALES
     iters = 3 if args.quick else args.iters
-    builders = {"tiny-bert": (tiny_bert, scales, iters), "tiny-llama": (tiny_llama, scales, iters)}
+    builders = {"tiny-bert": (bert_case, scales, iters), "tiny-llama": (llama_case, scales, iters)}
     if not args.no_pretrained:
         few = (0.25, 4.0) if args.quick else PRETRAINED_SCALES
         builders["all-MiniLM-L6-v2"] = (minilm, few, min(iters, PRETRAINED_ITERS))
