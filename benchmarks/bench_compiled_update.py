@@ -35,11 +35,10 @@ from typing import Any, Callable, Dict, List
 
 import torch
 from _timing import interleaved, medians
-from bench_iteration_overhead import bert_setup, vit_setup, write_document
+from bench_iteration_overhead import bert_setup, flat_points, vit_setup, write_document
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
-from geoopt_quotient.sharpness.fusion import fuse_elementwise
 
 
 def gram_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
@@ -63,10 +62,9 @@ def combine_kernel(x, a, b, c, weights, out, perturbed) -> None:
 
 
 def ball_vectors(model: torch.nn.Module):
-    """The ball's points (small tensors fused as in the engine) and three feasible vectors."""
+    """The ball's points (one flat buffer, as in the engine) and three feasible vectors."""
     manifold = gq.AdaptiveEuclidean()
-    groups = [apgd.BallGroup(p.detach(), manifold) for p in model.parameters()]
-    points = [g.point for g in fuse_elementwise(groups).groups]
+    points = flat_points(model)
     ball, _ = apgd._prepare([(p, manifold) for p in points], 0.1, "straight")
     generator = torch.Generator().manual_seed(0)
     xi, grads, xi_prev = (ball.clip(ball.random(generator, 1.0)) for _ in range(3))

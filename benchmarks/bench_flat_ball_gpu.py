@@ -14,10 +14,16 @@ bfloat16 autocast, this measures, for adaptive sharpness and geodesic sharpness 
   against the step's, from one profiled run of ``N`` iterations (``N`` passes).
 
 One JSON is written to the path given, rewritten after every unit (a killed run keeps what
-it had); a summary is printed. About 2 minutes on an H100.
+it had); a summary is printed. A unit (one model in one precision) takes about 1.5 minutes
+on an H100 (BERT-base in both precisions took about 170 s), so a run of at most three units
+stays under 5 minutes: split the four with ``--models`` and ``--dtypes``.
 
-    python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball.json
+    python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball_bert.json \
+        --models bert-base --dtypes float32,bfloat16
+    python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball_vit.json \
+        --models vit-b32 --dtypes float32,bfloat16
     python benchmarks/bench_flat_ball_gpu.py out.json --dry-run   # CPU, tiny models, seconds
+    python benchmarks/bench_flat_ball_gpu.py out.json --device cpu --dry-run --models vit-b32
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import geoopt_quotient as gq
 
 MEASURES = ("adaptive", "inv", "mix")
 PRECISIONS = ("float32", "bf16-autocast")
+#: ``--dtypes`` names: the model's parameters stay float32; bfloat16 is autocast.
+DTYPES = {"float32": "float32", "bfloat16": "bf16-autocast"}
 BATCH = {"bert-base": (32, 2), "vit-b32": (64, 2)}  # full, dry run
 
 
@@ -142,19 +150,42 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     parser.add_argument("--iters", type=int, default=4, help="N (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument(
+        "--models",
+        type=_names(BATCH),
+        default=list(BATCH),
+        help="comma-separated, of " + ", ".join(BATCH),
+    )
+    parser.add_argument(
+        "--dtypes",
+        type=_names(DTYPES),
+        default=None,
+        help="comma-separated, of float32, bfloat16 (autocast); default both on CUDA, "
+        "float32 elsewhere",
+    )
+    parser.add_argument(
+        "--device", default=None, help="default: cuda where available (cpu for --dry-run)"
+    )
     args = parser.parse_args(argv)
-    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    device = args.device or ("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if args.dry_run:
         args.iters, args.repeats = 1, 1
     report: Dict[str, Any] = {
         "benchmark": "flat_ball_gpu",
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "device": (
+            torch.cuda.get_device_name(device)
+            if device.startswith("cuda")
+            else platform.processor()
+        ),
         "torch": torch.__version__,
         "settings": vars(args),
         "units": {},
     }
-    precisions = PRECISIONS if device == "cuda" else ("float32",)
-    for name in BATCH:
+    if args.dtypes is None:
+        precisions = PRECISIONS if device.startswith("cuda") else ("float32",)
+    else:
+        precisions = tuple(DTYPES[d] for d in args.dtypes)
+    for name in args.models:
         for precision in precisions:
             key = f"{name} {precision}"
             try:
@@ -165,6 +196,21 @@ def main(argv=None) -> Dict[str, Any]:
                 json.dump(report, handle, indent=1)
             print(summary_line(key, row), flush=True)
     return report
+
+
+def _names(allowed) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of names from ``allowed``."""
+
+    def parse(text: str) -> list:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown or 'empty list'}; choose from {', '.join(allowed)}"
+            )
+        return names
+
+    return parse
 
 
 def summary_line(key: str, row: Dict[str, Any]) -> str:

@@ -14,7 +14,8 @@ each pair timed interleaved, medians of ``--repeats``:
 - ``geometry``: one call of each fused GL(h) operation of an Auto-PGD evaluation at the
   tiny ViT's base point (retraction, its pullback, the Riemannian gradient in place,
   the 3 x 3 Gram matrix), per group, and on the two groups stacked into one batch as
-  the sharpness engine does (``geoopt_quotient.sharpness.fusion.fuse_quotients``).
+  the sharpness engine's layout does (``geoopt_quotient.sharpness.layout``: one batch,
+  both factors padded to equal rows).
 
     python benchmarks/bench_small_kernels.py --json benchmarks/results/cpu/small_kernels.json
     python benchmarks/bench_small_kernels.py --quick      # seconds, for CI
@@ -31,8 +32,8 @@ from bench_iteration_overhead import bert_setup, vit_setup, write_document
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
+from geoopt_quotient.sharpness import layout
 from geoopt_quotient.sharpness.apgd import BallGroup
-from geoopt_quotient.sharpness.fusion import fuse_quotients
 from geoopt_quotient.symmetry import strided
 
 PRODUCT_SIZES = ((8, 33, 8), (12, 65, 16), (144, 65, 16), (8, 129, 32), (16, 257, 64), (4, 769, 64))
@@ -138,8 +139,10 @@ def geometry(repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
         space = group.manifold.tangent_space(x)
         rows[f"{group.kind} {tuple(x.shape)}"] = group_row(space, repeats, generator)
         groups.append(BallGroup(x, group.manifold))
-    fused = fuse_quotients(groups)
-    for stacked in fused.groups[len(fused._kept) :]:
+    for stack in layout._stacks(groups, list(range(len(groups)))):
+        if not stack.padded:
+            continue
+        stacked = stack.group(groups)
         space = stacked.manifold.tangent_space(stacked.point)
         rows[f"stacked {tuple(stacked.point.shape)}"] = group_row(space, repeats, generator)
     return rows

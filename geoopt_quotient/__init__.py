@@ -55,6 +55,7 @@ EXPORTS: Dict[str, str] = {
             "IndependentLossError",
             "LossFnError",
             "NonFiniteError",
+            "PathGapWarning",
             "SharpnessResult",
             "StaleParameterError",
             "ZeroSharpnessWarning",

@@ -391,3 +391,28 @@ def test_tiny_llama_with_three_iterations_ends_quickly_and_warns_at_most_once(si
         assert len(history) <= 20
         running = max(h.value for h in history if h.rho <= rho)
         assert running / history[0].clean_loss > 0
+
+
+def test_path_gap_warnings_of_the_evaluations_come_as_one(monkeypatch):
+    """The second-order path's PathGapWarning at some evaluated radii: one warning per
+    call naming them, not one per evaluation."""
+    import geoopt_quotient.sharpness.calibrate as calibrate_module
+
+    def make(model, loss_fn, batches, measure, options):
+        def evaluate(rho):
+            if rho > 0.1:
+                warnings.warn("unfaithful", gq.PathGapWarning, stacklevel=2)
+            return RhoEvaluation(rho=rho, value=rho, clean_loss=1.0)
+
+        return evaluate
+
+    monkeypatch.setattr(calibrate_module, "_sharpness_of_rho", make)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rho = calibrate_rho(
+            Ones(), quadratic_loss, [1.0], target=0.4, measure="mix", rho_start=0.05
+        )
+    assert rho == pytest.approx(0.4, rel=0.06)
+    gaps = [w for w in caught if issubclass(w.category, gq.PathGapWarning)]
+    assert len(gaps) == 1 and "calibrate_rho" in str(gaps[0].message)
+    assert "unfaithful" not in str(gaps[0].message)

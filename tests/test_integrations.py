@@ -109,6 +109,32 @@ def test_measure_radii_per_measure_and_errors():
         measure_radii(["adaptive"], 0.0)
 
 
+def test_default_radii_are_each_measures_default_as_in_the_api():
+    """No rho: each measure's own default (DEFAULT_RADII), as the sharpness functions and
+    the command line take it; the no-norm ablations measure the adaptive ball."""
+    defaults = gq.sharpness.DEFAULT_RADII
+    everything = NAMED_MEASURES + ABLATIONS
+    radii = measure_radii(everything)
+    assert radii == measure_radii(everything, None)
+    for measure, radius in radii.items():
+        ball = "adaptive" if measure == "adaptive" or measure.endswith("_no_norm") else None
+        assert radius == defaults[ball or measure.split("_")[1]], measure
+    assert radii["adaptive"] != radii["geodesic_mix"]  # not one radius for every ball
+    monitor = SharpnessMonitor(held_out(), 1, NAMED_MEASURES, iters=1)
+    assert monitor.rho == measure_radii(NAMED_MEASURES)
+    callback = SharpnessCallback(held_out(), 1, NAMED_MEASURES, iters=1)
+    assert callback.monitor.rho == monitor.rho
+    model = tiny_bert().eval()
+    batches = held_out()[:1]
+    results = gq.integrations.measure_sharpness(
+        model, lambda m, b: m(**b).loss, batches, ["adaptive", "geodesic_inv"], iters=1
+    )
+    direct = gq.adaptive_sharpness(model, lambda m, b: m(**b).loss, batches, iters=1)
+    assert results["adaptive"].settings["rho"] == direct.settings["rho"] == defaults["adaptive"]
+    assert results["adaptive"].value == direct.value
+    assert results["geodesic_inv"].settings["rho"] == defaults["inv"]
+
+
 @pytest.mark.on_device
 def test_measuring_mid_step_leaves_weights_grads_modes_and_rng(device):
     """Between backward and optimizer.step: .grad, weights, train mode and the RNG

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.sharpness import apgd, fusion
+from geoopt_quotient.sharpness import apgd
+from geoopt_quotient.sharpness import layout as layout_module
 from geoopt_quotient.sharpness import measure as measure_module
 from geoopt_quotient.sharpness.apgd import BallGroup, maximize_in_ball
 
@@ -57,69 +58,47 @@ def measure(model, batches, name: str, **options):
     return gq.geodesic_sharpness(model, loss_fn, batches, metric=name, **common)
 
 
-# ---------------------------------------------------------------- fusion
-def fused_vector(ball, vectors):
-    """The fused ball's vector holding ``vectors`` (one per original group), zero in the
-    gaps: written through the views :meth:`FusedBall.unfuse` returns."""
-    fused = [torch.zeros_like(g.point) for g in ball.groups]
-    for piece, v in zip(ball.unfuse(fused), vectors):
-        piece.copy_(v)
-    return fused
-
-
-def gaps(ball, fused):
-    """The entries of the fused points that belong to no original group."""
-    marks = [torch.ones_like(f) for f in fused]
-    for piece in ball.unfuse(marks):
-        piece.zero_()
-    return torch.cat([f[m.bool()] for f, m in zip(fused, marks)])
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    shapes=st.lists(
-        st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6
-    ),
-    eps=st.sampled_from([0.0, 0.1]),
-    dtype=st.sampled_from([torch.float32, torch.float64]),
-)
-def test_fused_ball_has_the_joint_metric_and_splits_back(shapes, eps, dtype):
-    generator = torch.Generator().manual_seed(len(shapes))
-    points = [torch.randn(s, generator=generator, dtype=dtype) for s in shapes]
-    manifold = gq.AdaptiveEuclidean(eps=eps)
-    groups = [BallGroup(p, manifold) for p in points]
-    ball = fusion.fuse_elementwise(groups)
-    assert len(ball.groups) == (1 if len(groups) > 1 else len(groups))
-    back = ball.unfuse([g.point for g in ball.groups])
-    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(back, points))
-    if len(groups) > 1:  # each tensor starts on a cache line, as a tensor of its own
-        base = ball.groups[0].point.data_ptr()
-        assert all((b.data_ptr() - base) % apgd.ALIGNMENT == 0 for b in back)
-        assert not gaps(ball, [g.point for g in ball.groups]).any()
-    xi = [torch.randn(p.shape, generator=generator, dtype=dtype) for p in points]
-    fused_xi = fused_vector(ball, xi)
-    joint = sum(float(manifold.inner(p, v).sum()) for p, v in zip(points, xi))
-    fused = sum(float(g.manifold.inner(g.point, v).sum()) for g, v in zip(ball.groups, fused_xi))
-    assert math.isclose(fused, joint, rel_tol=64 * torch.finfo(dtype).eps)
-
-
-def test_only_small_elementwise_groups_on_the_balls_own_path_are_fused():
-    small = torch.randn(3, 4)
-    large = torch.randn(fusion.MAX_ENTRIES_PER_TENSOR + 1)
-    gl = gq.GLQuotient(3, 3)
-    groups = [
-        BallGroup(small, gq.AdaptiveEuclidean()),
-        BallGroup(gl.random(2, 6, 2), gl),
-        BallGroup(small.clone(), gq.AdaptiveEuclidean()),
-        BallGroup(large, gq.AdaptiveEuclidean()),
-        BallGroup(small.double(), gq.AdaptiveEuclidean()),  # another dtype: alone
-        BallGroup(small.clone(), gq.AdaptiveEuclidean(), path=lambda x, u: x + u),
-        BallGroup(small.clone(), gq.AdaptiveEuclidean(eps=0.5)),  # another eps: alone
+# ---------------------------------------------------------------- stacked quotients
+def unstack(stack, groups, tensor):
+    """The members' pieces of a tensor of the stack's shape, in their own shapes."""
+    rows = stack.rows
+    counts = [
+        groups[i].point.numel() // (groups[i].point.shape[-2] * tensor.shape[-1])
+        for i in stack.members
     ]
-    ball = fusion.fuse_elementwise(groups)
-    assert ball._kept == [1, 3, 4, 5, 6]
-    assert [f.members for f in ball._fused] == [[0, 2]]
-    assert ball.groups[-1].point.shape == (28,)  # 12 entries, 4 of gap, 12
+    out = []
+    for piece, i in zip(tensor.split(counts), stack.members):
+        n, m = groups[i].manifold.n, groups[i].manifold.m
+        joined = torch.cat((piece[:, :n], piece[:, rows : rows + m]), dim=1)
+        out.append(joined.reshape(groups[i].point.shape))
+    return out
+
+
+def padding(stack, groups, tensor):
+    """The entries of a tensor of the stack's shape that belong to no member."""
+    marks = torch.ones_like(tensor)
+    for piece, i in zip(
+        marks.split(
+            [
+                g.numel() // (g.shape[-2] * g.shape[-1])
+                for g in (groups[j].point for j in stack.members)
+            ]
+        ),
+        stack.members,
+    ):
+        n, m = groups[i].manifold.n, groups[i].manifold.m
+        piece[:, :n] = 0
+        piece[:, stack.rows : stack.rows + m] = 0
+    return tensor[marks.bool()]
+
+
+def stacked(stack, groups, tensors):
+    """``tensors`` (one per member) in the stack's shape, zero in the padding."""
+    like = [BallGroup(t, groups[i].manifold) for t, i in zip(tensors, stack.members)]
+    everything = list(groups)
+    for t, i in zip(like, stack.members):
+        everything[i] = t
+    return stack.group(everything).point
 
 
 def test_only_quotient_groups_of_one_geometry_are_stacked():
@@ -130,64 +109,83 @@ def test_only_quotient_groups_of_one_geometry_are_stacked():
     groups = [
         group(5, 5),
         group(5, 4, batch=(2, 2)),  # fewer H rows: stacked, padded
-        group(4, 5),  # another n: not
-        group(5, 5, rank=3),  # another rank: not
+        group(3, 5),  # a G of 3 rows padded to 5 would add a quarter: alone
+        group(5, 5, rank=3),  # another rank: alone
         group(5, 5, metric="inv"),
         group(5, 5, eps=0.1),
-        group(5, 3, batch=()),  # a single point
+        group(5, 4, batch=(), eps=0.1),  # stacked with the one above
         BallGroup(torch.randn(4, 4), gq.AdaptiveEuclidean()),
-        BallGroup(torch.randn(2), gq.AdaptiveEuclidean()),
+        group(5, 5, retraction="first_order"),
+        BallGroup(gq.GLQuotient(5, 5).random(2, 10, 2), gq.GLQuotient(5, 5), lambda x, u: x + u),
     ]
-    ball = fusion.fuse_groups(groups)
-    assert ball._kept == [2, 3, 4, 5]
-    assert [f.members for f in ball._fused] == [[0, 1, 6], [7, 8]]
-    stacked = ball.groups[4]
-    assert stacked.point.shape == (3 + 4 + 1, 10, 2)
-    assert (stacked.manifold.n, stacked.manifold.m) == (5, 5)
-    back = ball.unfuse([g.point for g in ball.groups])
-    assert all(torch.equal(a, g.point) for a, g in zip(back, groups))
-    assert not gaps(ball, [g.point for g in ball.groups]).any()
-    large = group(5, 5, batch=(fusion.MAX_ENTRIES_PER_TENSOR // 20 + 1,))
-    assert len(fusion.fuse_quotients([large, group(5, 5)]).groups) == 2
+    stacks = layout_module._stacks(groups, list(range(len(groups))))
+    assert [(s.members, s.rows) for s in stacks] == [
+        ([0, 1], 5),
+        ([2], 0),
+        ([3], 0),
+        ([4], 0),
+        ([5, 6], 5),
+        ([7], 0),
+        ([8], 0),
+        ([9], 0),
+    ]
+    first = stacks[0].group(groups)
+    assert first.point.shape == (3 + 4, 10, 2)
+    assert (first.manifold.n, first.manifold.m) == (5, 5)
+    back = unstack(stacks[0], groups, first.point)
+    assert all(torch.equal(a, groups[i].point) for a, i in zip(back, stacks[0].members))
+    assert not padding(stacks[0], groups, first.point).any()
+    assert stacks[1].group(groups) is groups[2]
+    # a single group with unequal factors is padded on its own where that is cheap
+    alone = layout_module._stacks([group(8, 7)], [0])
+    assert [(s.members, s.rows) for s in alone] == [([0], 8)]
 
 
 @settings(max_examples=25, deadline=None)
 @given(
     metric=st.sampled_from(["inv", "mix"]),
     eps=st.sampled_from([0.0, 0.05]),
-    rows=st.lists(st.integers(3, 6), min_size=2, max_size=3),
+    rows=st.lists(st.integers(7, 8), min_size=1, max_size=3),
     seed=st.integers(0, 2**16),
 )
 def test_stacked_quotients_have_the_joint_geometry_and_keep_the_padding_zero(
     metric, eps, rows, seed
 ):
-    """Metric, horizontal projection, Riemannian gradient, retraction and its pullback of
-    the stacked group are those of the groups, and the padding rows stay exactly 0."""
+    """Metric, Riemannian gradient, retraction and its pullback of the stacked group
+    are those of the groups, and the padding rows stay exactly 0."""
     torch.manual_seed(seed)
-    n, rank = 4, 3
+    n, rank = 8, 3
     manifolds = [gq.GLQuotient(n, m, metric=metric, eps=eps) for m in rows]
     points = [mf.random(2, n + mf.m, rank, dtype=torch.float64) for mf in manifolds]
-    ball = fusion.fuse_quotients([BallGroup(x, mf) for x, mf in zip(points, manifolds)])
-    ((x, stacked),) = [(g.point, g.manifold) for g in ball.groups]
+    groups = [BallGroup(x, mf) for x, mf in zip(points, manifolds)]
+    stacks = layout_module._stacks(groups, list(range(len(groups))))
+    if all(m == n for m in rows):
+        assert [s.rows for s in stacks] == ([n] if len(rows) > 1 else [0])
+        if len(rows) == 1:
+            return
+    (stack,) = stacks
+    joint_group = stack.group(groups)
+    x, joint = joint_group.point, joint_group.manifold
     spaces = [mf.tangent_space(p) for mf, p in zip(manifolds, points)]
-    space = stacked.tangent_space(x)
+    space = joint.tangent_space(x)
 
     def horizontal():
         return [0.1 * s.proju(torch.randn_like(p)) for s, p in zip(spaces, points)]
 
     def close(fused, separate):
-        pieces = ball.unfuse([fused])
+        pieces = unstack(stack, groups, fused)
         assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(pieces, separate))
-        assert torch.equal(gaps(ball, [fused]), torch.zeros_like(gaps(ball, [fused])))
+        rest = padding(stack, groups, fused)
+        assert torch.equal(rest, torch.zeros_like(rest))
 
     xs = [horizontal() for _ in range(3)]
-    fused = [fused_vector(ball, v)[0] for v in xs]
-    joint = sum(s.gram([v[i] for v in xs]) for i, s in enumerate(spaces))
-    assert torch.allclose(space.gram(fused), joint, rtol=1e-10, atol=1e-14)
+    fused = [stacked(stack, groups, v) for v in xs]
+    joint_gram = sum(s.gram([v[i] for v in xs]) for i, s in enumerate(spaces))
+    assert torch.allclose(space.gram(fused), joint_gram, rtol=1e-10, atol=1e-14)
     close(space.proju(fused[0]), [s.proju(v) for s, v in zip(spaces, xs[0])])
     egrads = [torch.randn_like(p) for p in points]
     close(
-        space.egrad2rgrad_(fused_vector(ball, egrads)[0]),
+        space.egrad2rgrad_(stacked(stack, groups, egrads)),
         [s.egrad2rgrad(g) for s, g in zip(spaces, egrads)],
     )
     out = torch.empty_like(x)
@@ -198,7 +196,22 @@ def test_stacked_quotients_have_the_joint_geometry_and_keep_the_padding_zero(
     for s, v, c in zip(spaces, xs[0], cotangents):
         _, member_pullback = s.retr_vjp(v, torch.empty_like(v))
         separate.append(member_pullback(c.clone()))
-    close(pullback(fused_vector(ball, cotangents)[0]), separate)
+    close(pullback(stacked(stack, groups, cotangents)), separate)
+
+
+def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factors():
+    model, _ = tiny_bert()
+    plan = gq.find_symmetries(model, metric="inv").bind(model)
+    base = {name: p.detach() for name, p in model.named_parameters()}
+    points = [p.detach() for p in plan.gather(base)]
+    groups = measure_module._ball_groups(plan, points, "second_order", True)
+    layout = layout_module.BallLayout(plan, base, groups)
+    quotients = [g for g in groups if isinstance(g.manifold, gq.GLQuotient)]
+    stacked = [g for g in layout.groups if isinstance(g.manifold, gq.GLQuotient)]
+    assert len(quotients) == 2 and len(stacked) == 1
+    ((point, manifold),) = [(g.point, g.manifold) for g in stacked]
+    assert manifold.n == manifold.m == max(max(g.manifold.n, g.manifold.m) for g in quotients)
+    assert point.numel() >= sum(g.point.numel() for g in quotients)
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])

@@ -20,6 +20,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sklearn")
 
+import itertools
+
 from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier
 
 from geoopt_quotient.cli import main
@@ -196,7 +198,8 @@ def untimed(entry):
 def check_tau_by_rho(doc, scales, measures, radii):
     """One record per (scale, measure, path), its radius the scale times the measure's,
     its tau that of the per-model values at that scale against the gaps, inside its CI;
-    scale 1 is the study without scales."""
+    scale 1 is the document's study; a model's values never decrease with the scale (one
+    monotone grid per model and measure)."""
     records = doc["tau_by_rho"]
     assert doc["rho_scales"] == sorted(scales)
     assert all(set(r) == RECORD_KEYS for r in records)
@@ -215,6 +218,12 @@ def check_tau_by_rho(doc, scales, measures, radii):
         if scale == 1:
             assert record["tau"] == doc["tau"][measure]["tau"]
             assert values == [m["measures"][measure]["value"] for m in doc["models"]]
+    for model in doc["models"]:
+        for measure in measures:
+            column = [model["by_scale"][f"{s:g}"][measure] for s in sorted(scales)]
+            for smaller, larger in itertools.pairwise(column):
+                assert larger["value"] >= smaller["value"]
+                assert all(b >= a for a, b in zip(smaller["per_batch"], larger["per_batch"]))
     ratios = {(r["scale"], r["measure"]): r["ratio"] for r in doc["sharpness_to_clean_loss"]}
     assert set(ratios) == {(s, m) for s in scales for m in measures}
     for measure in measures:  # a larger ball, a larger worst-case increase
@@ -224,9 +233,11 @@ def check_tau_by_rho(doc, scales, measures, radii):
 
 @slow
 def test_population_rho_scales_and_resume_after_a_kill(quick, tmp_path, monkeypatch, capsys):
-    """--rho-scales: tau per (scale, measure, path), a record per (model, scale); a run
-    killed between two scales of a model recomputes only what was not finished, and a
-    run without --rho-scales reuses the scale-1 records as its own."""
+    """--rho-scales: tau per (scale, measure, path), a record per (model, scale), each
+    model's scales measured in one call on the monotone grid; a run killed between two
+    scales of a model measures that model's grid again (its values depend on every
+    radius) and no finished model, and a run without --rho-scales measures its own
+    single radius, at most the grid's value at scale 1."""
     out, _ = quick
     argv = ["population", "--checkpoints", str(out / "checkpoints"), *FAST, "--out", str(tmp_path)]
     argv += ["--data", str(out / "data/train.npz"), "--gaps", str(out / "gaps.csv")]
@@ -256,25 +267,28 @@ def test_population_rho_scales_and_resume_after_a_kill(quick, tmp_path, monkeypa
 
     monkeypatch.setattr(study_module, "_measure_checkpoint", spy)
     assert main([*argv, "--rho-scales", "0.5,2", "--resume", "--quiet"]) == 0
-    expected = [("model-01", [1.0, 2.0])] + [(f"model-0{i}", [0.5, 1.0, 2.0]) for i in range(2, 6)]
+    expected = [(f"model-0{i}", [0.5, 1.0, 2.0]) for i in range(1, 6)]
     assert calls == expected
     again = json.loads((tmp_path / "population.json").read_text())
     assert again["tau_by_rho"] == first["tau_by_rho"]
     assert untimed(again["models"]) == untimed(first["models"])
-    # without --rho-scales: nothing measured, the document of a study without scales
+    # without --rho-scales: the grid's records are not its own (the study differs)
     calls.clear()
     assert main([*argv, "--resume", "--quiet"]) == 0
-    assert calls == []
+    assert calls == [(f"model-0{i}", [1.0]) for i in range(6)]
     plain = json.loads((tmp_path / "population.json").read_text())
     assert not {"tau_by_rho", "rho_scales", "sharpness_to_clean_loss"} & set(plain)
-    assert plain["tau"] == first["tau"]
     assert all("by_scale" not in m and "scale" not in m for m in plain["models"])
+    for alone, on_grid in zip(plain["models"], first["models"]):
+        for measure in MEASURES:
+            assert alone["measures"][measure]["value"] <= on_grid["measures"][measure]["value"]
 
 
 @slow
 def test_reproduce_transformers_rho_scales(quick, tmp_path, capsys):
     """--rho-scales on 'reproduce transformers --quick', resumed from the quick run:
-    its trained models and scale-1 records are reused, only scale 2 is measured."""
+    its trained models are reused and each model's grid (scales 1 and 2) measured in one
+    call; scale 1, the grid's smallest, gives the quick run's values exactly."""
     out, doc = quick
     copy = tmp_path / "transformers"
     shutil.copytree(out, copy)
@@ -287,7 +301,7 @@ def test_reproduce_transformers_rho_scales(quick, tmp_path, capsys):
     check_tau_by_rho(grid, [1.0, 2.0], MEASURES, radii)
     assert grid["tau"] == doc["tau"]
     assert (copy / "transformers-tau-by-rho.png").is_file()
-    assert len((copy / "transformers-records.jsonl").read_text().splitlines()) == 6 * 2
+    assert len((copy / "transformers-records.jsonl").read_text().splitlines()) == 6 + 6 * 2
 
 
 def test_measure_radius_and_path():

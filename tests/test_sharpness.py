@@ -179,7 +179,9 @@ def textbook_apgd(
     best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
     for k in range(iters):
-        rgrads = [space.egrad2rgrad(g) for space, g in zip(ball.spaces, grads)]
+        # the engine's conversion (batched for the quotients; equal to egrad2rgrad to
+        # rounding, tests/test_gl_tangent.py), on a copy
+        rgrads = [space.egrad2rgrad_(g.clone()) for space, g in zip(ball.spaces, grads)]
         alpha = 1.0 if k == 0 else momentum
         xi_next = update(ball, xi, xi_prev, rgrads, step, alpha)
         need_grad = k + 1 < iters

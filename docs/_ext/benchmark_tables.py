@@ -617,7 +617,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
         "--json benchmarks/results/cpu/iteration_overhead.json",
         [
             "Time of a 20-iteration sharpness run per iteration, over a plain forward and "
-            "backward pass of the same loss (interleaved, medians)."
+            "backward pass of the same loss (interleaved, medians); "
+            + (
+                "the process's CPU time (--clock process: the machine was shared)."
+                if dig(doc, "settings", "clock") == "process"
+                else "wall time."
+            )
         ],
     )
 
@@ -721,9 +726,15 @@ def cpu_sharded_ball_memory(results: Results) -> Table:
 def gpu_flat_ball(results: Results) -> Table:
     measures = ("adaptive", "inv", "mix")
     rows = []
-    engines = (("flat ball", "gpu/flat_ball.json"), ("before", "gpu/flat_ball_before.json"))
-    for engine, path in engines:
-        units = dig(results.json(path).data, "units") or {}
+    engines = (
+        ("batched geometry", ("gpu/flat_ball_bert.json", "gpu/flat_ball_vit.json")),
+        ("flat ball", ("gpu/flat_ball.json",)),
+        ("before", ("gpu/flat_ball_before.json",)),
+    )
+    for engine, paths in engines:
+        units = {}
+        for path in paths:  # one file per model where the runs were split
+            units.update(dig(results.json(path).data, "units") or {})
         for model, model_label in MODELS.items():
             for precision, precision_label in PRECISIONS.items():
                 unit = units.get(f"{model} {precision}")
@@ -765,7 +776,10 @@ def gpu_flat_ball(results: Results) -> Table:
             "without the optimizer (forward and backward), from runs of 4 and 8 iterations, "
             "3 interleaved repeats. 'before': the same script on the engine before the flat "
             "ball, in the same call on the same GPU. The call reached its time limit: rows "
-            "it did not reach say so."
+            "it did not reach say so. 'batched geometry': the engine with the quotient "
+            "geometry as batched products, one run per model (--models bert-base or "
+            "vit-b32, --dtypes float32,bfloat16, into flat_ball_bert.json and "
+            "flat_ball_vit.json)."
         ],
     )
 
@@ -1007,6 +1021,55 @@ def default_radii(results: Results) -> Table:
     )
 
 
+def path_gap(results: Results) -> Table:
+    source = results.json("cpu/path_gap.json")
+    models = dig(source.data, "models") or {}
+    rows = []
+    for name, model in models.items():
+        if "skipped" in model:
+            rows.append([name, "-", "-", "-", "-", "-", model["skipped"]])
+            continue
+        for metric in ("inv", "mix"):
+            entry = model.get(metric) or {}
+            for row in entry.get("rows", []):
+                failed = row.get("geodesic_failed_batches") or 0
+                rows.append(
+                    [
+                        name,
+                        metric,
+                        fmt(row["rho"], "g"),
+                        fmt(row["sharpness"], ".3g"),
+                        fmt(row["path_gap_mean"], ".2g")
+                        if row["path_gap_mean"] is not None
+                        else "geodesic failed",
+                        fmt(row["loss_gap_ratio"], ".2g")
+                        if not failed
+                        else f"geodesic failed on {failed} batch(es)",
+                        "yes" if row["warned"] else "no",
+                    ]
+                )
+    if not rows:
+        rows = [["-", "-", "-", NOT_MEASURED, NOT_MEASURED, NOT_MEASURED, "-"]]
+    return Table(
+        [
+            "model",
+            "metric",
+            "radius",
+            "sharpness",
+            "relative path gap",
+            "mean |L(Exp) - L(R)| / sharpness",
+            "PathGapWarning",
+        ],
+        rows,
+        "python benchmarks/path_gap.py --json benchmarks/results/cpu/path_gap.json",
+        [
+            "Worst case, second-order path, 10 Auto-PGD iterations (3 on all-MiniLM-L6-v2), "
+            "2 batches; the path gap is the mean over batches of ‖R − Exp‖ / ‖ξ‖ in the "
+            "metric at the maximiser. The warning fires above 0.1 in the last numeric column."
+        ],
+    )
+
+
 #: Every table a page can ask for.
 TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-iteration": gpu_iteration,
@@ -1033,6 +1096,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "diagonal-readings": diagonal_readings,
     "diagonal-checks": diagonal_checks,
     "default-radii": default_radii,
+    "path-gap": path_gap,
 }
 
 

@@ -17,7 +17,13 @@ The Hugging Face classes import ``transformers`` on first access, so that this p
 import importlib
 from typing import Any, List
 
-from .measures import ABLATIONS, NAMED_MEASURES, measure_radii, measure_sharpness
+from .measures import (
+    ABLATIONS,
+    NAMED_MEASURES,
+    default_measure_radius,
+    measure_radii,
+    measure_sharpness,
+)
 from .monitor import SharpnessMonitor, default_loss, measure_during_training
 
 __all__ = [
@@ -27,6 +33,7 @@ __all__ = [
     "SharpnessCallback",
     "SharpnessMonitor",
     "default_loss",
+    "default_measure_radius",
     "measure_during_training",
     "measure_radii",
     "measure_sharpness",

@@ -40,8 +40,10 @@ class SharpnessCallback(TrainerCallback):
     measures : sequence of str
         ``"adaptive"``, ``"geodesic_inv"``, ``"geodesic_mix"`` (default: all three) and
         the ablations (:data:`~geoopt_quotient.integrations.ABLATIONS`).
-    rho : float or mapping of str to float
-        One radius, or one per measure.
+    rho : float, mapping of str to float, or None
+        One radius, one per measure, or ``None`` (default): each measure's default
+        radius (:func:`~geoopt_quotient.integrations.measure_radii`: 0.2 adaptive, 0.05
+        ``inv``, 0.01 ``mix``).
     loss_fn : callable or None
         ``loss_fn(model, batch) -> scalar tensor``; ``None``: ``model(**batch).loss``.
     **options
@@ -91,7 +93,7 @@ class SharpnessCallback(TrainerCallback):
         batches: Iterable[Any],
         every_n_steps: int,
         measures: Sequence[str] = NAMED_MEASURES,
-        rho: Radii = 0.05,
+        rho: Radii = None,
         *,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         **options: Any,

@@ -10,34 +10,77 @@ with the matching switches; the symmetries are discovered once per metric and ca
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .._checks import ABLATIONS, NAMED_MEASURES, check_positive_float, split_measure
-from ..sharpness import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from ..sharpness import DEFAULT_RADII, SharpnessResult, adaptive_sharpness, geodesic_sharpness
 from ..symmetry import BoundPlan, find_symmetries
 
-__all__ = ["ABLATIONS", "NAMED_MEASURES", "measure_radii", "measure_sharpness"]
+__all__ = [
+    "ABLATIONS",
+    "NAMED_MEASURES",
+    "default_measure_radius",
+    "measure_radii",
+    "measure_sharpness",
+]
 
-Radii = Union[float, Mapping[str, float]]
+Radius = Union[float, Sequence[float]]
+Radii = Union[None, Radius, Mapping[str, Radius]]
 
 
-def measure_radii(measures: Sequence[str], rho: Radii) -> Dict[str, float]:
-    """The radius of each measure: ``rho`` for all, or ``rho[measure]`` from a mapping.
+def default_measure_radius(measure: str) -> float:
+    """The default radius of a named measure: that of its ball in
+    :data:`~geoopt_quotient.sharpness.DEFAULT_RADII`.
+
+    ``"adaptive"`` and the no-norm ablations (``"geodesic_M_no_norm"``, the adaptive
+    ball) take the adaptive radius; ``"geodesic_M"`` and its no-curvature ablation (the
+    ``M`` ball) take metric ``M``'s, as in the ``population`` command.
+
+    Parameters
+    ----------
+    measure : str
+        A name from :data:`NAMED_MEASURES` or :data:`ABLATIONS`.
+
+    Returns
+    -------
+    float
+        The radius.
+
+    Examples
+    --------
+    >>> from geoopt_quotient.integrations import default_measure_radius
+    >>> [default_measure_radius(m) for m in ("adaptive", "geodesic_inv", "geodesic_mix")]
+    [0.2, 0.05, 0.01]
+    >>> default_measure_radius("geodesic_mix_no_norm")
+    0.2
+    """
+    metric, norm, _ = split_measure(measure)
+    return DEFAULT_RADII["adaptive" if metric is None or not norm else metric]
+
+
+def measure_radii(measures: Sequence[str], rho: Radii = None) -> Dict[str, Radius]:
+    """The radius of each measure: ``rho`` for all, ``rho[measure]`` from a mapping, or
+    each measure's default.
 
     Parameters
     ----------
     measures : sequence of str
         Names from :data:`NAMED_MEASURES` and :data:`ABLATIONS`.
-    rho : float or mapping of str to float
+    rho : float, mapping of str to float, or None
         One radius for every measure, or one per measure (radii of different balls are
-        on different scales: :func:`~geoopt_quotient.calibrate_rho`).
+        on different scales: :func:`~geoopt_quotient.calibrate_rho`). ``None``
+        (default): each measure's default radius (:func:`default_measure_radius`: 0.2
+        adaptive, 0.05 ``inv``, 0.01 ``mix``), as the sharpness functions and the
+        command line take them. A radius may be a sequence of radii, a grid, monotone
+        by construction (:func:`~geoopt_quotient.geodesic_sharpness`).
 
     Returns
     -------
-    dict of str to float
-        The radius of each measure, in the order of ``measures``.
+    dict of str to float or list of float
+        The radius (or the list of radii of a grid) of each measure, in the order of
+        ``measures``.
 
     Raises
     ------
@@ -51,8 +94,10 @@ def measure_radii(measures: Sequence[str], rho: Radii) -> Dict[str, float]:
         raise ValueError(f"`measures` lists a measure twice: {list(measures)}")
     for measure in measures:
         split_measure(measure)
+    if rho is None:
+        return {m: default_measure_radius(m) for m in measures}
     if not isinstance(rho, Mapping):
-        return {m: check_positive_float(rho, "rho") for m in measures}
+        return {m: _checked_radius(rho, "rho") for m in measures}
     missing = [m for m in measures if m not in rho]
     extra = [m for m in rho if m not in measures]
     if missing or extra:
@@ -60,7 +105,16 @@ def measure_radii(measures: Sequence[str], rho: Radii) -> Dict[str, float]:
             f"`rho` must give the radius of each measure and no other: missing {missing}, "
             f"not measured {extra}"
         )
-    return {m: check_positive_float(rho[m], f"rho[{m!r}]") for m in measures}
+    return {m: _checked_radius(rho[m], f"rho[{m!r}]") for m in measures}
+
+
+def _checked_radius(value: Radius, name: str) -> Radius:
+    """A radius (finite, > 0), or a non-empty list of them for a sequence."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if not value:
+            raise ValueError(f"`{name}` is an empty sequence: give at least one radius")
+        return [check_positive_float(r, name) for r in value]
+    return check_positive_float(value, name)
 
 
 def measure_sharpness(
@@ -68,7 +122,7 @@ def measure_sharpness(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     batches: Sequence[Any],
     measures: Sequence[str],
-    rho: Radii,
+    rho: Radii = None,
     *,
     iters: int = 20,
     kind: str = "worst",
@@ -80,7 +134,7 @@ def measure_sharpness(
     plans: Optional[Dict[str, BoundPlan]] = None,
     on_measure: Optional[Callable[[str], None]] = None,
     distributed: Optional[bool] = False,
-) -> Dict[str, SharpnessResult]:
+) -> Dict[str, Union[SharpnessResult, List[SharpnessResult]]]:
     r"""Every measure in ``measures`` of ``model`` on ``batches``, in that order.
 
     ``"adaptive"`` is :func:`~geoopt_quotient.adaptive_sharpness`; ``"geodesic_M"`` is
@@ -107,8 +161,11 @@ def measure_sharpness(
         The batches, the same for every measure.
     measures : sequence of str
         Names from :data:`NAMED_MEASURES` and :data:`ABLATIONS`.
-    rho : float or mapping of str to float
-        One radius, or one per measure (:func:`measure_radii`).
+    rho : float, mapping of str to float, or None
+        One radius, one per measure, or ``None`` (default): each measure's default
+        radius (:func:`measure_radii`). A sequence of radii in place of a radius is a
+        grid: that measure's result is then a list, one result per radius
+        (:func:`~geoopt_quotient.geodesic_sharpness`).
     iters, kind, path, seed, eps
         As for :func:`~geoopt_quotient.geodesic_sharpness` (``path`` is that of the
         geodesic measures; adaptive sharpness and the no-curvature ablations walk
@@ -127,8 +184,8 @@ def measure_sharpness(
 
     Returns
     -------
-    dict of str to SharpnessResult
-        The result of each measure.
+    dict of str to SharpnessResult or list of SharpnessResult
+        The result of each measure (a list for a grid of radii).
 
     Raises
     ------
@@ -139,7 +196,7 @@ def measure_sharpness(
     radii = measure_radii(measures, rho)
     plans = {} if plans is None else plans
     common = dict(iters=iters, kind=kind, seed=seed, progress=False, distributed=distributed)
-    results: Dict[str, SharpnessResult] = {}
+    results: Dict[str, Union[SharpnessResult, List[SharpnessResult]]] = {}
     for measure, radius in radii.items():
         if on_measure is not None:
             on_measure(measure)

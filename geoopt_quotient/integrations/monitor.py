@@ -123,9 +123,12 @@ class SharpnessMonitor:
     measures : sequence of str
         Names from :data:`~geoopt_quotient.integrations.NAMED_MEASURES` (default: all
         three) and :data:`~geoopt_quotient.integrations.ABLATIONS`.
-    rho : float or mapping of str to float
+    rho : float, mapping of str to float, or None
         One radius for every measure, or one per measure (radii of different balls are
-        on different scales; :func:`~geoopt_quotient.calibrate_rho`).
+        on different scales; :func:`~geoopt_quotient.calibrate_rho`). ``None``
+        (default): each measure's default radius
+        (:func:`~geoopt_quotient.integrations.measure_radii`: 0.2 adaptive, 0.05
+        ``inv``, 0.01 ``mix``), as for the sharpness functions and the command line.
     loss_fn : callable or None
         ``loss_fn(model, batch) -> scalar tensor``; ``None``: :func:`default_loss`
         (``model(**batch).loss``).
@@ -172,7 +175,7 @@ class SharpnessMonitor:
         batches: Iterable[Any],
         every_n_steps: int,
         measures: Sequence[str] = NAMED_MEASURES,
-        rho: Radii = 0.05,
+        rho: Radii = None,
         *,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         iters: int = 10,
@@ -185,6 +188,8 @@ class SharpnessMonitor:
         self.every_n_steps = check_positive_int(every_n_steps, "every_n_steps")
         self.measures = tuple(measures)
         self.rho = measure_radii(self.measures, rho)
+        if any(isinstance(radius, list) for radius in self.rho.values()):
+            raise ValueError("`rho`: the monitor takes one radius per measure, not a grid")
         self.loss_fn = default_loss if loss_fn is None else loss_fn
         self.options = dict(iters=iters, kind=kind, path=path, seed=seed, eps=eps)
         self.prefix = prefix
@@ -231,7 +236,7 @@ def measure_during_training(
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
     batches: Iterable[Any],
     measures: Sequence[str] = NAMED_MEASURES,
-    rho: Radii = 0.05,
+    rho: Radii = None,
     **options: Any,
 ) -> Dict[str, float]:
     r"""Measure once, in the middle of training, and leave the training untouched.
@@ -250,8 +255,9 @@ def measure_during_training(
         Held-out batches (moved to the model's device).
     measures : sequence of str
         As for :class:`SharpnessMonitor`.
-    rho : float or mapping of str to float
-        One radius, or one per measure.
+    rho : float, mapping of str to float, or None
+        One radius, one per measure, or ``None`` (default): each measure's default, as
+        for :class:`SharpnessMonitor`.
     **options
         ``iters``, ``kind``, ``path``, ``seed``, ``eps``, ``prefix``, as for
         :class:`SharpnessMonitor`.

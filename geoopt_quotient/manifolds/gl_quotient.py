@@ -302,10 +302,12 @@ class GLQuotient(QuotientManifold):
         return PointState(self, x).grams
 
     def tangent_space(self, x: torch.Tensor):
-        """The tangent space at ``x``, with the point's Gram matrices computed once."""
-        from .tangent import CachedTangentSpace
+        """The tangent space at ``x``, with the point's Gram matrices computed once, and
+        the operations of a sharpness iteration as batched products
+        (:class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace`)."""
+        from ._gl_tangent import GLTangentSpace
 
-        return CachedTangentSpace(self, x, PointState(self, x))
+        return GLTangentSpace(self, x, PointState(self, x))
 
     def _blocks(self, st: PointState) -> Tuple[torch.Tensor, torch.Tensor]:
         r"""Right factors :math:`W_G, W_H` of the metric, :math:`\langle\eta,\zeta\rangle =

@@ -12,6 +12,7 @@ from .measure import (
     adaptive_sharpness,
     geodesic_sharpness,
 )
+from .path_gap import PathGapWarning
 from .sharded import ShardingError
 from .stats import kendall_tau, kendall_tau_bootstrap
 
@@ -24,6 +25,7 @@ __all__ = [
     "IndependentLossError",
     "LossFnError",
     "NonFiniteError",
+    "PathGapWarning",
     "RhoEvaluation",
     "ShardingError",
     "SharpnessResult",

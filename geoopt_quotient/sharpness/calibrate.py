@@ -37,6 +37,7 @@ from .measure import (
     geodesic_sharpness,
     resolve_plan,
 )
+from .path_gap import PathGapWarning
 
 __all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_radii", "calibrate_rho"]
 
@@ -197,6 +198,10 @@ def calibrate_rho(
         Once per call (instead of one :class:`ZeroSharpnessWarning` per evaluation) when
         some estimates were 0 or below that of a smaller radius: the running maximum
         replaced them.
+    PathGapWarning
+        Once per call (instead of one per evaluation) when, at some radii evaluated on
+        the second-order path, the exact geodesic's loss at the maximisers differed from
+        the retraction's by more than 10% of the sharpness.
 
     Notes
     -----
@@ -446,6 +451,7 @@ class _Search:
         self.max_evals = max_evals
         self.history: List[RhoEvaluation] = []
         self.zero_radii: List[float] = []
+        self.unfaithful_radii: List[float] = []  # where PathGapWarning fired
         self.bar = tqdm(
             desc=f"calibrating rho ({measure}, target {target:g})",
             unit="eval",
@@ -461,12 +467,14 @@ class _Search:
         self.bar.close()
         if exc_info[0] is None:
             self.warn_not_monotone()
+            self.warn_unfaithful_path()
 
     # ------------------------------------------------------------ evaluations
     def evaluate(self, rho: float) -> float:
         """Evaluate the sharpness at ``rho``; ZeroSharpnessWarning is collected, not shown."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ZeroSharpnessWarning)
+            warnings.simplefilter("always", PathGapWarning)
             point = self.sharpness(rho)
         if not point.clean_loss > 0:
             raise CalibrationError(
@@ -476,6 +484,8 @@ class _Search:
         for warning in caught:
             if issubclass(warning.category, ZeroSharpnessWarning):
                 self.zero_radii.append(rho)
+            elif issubclass(warning.category, PathGapWarning):
+                self.unfaithful_radii.append(rho)
             else:
                 warnings.warn_explicit(
                     warning.message, warning.category, warning.filename, warning.lineno
@@ -617,6 +627,22 @@ class _Search:
             f"rho={best.rho:.6g}, whose sharpness/clean loss {best.ratio:.6g} is "
             f"{100 * abs(self.error(best.rho)):.3g}% from the target {self.target:g}",
             RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def warn_unfaithful_path(self) -> None:
+        """One :class:`PathGapWarning` for every evaluation at which the second-order path
+        was not faithful (instead of one per evaluation)."""
+        if not self.unfaithful_radii:
+            return
+        radii = ", ".join(f"{r:.3g}" for r in sorted(set(self.unfaithful_radii))[:8])
+        warnings.warn(
+            f"calibrate_rho: at {len(self.unfaithful_radii)} of {len(self.history)} radii "
+            f"evaluated (rho = {radii}) the loss on the exact geodesic differed from the "
+            "second-order path's by more than 10% of the sharpness at the maximisers: a "
+            "radius there measures the retraction, not the geodesic ball; calibrate with "
+            'path="exact", or use radii below these',
+            PathGapWarning,
             stacklevel=4,
         )
 

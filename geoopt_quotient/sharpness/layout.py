@@ -10,9 +10,12 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   the ball's own path lives in one flat buffer per ``(dtype, device, eps)``: one ball
   group, whose perturbed point :math:`x + \xi` is written into the buffer the model
   reads, as views;
-- every other parameter (those of the symmetry groups, already stacked by discovery into
-  one batch per geometry, and any other group) lives in one flat buffer per
-  ``(dtype, device)``, written from the groups' perturbed points with one index copy;
+- every other parameter (those of the symmetry groups, stacked over the layers by
+  discovery, and any other group) lives in one flat buffer per ``(dtype, device)``,
+  written from the groups' perturbed points with one index copy; the
+  :class:`~geoopt_quotient.GLQuotient` groups of one geometry are stacked into one batch
+  whose two factors have equal rows (:class:`_Stack`), so that the geometry's operations
+  are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
   one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
   read back into the groups' shapes with one index gather.
@@ -34,7 +37,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..manifolds import AdaptiveEuclidean
+from ..manifolds import AdaptiveEuclidean, GLQuotient
 from ..symmetry.plan import BoundPlan, SymmetryGroup
 from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
 from .functional import check_depends_on_perturbation
@@ -47,7 +50,14 @@ Key = Tuple[torch.dtype, torch.device]
 class _Flat:
     """Parameters at aligned offsets of one flat buffer; zero-filled gaps between them."""
 
-    def __init__(self, names: Sequence[str], shapes: Sequence[torch.Size], dtype, device):
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[torch.Size],
+        dtype,
+        device,
+        trailing: int = 0,
+    ):
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         self.dtype, self.device = dtype, device
         step = max(ALIGNMENT // dtype.itemsize, 1)
@@ -64,7 +74,10 @@ class _Flat:
             self.chunks.append(shape.numel())
             self.is_gap.append(False)
             end = start + shape.numel()
-        self.size = end
+        if trailing:  # a zero gap at the end: where padding entries are written
+            self.chunks.append(trailing)
+            self.is_gap.append(True)
+        self.size = end + trailing
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.size, dtype=self.dtype, device=self.device)
@@ -187,7 +200,10 @@ class _Rest:
     destination: torch.Tensor  # buffer position of each entry of the joined points
 
     def write(self, points: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        joined = torch.cat([p.reshape(-1) for p in points])
+        if len(points) == 1:
+            joined = points[0].reshape(-1)
+        else:
+            joined = torch.cat([p.reshape(-1) for p in points])
         out.index_copy_(0, self.destination, joined.to(out.dtype))
 
     def read(self, grad: torch.Tensor) -> List[torch.Tensor]:
@@ -225,7 +241,8 @@ class BallLayout:
             else:
                 fused.setdefault(key, []).append(index)
         self.plan = plan
-        self.groups: List[BallGroup] = [groups[i] for i in rest]
+        stacks = _stacks(groups, rest)
+        self.groups: List[BallGroup] = [stack.group(groups) for stack in stacks]
         self._fused: List[_Flat] = []
         for (dtype, device, eps), members in fused.items():
             names = [plan.groups[i].param_names[0] for i in members]
@@ -233,37 +250,42 @@ class BallLayout:
             point = flat.filled([base[n] for n in names])
             self.groups.append(BallGroup(point, AdaptiveEuclidean(eps=eps)))
             self._fused.append(flat)
-        self._rests = self._rest_buffers(plan, base, groups, rest)
+        self._rests = self._rest_buffers(plan, base, self.groups, stacks)
         self.flats: List[_Flat] = self._fused + [r.flat for r in self._rests]
         self.names = [n for flat in self.flats for n in flat.names]
         self._buffers: List[torch.Tensor] | None = None
         self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
         self._grads: List[torch.Tensor] = []
-        self._rest_points: List[torch.Tensor | None] = [None] * len(rest)
+        self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
 
     @staticmethod
     def _rest_buffers(
-        plan: BoundPlan, base: Dict[str, torch.Tensor], groups: List[BallGroup], rest: List[int]
+        plan: BoundPlan,
+        base: Dict[str, torch.Tensor],
+        groups: List[BallGroup],
+        stacks: List[_Stack],
     ) -> List[_Rest]:
+        """The unfused groups' flat buffers, one per ``(dtype, device)``; ``groups`` are
+        the layout's (one per stack, first)."""
         by_key: Dict[Key, List[int]] = {}
-        for position, index in enumerate(rest):
-            point = groups[index].point
+        for position in range(len(stacks)):
+            point = groups[position].point
             by_key.setdefault((point.dtype, point.device), []).append(position)
         out = []
         for (dtype, device), positions in by_key.items():
-            members = [plan.groups[rest[p]] for p in positions]
             names: List[str] = []
-            for group in members:
-                names += [n for n in group.param_names if n not in names]
-            flat = _Flat(names, [base[n].shape for n in names], dtype, device)
+            for p in positions:
+                for index in stacks[p].members:
+                    names += [n for n in plan.groups[index].param_names if n not in names]
+            padded = any(stacks[p].padded for p in positions)
+            trailing = max(ALIGNMENT // dtype.itemsize, 1) if padded else 0
+            flat = _Flat(names, [base[n].shape for n in names], dtype, device, trailing)
             start = dict(zip(flat.names, flat.starts))
-            destinations = [_destination(group, start) for group in members]
+            trash = flat.size - trailing
+            destinations = [stacks[p].destination(plan, start, trash) for p in positions]
             destination = torch.cat(destinations).to(device)
-            out.append(
-                _Rest(
-                    flat, positions, [groups[rest[p]].point.shape for p in positions], destination
-                )
-            )
+            shapes = [groups[p].point.shape for p in positions]
+            out.append(_Rest(flat, positions, shapes, destination))
         return out
 
     def vector_bytes(self) -> int:
@@ -367,6 +389,127 @@ class BallLayout:
             for position, g in zip(rest.groups, rest.read(grad)):
                 out[position] = g
         return out  # type: ignore[return-value]
+
+
+#: Quotient groups of one geometry are stacked into one batch whose two factors have
+#: equal rows (the shorter ones padded with zero rows), where a group's padding adds at
+#: most this fraction to its entries.
+MAX_PADDING = 1 / 8
+
+
+def _stack_key(group: BallGroup) -> Tuple | None:
+    """Groups with equal keys can be stacked (:class:`_Stack`); ``None``: never."""
+    manifold = group.manifold
+    if type(manifold) is not GLQuotient or group.path is not None or group.point.requires_grad:
+        return None
+    point = group.point
+    return (
+        point.dtype,
+        point.device,
+        point.shape[-1],
+        manifold.metric,
+        manifold.eps,
+        manifold.retraction,
+        manifold.expmap_steps,
+    )
+
+
+@dataclass
+class _Stack:
+    r"""Ball groups (plan indices ``members``) as one: a single group as it is
+    (``rows = 0``), or :class:`~geoopt_quotient.GLQuotient` groups of one geometry as one
+    batch of points :math:`(G; H)` with ``rows`` rows in each factor, the missing rows
+    zero.
+
+    :class:`~geoopt_quotient.GLQuotient` acts on each point of a batch independently and
+    the ball's metric is the sum over the batch, so stacking changes only the order of
+    sums. A zero row of :math:`G` or :math:`H` changes neither Gram matrix nor any
+    product with it, and every operation of the geometry keeps it zero: the gradient
+    there is zero (it is read from a zero gap of the flat gradient), and the Riemannian
+    gradient, the horizontal projection, the retraction and its pullback, the
+    Christoffel term and the Auto-PGD combination are all of the form (row of the point,
+    of :math:`\xi` or of the cotangent) times an :math:`h \times h` matrix. Holds for
+    iterates that start at zero (or in the stack), as the worst case's do. With equal
+    factors, the geometry's operations are batched products over both factors at once
+    (:mod:`~geoopt_quotient.manifolds._gl_tangent`).
+    """
+
+    members: List[int]
+    rows: int = 0
+
+    @property
+    def padded(self) -> bool:
+        return self.rows > 0
+
+    def group(self, groups: Sequence[BallGroup]) -> BallGroup:
+        """The ball group of the stack."""
+        if not self.padded:
+            return groups[self.members[0]]
+        first = groups[self.members[0]]
+        manifold: GLQuotient = first.manifold
+        pieces = [groups[i].point for i in self.members]
+        point = self._stacked(pieces, [groups[i].manifold for i in self.members], 0)
+        stacked = GLQuotient(
+            self.rows,
+            self.rows,
+            manifold.metric,
+            manifold.eps,
+            retraction=manifold.retraction,
+            expmap_steps=manifold.expmap_steps,
+        )
+        return BallGroup(point.to(first.point.dtype), stacked)
+
+    def _stacked(self, pieces: List[torch.Tensor], manifolds: List, fill) -> torch.Tensor:
+        """``pieces`` (points or index tensors of the members) in the stack's shape, the
+        padding ``fill``."""
+        rank = pieces[0].shape[-1]
+        flat = [p.reshape(-1, p.shape[-2], rank) for p in pieces]
+        out = flat[0].new_full((sum(f.shape[0] for f in flat), 2 * self.rows, rank), fill)
+        for part, piece, manifold in zip(out.split([f.shape[0] for f in flat]), flat, manifolds):
+            n, m = manifold.n, manifold.m
+            part[:, :n] = piece[:, :n]
+            part[:, self.rows : self.rows + m] = piece[:, n:]
+        return out
+
+    def destination(self, plan: BoundPlan, start: Dict[str, int], trash: int) -> torch.Tensor:
+        """Position in the flat buffer of each entry of the stack's point (flattened);
+        ``trash`` for the padding."""
+        own = [_destination(plan.groups[i], start) for i in self.members]
+        if not self.padded:
+            return own[0]
+        pieces = [d.view(plan.groups[i].index.shape) for d, i in zip(own, self.members)]
+        manifolds = [plan.groups[i].manifold for i in self.members]
+        return self._stacked(pieces, manifolds, trash).reshape(-1)
+
+
+def _stacks(groups: Sequence[BallGroup], indices: List[int]) -> List[_Stack]:
+    """The groups ``indices`` as stacks: those of one :func:`_stack_key` whose factors
+    pad to the longest one's rows within :data:`MAX_PADDING` as one, the others alone
+    (in the order of their first member)."""
+    by_key: Dict[Tuple, List[int]] = {}
+    for index in indices:
+        key = _stack_key(groups[index])
+        by_key.setdefault(("alone", index) if key is None else key, []).append(index)
+    out = []
+    for key, members in by_key.items():
+        if key[0] == "alone":
+            out.append(_Stack(members))
+            continue
+        rows = max(max(groups[i].manifold.n, groups[i].manifold.m) for i in members)
+        fits = [i for i in members if _padding(groups[i], rows) <= MAX_PADDING]
+        alone = [i for i in members if i not in fits]
+        if fits and (len(fits) > 1 or _padding(groups[fits[0]], rows) > 0):
+            out.append(_Stack(fits, rows))
+        else:
+            alone = members
+        out += [_Stack([i]) for i in alone]
+    return out
+
+
+def _padding(group: BallGroup, rows: int) -> float:
+    """The fraction of zero entries that padding ``group``'s factors to ``rows`` adds."""
+    manifold = group.manifold
+    return 2 * rows / (manifold.n + manifold.m) - 1
 
 
 def _destination(group: SymmetryGroup, start: Dict[str, int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -49,6 +49,7 @@ from .functional import (
     trainable_parameters,
 )
 from .layout import BallLayout
+from .path_gap import exact_groups, path_gap, warn_if_path_gap
 from .precision import AutocastState
 from .ranks import BatchShare
 from .sharded import is_sharded, measure_sharded
@@ -69,7 +70,7 @@ Radii = Union[float, Sequence[float]]
 
 @dataclass
 class SharpnessResult:
-    """Sharpness of one model.
+    r"""Sharpness of one model.
 
     Attributes
     ----------
@@ -88,13 +89,29 @@ class SharpnessResult:
     forward_passes, backward_passes : list of int
         Per batch, the evaluations of ``loss_fn`` and the backward passes through it:
         ``iters + 1`` and ``iters`` for the worst case, plus one of each per Auto-PGD
-        restart; ``iters + 1`` and 0 for the average case.
+        restart, those of every search (``restarts``, a grid's warm starts) and one
+        forward pass for ``exact_losses``; ``iters + 1`` and 0 for the average case.
     settings : dict
         The settings used (``measure``, ``rho``, ``iters``, ``path``, ``kind``, ``seed``,
-        ``eps``, and for geodesic sharpness ``metric``, ``norm``, ``curvature``).
+        ``eps``, ``restarts``, and for geodesic sharpness ``metric``, ``norm``, ``curvature``).
     plan : str
         The symmetry plan's summary table
         (:meth:`~geoopt_quotient.symmetry.BoundPlan.summary`).
+    path_gaps : list of float or None
+        Worst case on ``path="second_order"`` only (else ``None``, and for an
+        FSDP2-sharded model, which has no such report yet): per batch, the
+        relative gap between the path's point and the exact geodesic's at the maximiser
+        :math:`\xi^*`,
+        :math:`|R_w(\xi^*) - \operatorname{Exp}_w(\xi^*)|_w / |\xi^*|_w` in the metric at
+        :math:`w` (:mod:`~geoopt_quotient.sharpness.path_gap`; 0 for
+        :math:`\xi^* = 0`, NaN where the geodesic cannot be integrated that far).
+        :math:`O(\rho^2)` on the symmetry groups; the adaptive parameters' straight line
+        adds :math:`O(\rho)`.
+    exact_losses : list of float or None
+        Alongside ``path_gaps``: per batch, the loss at
+        :math:`\operatorname{Exp}_w(\xi^*)`, the exact geodesic's point at the same
+        maximiser (one more forward pass). ``exact_losses[b] - clean_losses[b]`` is a
+        lower bound of the exact path's sharpness of batch ``b``.
     """
 
     value: float
@@ -108,6 +125,8 @@ class SharpnessResult:
     backward_passes: List[int] = field(default_factory=list)
     settings: Dict[str, Any] = field(default_factory=dict)
     plan: str = ""
+    path_gaps: Optional[List[float]] = None
+    exact_losses: Optional[List[float]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Every attribute, as plain Python values (JSON-serialisable)."""
@@ -115,7 +134,8 @@ class SharpnessResult:
 
     def rows(self) -> List[Dict[str, Any]]:
         """One flat record per batch: its index, sharpness, clean and perturbed loss,
-        passes and seconds, followed by the settings (the same in every row)."""
+        passes and seconds, followed by the settings (the same in every row), and the
+        ``path_gap`` and ``exact_loss`` where the result has them."""
         columns = zip(
             self.per_batch,
             self.clean_losses,
@@ -124,7 +144,7 @@ class SharpnessResult:
             self.backward_passes or [None] * len(self.per_batch),
             self.seconds_per_batch,
         )
-        return [
+        rows = [
             {
                 "batch": index,
                 "sharpness": sharpness,
@@ -139,6 +159,10 @@ class SharpnessResult:
                 columns
             )
         ]
+        if self.path_gaps is not None:
+            for row, gap, exact in zip(rows, self.path_gaps, self.exact_losses or []):
+                row.update(path_gap=gap, exact_loss=exact)
+        return rows
 
     def to_csv(self, path: str) -> str:
         """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
@@ -204,9 +228,13 @@ def _measure(
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
+    restarts: int = 0,
 ) -> List[SharpnessResult]:
     """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
     iters = check_positive_int(iters, "iters")
+    restarts = check_restarts(restarts)
+    if restarts and kind != "worst":
+        raise ValueError("`restarts` is for the worst case (kind='worst') only")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
@@ -218,6 +246,8 @@ def _measure(
                 "model needs every rank to pass its rows of every batch: leave "
                 "process_group=None"
             )
+        if restarts:
+            raise ValueError("`restarts` is not available for a sharded (FSDP2) model yet")
         return measure_sharded(
             model,
             loss_fn,
@@ -247,7 +277,12 @@ def _measure(
         # the worst case's iterates live in the flat buffers of one layout; average-case
         # samples are drawn group by group, and stay as they were
         layout = BallLayout(plan, base, groups) if kind == "worst" else None
+        exact = None
         if layout is not None:
+            if path == "second_order":  # the path-gap report's groups on the exact path
+                exact = exact_groups(
+                    layout.groups, groups, _ball_groups(plan, points, "exact", norm)
+                )
             groups = layout.groups
 
         def objective_for(batch):
@@ -278,6 +313,8 @@ def _measure(
                 seed=seed + index,
                 check_dependence=not records[0],
                 keep_best_gradient=keep_best_gradient,
+                restarts=restarts,
+                exact=exact,
             )
             _record(records, index, outcomes)
 
@@ -302,7 +339,7 @@ def _measure(
 
 def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outcome]) -> None:
     """Append batch ``index``'s outcome at each radius to that radius's records."""
-    for per_radius, (clean_loss, top, history, passes, seconds) in zip(records, outcomes):
+    for per_radius, (clean_loss, top, history, passes, seconds, gap) in zip(records, outcomes):
         per_radius.append(
             dict(
                 index=index,
@@ -311,6 +348,7 @@ def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outc
                 history=history,
                 passes=passes,
                 seconds=seconds,
+                gap=gap,
             )
         )
 
@@ -332,6 +370,11 @@ def _result(
         flat = [r["index"] for r in records if r["top"] == r["clean"]]
         zero_weights = zero_weight_parameters(plan, base) if flat else []
         warn_if_no_ascent(flat, len(records), zero_weights)
+    gaps = exact_losses = None
+    if records[0]["gap"] is not None:
+        gaps, exact_losses = (list(column) for column in zip(*(r["gap"] for r in records)))
+        perturbed = [r["top"] for r in records]
+        warn_if_path_gap(per_batch, perturbed, exact_losses, settings["rho"])
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
@@ -344,6 +387,8 @@ def _result(
         backward_passes=[r["passes"][1] for r in records],
         settings=settings,
         plan=summary,
+        path_gaps=gaps,
+        exact_losses=exact_losses,
     )
 
 
@@ -359,7 +404,9 @@ def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
         yield points.pop()
 
 
-Outcome = Tuple[float, float, List[float], Tuple[int, int], float]
+#: (clean loss, worst or mean perturbed loss, history, (forward, backward passes),
+#: seconds, (path gap, exact loss) or None) of one batch at one radius
+Outcome = Tuple[float, float, List[float], Tuple[int, int], float, Optional[Tuple[float, float]]]
 
 
 def _measure_batch(
@@ -373,9 +420,10 @@ def _measure_batch(
     seed: int,
     check_dependence: bool,
     keep_best_gradient: bool | None = None,
+    restarts: int = 0,
+    exact: List[BallGroup] | None = None,
 ) -> List[Outcome]:
-    """Per radius, (clean loss, worst or mean perturbed loss, history, (forward, backward
-    passes), seconds) of one batch.
+    """Per radius, the :data:`Outcome` of one batch.
 
     The worst case's best perturbation is dropped here rather than kept alive while the
     next batch is measured. Its first evaluation differentiates the loss, which checks
@@ -391,15 +439,18 @@ def _measure_batch(
             path=path,
             seed=seed,
             keep_best_gradient=keep_best_gradient,
+            restarts=restarts,
+            exact=exact,
         )
-    outcomes = []
+    outcomes: List[Outcome] = []
     for rho in radii:
         t0 = time.perf_counter()
         clean_loss, top, history = _average_batch(
             groups, objective, rho=rho, iters=iters, path=path, seed=seed, check=check_dependence
         )
         check_dependence = False
-        outcomes.append((clean_loss, top, history, (iters + 1, 0), time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        outcomes.append((clean_loss, top, history, (iters + 1, 0), seconds, None))
     return outcomes
 
 
@@ -430,6 +481,9 @@ def _maximize_over_radii(
     groups: List[BallGroup],
     objective: Callable,
     radii: Sequence[float],
+    *,
+    restarts: int = 0,
+    exact: List[BallGroup] | None = None,
     **options: Any,
 ) -> List[Outcome]:
     r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
@@ -438,7 +492,10 @@ def _maximize_over_radii(
     search from :math:`\xi = 0` (the single-radius run, bit for bit) and one from the best
     point :math:`\xi^*_{k-1}` so far, which lies in the larger ball (the balls at one base
     point are nested, and the path does not depend on the radius); the best of the two
-    and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease.
+    and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease. At every
+    radius, ``restarts`` more searches from random points (:func:`_restart_searches`).
+    With ``exact`` (the groups on the exact path), the path gap at the kept maximiser
+    (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass).
     """
     outcomes: List[Outcome] = []
     best_value, best_xi = -math.inf, None
@@ -454,9 +511,49 @@ def _maximize_over_radii(
                 top, history, xi = warm.value, warm.history, warm.xi
             if best_value > top:  # the previous maximiser, still feasible, stays ahead
                 top, history, xi = best_value, warm.history, best_xi
+        for extra in _restart_searches(groups, objective, rho, restarts, options):
+            passes = [passes[0] + extra.evaluations, passes[1] + extra.gradients]
+            if extra.value > top:
+                top, history, xi = extra.value, extra.history, extra.xi
         best_value, best_xi = top, xi
-        outcomes.append((clean, top, history, (passes[0], passes[1]), time.perf_counter() - t0))
+        gap = None
+        if exact is not None:
+            gap = path_gap(groups, exact, objective, xi)
+            passes[0] += 1
+        seconds = time.perf_counter() - t0
+        outcomes.append((clean, top, history, (passes[0], passes[1]), seconds, gap))
     return outcomes
+
+
+#: Seeds of the random starts: restart ``r`` of the batch with seed ``s`` (``seed + i``)
+#: draws from ``s + r * RESTART_SEED_STRIDE``, away from the other batches' seeds.
+RESTART_SEED_STRIDE = 1_000_003
+
+
+def _restart_searches(
+    groups: List[BallGroup],
+    objective: Callable,
+    rho: float,
+    restarts: int,
+    options: Dict[str, Any],
+) -> Iterator[Any]:
+    r"""``restarts`` Auto-PGD searches at radius ``rho``, each from a random point of the
+    ball (``init="random"``: a Gaussian horizontal vector in the metric with standard
+    deviation :math:`\rho` per dimension, projected onto the ball, so on its sphere but
+    in the fewest dimensions), seeded from the batch's seed: deterministic."""
+    seed = options["seed"]
+    for restart in range(1, restarts + 1):
+        start = dict(options, seed=seed + restart * RESTART_SEED_STRIDE)
+        yield maximize_in_ball(groups, objective, rho=rho, init="random", **start)
+
+
+def check_restarts(restarts: Any) -> int:
+    """``restarts`` as a non-negative int, or a ValueError/TypeError."""
+    if isinstance(restarts, bool) or not isinstance(restarts, int):
+        raise TypeError(f"`restarts` must be an int >= 0, got {restarts!r}")
+    if restarts < 0:
+        raise ValueError(f"`restarts` must be >= 0, got {restarts}")
+    return restarts
 
 
 class ZeroSharpnessWarning(UserWarning):
@@ -652,6 +749,7 @@ def geodesic_sharpness(
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
+    restarts: int = 0,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -759,6 +857,15 @@ def geodesic_sharpness(
         batches whether they failed: a rank that raised re-raises, every other raises
         :class:`~geoopt_quotient.sharpness.ranks.RankFailedError`; none waits. Every rank
         passes the same other arguments. ``None`` (default): no communication.
+    restarts : int
+        Worst case: this many more Auto-PGD searches per batch and radius, each from a
+        random point of the ball (a Gaussian horizontal :math:`\xi` in the metric,
+        projected onto the ball: on its sphere :math:`|\xi|_w = \rho` unless the ball
+        has very few dimensions), seeded from ``seed`` and the batch index, so the
+        result is deterministic. The best of all searches is kept: the value is at least
+        that of ``restarts=0`` with the same ``seed``, whose search from
+        :math:`\xi = 0` is among them. Default 0; not available for an FSDP2-sharded
+        model.
 
     Returns
     -------
@@ -772,7 +879,10 @@ def geodesic_sharpness(
         results are one object); ``seconds`` is the whole call's time, the passes and
         ``seconds_per_batch`` those of the radius (both searches), and the history
         that of the better search (the warm-started one when the carried maximiser
-        stays ahead).
+        stays ahead). Worst case on ``path="second_order"``:
+        :attr:`~SharpnessResult.path_gaps` and :attr:`~SharpnessResult.exact_losses`,
+        how far the retraction's point at each batch's maximiser is from the exact
+        geodesic's, and the loss there (one more forward pass per batch and radius).
 
     Raises
     ------
@@ -796,15 +906,23 @@ def geodesic_sharpness(
     -----
     ZeroSharpnessWarning
         When no Auto-PGD iterate increases the loss of a batch (worst case exactly 0).
+    PathGapWarning
+        Worst case on ``path="second_order"``, when at the maximisers the loss on the
+        exact geodesic differs from the retraction's by more than 10% of the sharpness,
+        on average over the batches:
+        :math:`\frac1B \sum_b |L_b(\operatorname{Exp}_w \xi^*_b) - L_b(R_w \xi^*_b)|
+        > 0.1\, S_{\max}` (user guide, "Is the second-order path faithful?"). Use
+        ``path="exact"`` or a smaller ``rho``.
 
     Notes
     -----
     Cost: the worst case makes ``iters`` forward and backward passes per batch and one
-    more forward pass; without the kept best gradient, also one forward and backward pass
-    per Auto-PGD restart (up to 7 for 20 iterations; see :func:`maximize_in_ball`). The
-    average case makes ``iters + 1`` forward passes. :class:`SharpnessResult` reports the
-    passes made per batch. A grid of :math:`K` radii makes :math:`2K - 1` worst-case
-    searches per batch, and keeps one more vector of the ball alive (the maximiser
+    more forward pass (two on ``path="second_order"``: the path gap's); without the kept
+    best gradient, also one forward and backward pass per Auto-PGD restart (up to 7 for
+    20 iterations; see :func:`maximize_in_ball`). The average case makes ``iters + 1``
+    forward passes. :class:`SharpnessResult` reports the passes made per batch. A grid of
+    :math:`K` radii makes :math:`2K - 1` worst-case searches per batch (plus ``restarts``
+    per radius), and keeps one more vector of the ball alive (the maximiser
     carried to the next radius). Between passes the geometry works on few, large tensors: in
     the worst case, the parameters left to the adaptive metric form one flat buffer per
     dtype and device, which the model reads as views, and discovery stacks the attention
@@ -862,6 +980,7 @@ def geodesic_sharpness(
         norm=norm,
         curvature=curvature,
         eps=eps,
+        restarts=restarts,
     )
     return _over_radii(
         rho,
@@ -882,6 +1001,7 @@ def geodesic_sharpness(
             distributed=distributed,
             keep_best_gradient=keep_best_gradient,
             process_group=process_group,
+            restarts=restarts,
         ),
     )
 
@@ -900,6 +1020,7 @@ def adaptive_sharpness(
     distributed: bool | None = None,
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
+    restarts: int = 0,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -952,6 +1073,9 @@ def adaptive_sharpness(
         Each rank passes its share of the batches (``all_batches[rank::world_size]``), as
         for :func:`geodesic_sharpness`; every rank returns the same result, the
         one-process result on all batches. ``None`` (default): no communication.
+    restarts : int
+        Worst case: more Auto-PGD searches from seeded random points of the ball, the
+        best kept, as for :func:`geodesic_sharpness` (default 0).
 
     Returns
     -------
@@ -998,7 +1122,14 @@ def adaptive_sharpness(
     rho = default_radius("adaptive") if rho is None else rho
     plan = SymmetryPlan(adaptive_eps=eps).bind(model)
     settings = dict(
-        measure="adaptive", rho=rho, iters=iters, path="straight", kind=kind, seed=seed, eps=eps
+        measure="adaptive",
+        rho=rho,
+        iters=iters,
+        path="straight",
+        kind=kind,
+        seed=seed,
+        eps=eps,
+        restarts=restarts,
     )
     return _over_radii(
         rho,
@@ -1019,5 +1150,6 @@ def adaptive_sharpness(
             distributed=distributed,
             keep_best_gradient=keep_best_gradient,
             process_group=process_group,
+            restarts=restarts,
         ),
     )

@@ -18,8 +18,13 @@ JSON document and the figure say so (:func:`few_models_warning`).
 With ``rho_scales`` (:func:`run_population`), every measure is also computed at each
 multiple :math:`s` of its radius, on the same batches with the same seed, and
 :math:`\tau` is reported per (scale, measure, path) in the records of
-:mod:`geoopt_quotient.experiments.population.rho_grid`; a scale's values at :math:`s\rho` are
-exactly those of a study run with the radii :math:`s\rho` (:func:`scaled_settings`).
+:mod:`geoopt_quotient.experiments.population.rho_grid`. Each model measures all its scales
+in one call per measure, on the monotone radius grid
+(:func:`~geoopt_quotient.geodesic_sharpness` with a sequence of radii): the search at
+each radius also starts from the maximiser of the next smaller one, so a model's values
+never decrease with the scale, and each is at least that of a study run with the radii
+:math:`s\rho` alone (:func:`scaled_settings`); the smallest scale's values are exactly
+those.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ __all__ = [
     "find_checkpoints",
     "format_tau_table",
     "measure_model",
+    "measure_model_over_scales",
     "measure_path",
     "measure_radius",
     "read_gaps",
@@ -417,13 +423,61 @@ def measure_model(
         ``seconds``; with a geodesic measure also ``"_plan"``, the symmetric groups
         (name to count of heads) and the plan's notes.
     """
+    return measure_model_over_scales(
+        model,
+        loss_fn,
+        batches,
+        settings,
+        None,
+        probe_inputs=probe_inputs,
+        on_measure=on_measure,
+        plans=plans,
+    )[0]
+
+
+def measure_model_over_scales(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batches: Sequence[Any],
+    settings: StudySettings,
+    scales: Optional[Sequence[float]],
+    *,
+    probe_inputs: Any = None,
+    on_measure: Optional[Callable[[str], None]] = None,
+    plans: Optional[Mapping[str, Any]] = None,
+) -> List[Dict[str, Dict[str, Any]]]:
+    r""":func:`measure_model` at several multiples of the radii, in one call per measure.
+
+    Each measure is measured on the grid :math:`s_1 \rho < \dots < s_K \rho` of its
+    radius :math:`\rho` (a sequence ``rho`` of
+    :func:`~geoopt_quotient.geodesic_sharpness`), monotone by construction: per batch,
+    the value at :math:`s_k\rho` is at least that at :math:`s_{k-1}\rho` and at least
+    that of a call at :math:`s_k\rho` alone.
+
+    Parameters
+    ----------
+    model, loss_fn, batches, settings, probe_inputs, on_measure, plans
+        As for :func:`measure_model`.
+    scales : sequence of float or None
+        The multiples :math:`s_k > 0`, increasing; ``None``: the radii of ``settings``
+        alone (one single-radius call per measure, as :func:`measure_model`).
+
+    Returns
+    -------
+    list of dict
+        One :func:`measure_model` result per scale, in the order of ``scales``.
+    """
+    radii: Dict[str, Any] = {m: measure_radius(settings, m) for m in settings.measures}
+    if scales is not None:
+        grids = [scaled_settings(settings, s) for s in scales]
+        radii = {m: [measure_radius(g, m) for g in grids] for m in settings.measures}
     plans = dict(plans or {})
     measured = measure_sharpness(
         model,
         loss_fn,
         batches,
         settings.measures,
-        {m: measure_radius(settings, m) for m in settings.measures},
+        radii,
         iters=settings.iters,
         kind=settings.kind,
         path=settings.path,
@@ -434,21 +488,23 @@ def measure_model(
         plans=plans,
         on_measure=on_measure,
     )
-    results: Dict[str, Dict[str, Any]] = {
-        measure: {
-            "value": result.value,
-            "per_batch": result.per_batch,
-            "clean_loss": float(np.mean(result.clean_losses)),
-            "perturbed_loss": float(np.mean(result.perturbed_losses)),
-            "seconds": result.seconds,
-        }
-        for measure, result in measured.items()
-    }
+    count = 1 if scales is None else len(scales)
+    per_scale: List[Dict[str, Dict[str, Any]]] = [{} for _ in range(count)]
+    for measure, outcome in measured.items():
+        for results, result in zip(per_scale, outcome if scales is not None else [outcome]):
+            results[measure] = {
+                "value": result.value,
+                "per_batch": result.per_batch,
+                "clean_loss": float(np.mean(result.clean_losses)),
+                "perturbed_loss": float(np.mean(result.perturbed_losses)),
+                "seconds": result.seconds if scales is None else sum(result.seconds_per_batch),
+            }
     if plans:
         bound = next(iter(plans.values()))
         results_plan = {g.name: g.count for g in bound.symmetric_groups}
-        results["_plan"] = {"symmetric_groups": results_plan, "notes": list(bound.notes)}
-    return results
+        for results in per_scale:
+            results["_plan"] = {"symmetric_groups": results_plan, "notes": list(bound.notes)}
+    return per_scale
 
 
 #: ``prepare(model, batches, settings) -> (rows, plans)`` of :class:`JointModels`.
@@ -629,11 +685,12 @@ def _measure_checkpoint(
 ) -> List[Dict[str, Any]]:
     """Load one checkpoint, measure its sharpness (and its gap when train/test are given).
 
-    ``scales``: ``(scale, fingerprint)`` pairs; one record per pair, in that order, each
-    with the measures at ``scale`` times the radii of ``settings`` on the same batches.
-    Records at a scale other than 1 have a ``scale`` key; those at scale 1 are the records
-    of a study without scales. ``on_record`` receives each record as soon as it is
-    finished. With ``joint`` the model is prepared (sharded) before anything is measured.
+    ``scales``: ``(scale, fingerprint)`` pairs, increasing; one record per pair, in that
+    order, each with the measures at ``scale`` times the radii of ``settings`` on the same
+    batches. Several scales are measured in one call per measure, on the monotone grid
+    (:func:`measure_model_over_scales`). Records at a scale other than 1 have a ``scale``
+    key. ``on_record`` receives each record once all are measured. With ``joint`` the
+    model is prepared (sharded) before anything is measured.
     """
     start = time.perf_counter()
     if format == "model-soups":
@@ -660,31 +717,46 @@ def _measure_checkpoint(
             test_error=errors["test"],
             gap=errors["test"] - errors["train"],
         )
-    records = []
-    for scale, study in scales:
-        measures = measure_model(
+    if len(scales) == 1:
+        ((scale, _),) = scales
+        per_scale = [
+            measure_model(
+                model,
+                loaded.loss_fn,
+                batches,
+                scaled_settings(settings, scale),
+                probe_inputs=batches[0][0],
+                on_measure=on_measure,
+                plans=plans,
+            )
+        ]
+    else:
+        per_scale = measure_model_over_scales(
             model,
             loaded.loss_fn,
             batches,
-            scaled_settings(settings, scale),
+            settings,
+            [scale for scale, _ in scales],
             probe_inputs=batches[0][0],
-            on_measure=on_measure if len(scales) == 1 else _with_scale(on_measure, scale),
+            on_measure=_with_scales(on_measure, len(scales)),
             plans=plans,
         )
+    seconds = (time.perf_counter() - start) / len(scales)
+    records = []
+    for (scale, study), measures in zip(scales, per_scale):
         finished = dict(record, plan=measures.pop("_plan", {}), measures=measures)
-        finished["seconds"] = time.perf_counter() - start
+        finished["seconds"] = seconds
         finished["fingerprint"] = study
         if scale != 1:
             finished["scale"] = scale
         if on_record is not None:
             on_record(finished)
         records.append(finished)
-        start = time.perf_counter()
     return records
 
 
-def _with_scale(on_measure: Callable[[str], None], scale: float) -> Callable[[str], None]:
-    return lambda measure: on_measure(f"{measure} at {scale:g}ρ")
+def _with_scales(on_measure: Callable[[str], None], count: int) -> Callable[[str], None]:
+    return lambda measure: on_measure(f"{measure} at {count} radii")
 
 
 # ---------------------------------------------------------------- statistics
@@ -849,7 +921,11 @@ def _study_fingerprint(
     train_data: Optional[str],
     test_data: Optional[str],
     format: str = "hf",
+    grid: Optional[Sequence[float]] = None,
 ) -> str:
+    """The fingerprint of a study's records: settings, data, format, and for a radius grid
+    its scales (a value at one scale depends on the smaller ones: records of one grid are
+    not those of another, nor of a study at that scale alone)."""
     files = {"data": data, "train": train_data, "test": test_data}
     digests = {k: _input_digest(v) for k, v in files.items() if v is not None}
     recorded = asdict(settings)
@@ -858,6 +934,8 @@ def _study_fingerprint(
     study = {"settings": recorded, "files": digests}
     if format != "hf":  # fingerprints of Hugging Face runs stay as they were
         study["format"] = format
+    if grid is not None:
+        study["rho_grid"] = [float(s) for s in grid]
     return fingerprint(study)
 
 
@@ -918,9 +996,11 @@ def run_population(
         Processes decoding images (``format="model-soups"``; 0: the main process).
     rho_scales : sequence of float, optional
         Also measure every model at these multiples :math:`s` of every radius
-        (:func:`scaled_settings`; scale 1 is always measured), on the same batches. Each
-        (model, scale) is a record of its own, appended as it finishes: a resumed run
-        recomputes no finished scale.
+        (:func:`scaled_settings`; scale 1 is always measured), on the same batches, all
+        of a model's scales in one call per measure on the monotone radius grid
+        (:func:`measure_model_over_scales`: values never decrease with the scale). Each
+        (model, scale) is a record of its own; a resumed run reuses the models whose
+        every scale was measured on the same grid, and measures the others again.
     joint : JointModels, optional
         Every process measures every model together, each model sharded over the
         processes by ``joint.prepare`` (``format="hf"`` only), instead of the models
@@ -958,9 +1038,10 @@ def run_population(
         raise InputError("give the gaps (a CSV), or train and test data to measure them")
     device = torch.device(device)
     scales = study_scales(rho_scales)
+    grid = list(scales) if len(scales) > 1 else None
     studies = {
         scale: _study_fingerprint(
-            scaled_settings(settings, scale), data, train_data, test_data, format
+            scaled_settings(settings, scale), data, train_data, test_data, format, grid
         )
         for scale in scales
     }
@@ -989,7 +1070,8 @@ def run_population(
             record = None
             if mine is not None:
                 name = Path(mine).name
-                missing = [(s, studies[s]) for s in scales if (name, s) not in done]
+                # a grid's values depend on all its radii: a model measures all or none
+                missing = [(s, studies[s]) for s in scales]
                 try:
                     record = _measure_checkpoint(
                         mine,

@@ -1,0 +1,389 @@
+r"""The tangent space of :class:`~geoopt_quotient.GLQuotient` at a fixed point, with every
+operation of a sharpness iteration a few batched products.
+
+Auto-PGD evaluates, at one base point :math:`X = [G; H]` and many times, the metric's
+Gram matrix of three vectors, the Riemannian gradient (metric conversion and horizontal
+projection), the second-order retraction and its pullback. The reference formulas
+(:class:`~geoopt_quotient.GLQuotient`) apply them factor by factor and solve the
+projection's Sylvester equation from the converted gradient. Here everything that
+depends on the point only is combined once (:class:`_Kernel`), so that each operation
+is linear algebra on the tangent vectors alone:
+
+- each per-factor product :math:`\xi_F W_F` is one batched product per factor, and
+  with :math:`n = m` rows in both factors (the sharpness ball's layout pads its stacked
+  groups to that) one for both: a batch of points ``(..., 2n, h)`` is a batch of twice
+  as many ``n x h`` matrices :math:`(G_b, H_b)`, multiplied by the stacked
+  :math:`h \times h` weights :math:`[W_G; W_H]`;
+- the Riemannian gradient's projection, from the Euclidean gradient :math:`\nabla`, has
+  a right-hand side that factors through :math:`D = H^\top\nabla_H - \nabla_G^\top G`:
+  inv, with :math:`\rho_F = \nabla_F S_F`, :math:`S_G H^\top \rho_H - \rho_G^\top G S_H
+  = S_G D S_H`; mix, with :math:`\rho_G = \nabla_G S_H^{-1}`, :math:`\rho_H = \nabla_H
+  S_G^{-1}`, :math:`\rho_H^\top H S_H^{-1} - S_G^{-1} G^\top \rho_G = S_G^{-1} D^\top
+  S_H^{-1}`. The solution's transpose :math:`T = \Omega^\top` is then
+  :math:`P_l\,[(L D R) \odot Q]\,P_r` with matrices :math:`L, R, P_l, P_r, Q` of the
+  point (below), and the gradient is :math:`\nabla_F K_F + F\,O_F` with
+  :math:`O = [T^\top; -T]`: one batched product and one batched multiply-add.
+
+Results equal the reference formulas up to float rounding (the order of sums); the
+tests compare both in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ._linalg import capped
+from .tangent import CachedTangentSpace
+
+
+class _Kernel(NamedTuple):
+    r"""The point's matrices, flattened to one batch dimension: ``x`` the point
+    ``(B, n + m, h)``; the others ``(B, 2, h, h)`` (rows: the :math:`G` and :math:`H`
+    factor) unless said otherwise."""
+
+    x: torch.Tensor
+    metric: torch.Tensor  # W_F: <u, v> = sum_F tr(W_F u_F^T v_F)
+    convert: torch.Tensor  # K_F: the Riemannian gradient before projection, grad_F K_F
+    inverses: torch.Tensor  # S_F^{-1}
+    swapped: torch.Tensor  # S_F'^{-1}, F' the other factor
+    left: torch.Tensor  # L (B, h, h), in the projection's precision
+    right: torch.Tensor  # R
+    quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
+    outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
+    outer_right: Optional[torch.Tensor]  # P_r
+
+    def part(self, start: int, stop: int) -> _Kernel:
+        return _Kernel(*(None if t is None else t[start:stop] for t in self))
+
+
+def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return torch.stack((first, second), dim=-3)
+
+
+def _kernel(manifold, x: torch.Tensor, state, projection: bool = True) -> _Kernel:
+    """The :class:`_Kernel` of the point ``x`` (in its working dtype) and its
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`; without the projection's
+    matrices unless ``projection``."""
+    rank = x.shape[-1]
+    s_g, s_h = state.grams
+    s_g_inv, s_h_inv = state.inverses
+    inverses = _stack(s_g_inv, s_h_inv)
+    swapped = _stack(s_h_inv, s_g_inv)
+    if manifold.metric == "inv":
+        metric, convert = inverses, _stack(s_g, s_h)
+    else:
+        metric, convert = _stack(s_h, s_g), swapped
+    pairs = [t.reshape(-1, 2, rank, rank) for t in (metric, convert, inverses, swapped)]
+    matrices = _projection(manifold, state) if projection else (None,) * 5
+    projection = [None if t is None else t.reshape(-1, rank, rank) for t in matrices]
+    return _Kernel(x.reshape(-1, *x.shape[-2:]), *pairs, *projection)
+
+
+def _projection(manifold, state) -> Tuple[Optional[torch.Tensor], ...]:
+    r"""``(L, R, Q, P_l, P_r)`` with :math:`T = \Omega^\top = P_l [(L D R) \odot Q] P_r`
+    (module docstring).
+
+    inv: :math:`Y = \Omega^\top` solves :math:`A Y + Y B = S_G D S_H` in the eigenbases
+    :math:`A = P_a \Lambda P_a^{-1}`, :math:`B = P_b M P_b^{-1}`:
+    :math:`L = P_a^{-1} S_G`, :math:`R = S_H P_b`, :math:`Q_{ij} = 1 / (\lambda_i +
+    \mu_j)`, :math:`P_l = P_a`, :math:`P_r = P_b^{-1}`.
+    mix, ``eps = 0``: :math:`\Omega = \tfrac12 S_G^{-1} D^\top S_H^{-1}`, so
+    :math:`L = \tfrac12 S_H^{-1}`, :math:`R = S_G^{-1}`.
+    mix, ``eps > 0``: :math:`\Omega = U_G [(U_G^\top \Delta U_H) \oslash (a_i + b_j)]
+    U_H^\top` with :math:`\Delta = S_G^{-1} D^\top S_H^{-1}` and the eigenbases
+    :math:`S_F = U_F \operatorname{diag}(\sigma_F) U_F^\top`,
+    :math:`a = 1 - \varepsilon / \sigma_G`, :math:`b = 1 - \varepsilon / \sigma_H`; so
+    :math:`L = U_H^\top S_H^{-1}`, :math:`R = S_G^{-1} U_G`, :math:`P_l = U_H`,
+    :math:`P_r = U_G^\top`. Degenerate sums (relaxed, rank-deficient points) get
+    :math:`Q = 0`, as in the reference.
+    """
+    from ._linalg import _safe_divide_eigensum
+
+    high = state.high
+    if manifold.metric == "inv":
+        s_g, s_h = state.grams_exact
+        left, right = state.inv_sylvester_bases
+        q = 1.0 / (left.values[..., :, None] + right.values[..., None, :])
+        if manifold.eps:
+            q = _safe_divide_eigensum(torch.ones_like(q), left.values, right.values)
+        return left.inverse @ s_g, s_h @ right.vectors, q, left.vectors, right.inverse
+    s_g_inv, s_h_inv = state.inverses
+    if not manifold.eps:
+        return 0.5 * s_h_inv, s_g_inv, None, None, None
+    sig, u_g = torch.linalg.eigh(state.grams_exact[0])
+    tau, u_h = torch.linalg.eigh(state.grams_exact[1])
+    a, b = (sig - manifold.eps) / sig, (tau - manifold.eps) / tau
+    q = _safe_divide_eigensum(torch.ones_like(u_g), b, a)
+    left = u_h.mT @ s_h_inv.to(high)
+    return left, s_g_inv.to(high) @ u_g, q, u_h, u_g.mT
+
+
+#: At most this many blocks of rows per point for the one-call products of :class:`_Split`.
+MAX_BLOCKS = 8
+#: Bytes of the batch slice handled at once on the CPU (as the reference's fused
+#: operations: the slice's temporaries stay in cache).
+CHUNK_BYTES = 1 << 21
+
+
+class GLTangentSpace(CachedTangentSpace):
+    """:class:`~geoopt_quotient.manifolds.tangent.CachedTangentSpace` of a
+    :class:`~geoopt_quotient.GLQuotient` whose hot operations (:meth:`gram`,
+    :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
+    where they apply (contiguous tensors of the point's shape and working dtype, nothing
+    for autograd to record), and the reference ones otherwise. A subclass with its own
+    horizontal projection (:class:`~geoopt_quotient.RotaryGLQuotient`) keeps it: the
+    metric conversion is batched, the projection is the subclass's."""
+
+    def __init__(self, manifold, x: torch.Tensor, state):
+        super().__init__(manifold, x, state)
+        from .gl_quotient import GLQuotient
+
+        self._own_projection = type(manifold)._proju is not GLQuotient._proju
+        self._split = _Split(manifold.n, manifold.m)
+        self._kernel: _Kernel | None = None
+        self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
+
+    def _applies(self, *tensors: torch.Tensor) -> bool:
+        return self.manifold._can_fuse(self.state, *tensors)
+
+    def _whole(self) -> _Kernel:
+        if self._kernel is None:
+            own = self._own_projection
+            whole = _kernel(self.manifold, self.x, self.state, projection=not own)
+            self._kernel = self._split.keep(whole)
+        return self._kernel
+
+    def _parts(self, *tensors: torch.Tensor):
+        """``(kernel, tensors)`` a slice of the batch at a time (:data:`CHUNK_BYTES` on the
+        CPU, one slice where blocks are capped), the tensors viewed as ``(B, n + m, h)``."""
+        kernel = self._whole()
+        count, rows, rank = kernel.x.shape
+        flats = [t if t.shape == kernel.x.shape else t.view(count, rows, rank) for t in tensors]
+        budget = CHUNK_BYTES if self.x.device.type == "cpu" else 1 << 28
+        per = max(1, budget // (rows * rank * kernel.x.element_size()))
+        if per >= count or capped(self.x.device):
+            yield kernel, flats
+            return
+        for start in range(0, count, per):
+            stop = min(start + per, count)
+            part = self._slices.get((start, stop))
+            if part is None:
+                part = self._slices[start, stop] = self._split.keep(kernel.part(start, stop))
+            yield part, [f[start:stop] for f in flats]
+
+    # ------------------------------------------------------------------ metric
+    def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not self._applies(*vectors):
+            return super().gram(vectors)
+        size, split = len(vectors), self._split
+        total = torch.zeros(size, size, dtype=torch.float64, device=self.x.device)
+        for kernel, pieces in self._parts(*vectors):
+            per_vector = [split.factors(p) for p in pieces]
+            for index, weight in enumerate(split.small(kernel.metric)):
+                parts = [factors[index] for factors in per_vector]
+                batch, rows, rank = parts[0].shape
+                stacked = torch.stack(parts, dim=1).view(batch, size * rows, rank)
+                weighted = torch.bmm(stacked, weight).view(batch, size, -1)
+                pairs = torch.bmm(weighted, stacked.view(batch, size, -1).mT)
+                total += pairs.sum(0).double()
+        return (total + total.mT) / 2
+
+    # ------------------------------------------------------------------ gradient
+    def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
+        if not self._applies(u):
+            return super().egrad2rgrad_(u)
+        if self._own_projection:
+            converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
+            return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
+        for kernel, (piece,) in self._parts(u):
+            piece.copy_(_riemannian_gradient(kernel, self._split, piece))
+        return u
+
+    # ------------------------------------------------------------------ retraction
+    def retr_vjp(
+        self, u: torch.Tensor, out: torch.Tensor
+    ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        manifold, split = self.manifold, self._split
+        if manifold.retraction == "first_order" or not self._applies(u, out):
+            return super().retr_vjp(u, out)
+        saved: List[torch.Tensor] = []
+        mix = manifold.metric == "mix"
+        for kernel, (u_, o_) in self._parts(u, out):
+            saved.append(_retract(kernel, split, u_, o_, mix))
+
+        def pullback(c: torch.Tensor) -> torch.Tensor:
+            if not self._applies(c):
+                raise ValueError("the cotangent must be a contiguous tensor like the point")
+            for (kernel, (u_, c_)), step in zip(self._parts(u, c), saved):
+                _pull_back_(kernel, split, u_, c_, step, mix)
+            return c
+
+        return out, pullback
+
+
+class _Split:
+    r"""Per-factor products of tensors ``(B, n + m, h)`` with ``h x h`` matrices of each
+    factor, ``(B, 2, h, h)``. Where both factors are made of a few blocks of
+    :math:`b = \gcd(n, m)` rows (at most :data:`MAX_BLOCKS` in all: ``n == m``, or
+    Llama's ``m = 2n`` of grouped-query attention), a tensor is one batch of ``b x h``
+    blocks and each product one batched call, the matrices repeated per block;
+    otherwise one call per factor."""
+
+    def __init__(self, n: int, m: int):
+        self.n, self.m = n, m
+        rows = math.gcd(n, m)
+        self.counts = (n // rows, m // rows)
+        self.rows = rows if sum(self.counts) <= MAX_BLOCKS else 0
+        self._index: dict = {}  # device -> which factor each block belongs to
+        self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
+
+    def keep(self, kernel: _Kernel) -> _Kernel:
+        """Make the operands of ``kernel``'s tensors once (views cost a dispatch each);
+        each tensor is kept with them, so that its id stays its own. Returns ``kernel``."""
+        self._kept[id(kernel.x)] = (kernel.x, self._factors(kernel.x))
+        for t in (kernel.metric, kernel.convert):
+            self._kept[id(t)] = (t, self._small(t))
+        return kernel
+
+    def _lookup(self, t: torch.Tensor):
+        entry = self._kept.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def factors(self, t: torch.Tensor) -> List[torch.Tensor]:
+        """``t`` (``(B, n + m, h)``) as the operands of one batched product per factor, or
+        one for both."""
+        return self._lookup(t) or self._factors(t)
+
+    def small(self, s: torch.Tensor) -> List[torch.Tensor]:
+        """``s`` (``(B, 2, h, h)``) as the matching operands of :meth:`factors`."""
+        return self._lookup(s) or self._small(s)
+
+    def _factors(self, t: torch.Tensor) -> List[torch.Tensor]:
+        if self.rows:
+            return [t.view(-1, self.rows, t.shape[-1])]
+        return list(t.split((self.n, self.m), dim=1))
+
+    def _small(self, s: torch.Tensor) -> List[torch.Tensor]:
+        if not self.rows:
+            return [s[:, 0], s[:, 1]]
+        if self.counts != (1, 1):
+            index = self._index.get(s.device)
+            if index is None:
+                which = [0] * self.counts[0] + [1] * self.counts[1]
+                index = self._index[s.device] = torch.tensor(which, device=s.device)
+            s = s.index_select(1, index)
+        return [s.view(-1, *s.shape[-2:])]
+
+    def inner(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r""":math:`a_F^\top b_F` for both factors, ``(B, 2, h, h)`` (a sum over the blocks
+        of a factor)."""
+        products = [torch.bmm(p.mT, q) for p, q in zip(self.factors(a), self.factors(b))]
+        if not self.rows:
+            return torch.stack(products, dim=1)
+        blocks = products[0].view(-1, sum(self.counts), *products[0].shape[-2:])
+        if self.counts == (1, 1):
+            return blocks
+        first = self.counts[0]
+        return torch.stack((blocks[:, :first].sum(1), blocks[:, first:].sum(1)), dim=1)
+
+    def times(self, big: torch.Tensor, s: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """A new tensor: ``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors."""
+        smalls = [w.mT if transposed else w for w in self.small(s)]
+        parts = [torch.bmm(p, w) for p, w in zip(self.factors(big), smalls)]
+        return parts[0].view(big.shape) if self.rows else torch.cat(parts, dim=1)
+
+    def add_times_(self, out: torch.Tensor, big: torch.Tensor, s: torch.Tensor, alpha: float):
+        """``out_F += alpha big_F s_F`` for both factors."""
+        for o, p, w in zip(self.factors(out), self.factors(big), self.small(s)):
+            o.baddbmm_(p, w, alpha=alpha)
+
+    def sum_into(self, out: torch.Tensor, base: torch.Tensor, big: torch.Tensor, s: torch.Tensor):
+        """``out_F = base_F + big_F s_F`` for both factors."""
+        for o, b, p, w in zip(
+            self.factors(out), self.factors(base), self.factors(big), self.small(s)
+        ):
+            torch.baddbmm(b, p, w, out=o)
+
+
+def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> torch.Tensor:
+    r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
+    cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H)
+    d = cross[:, 1] - cross[:, 0].mT
+    work = kernel.left.dtype
+    t = torch.bmm(torch.bmm(kernel.left, d.to(work)), kernel.right)
+    if kernel.quotient is not None:
+        t = t * kernel.quotient
+    if kernel.outer_left is not None:
+        t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
+    t = t.to(grad.dtype)
+    out = split.times(grad, kernel.convert)
+    split.add_times_(out, kernel.x, torch.stack((t.mT, -t), dim=1), 1.0)
+    return out
+
+
+def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
+    r"""``(E, Y)``, ``(B, 2, h, h)``, of the retraction :math:`R_X(\xi)_F = F + \xi_F E_F
+    - \tfrac12 F Y_F`, :math:`E_F = I - \tfrac12 X_F` (the Christoffel coefficients of the
+    reference: :math:`M_F = \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top
+    \xi_F`; inv: :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G
+    = M_H S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors
+    exchanged)."""
+    rank = u.shape[-1]
+    k = split.inner(kernel.x, u)
+    m, b = k + k.mT, split.inner(u, u)
+    eye = torch.eye(rank, dtype=u.dtype, device=u.device)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, rank, rank)
+
+    if mix:
+        swapped = flat(kernel.swapped)
+        e = torch.baddbmm(eye, flat(m.flip(1)), swapped, alpha=-0.5)
+        y = torch.bmm(flat(b.flip(1)), swapped).neg_()
+    else:
+        inverses = flat(kernel.inverses)
+        e, y = torch.baddbmm(eye, inverses, flat(m), alpha=0.5), torch.bmm(inverses, flat(b))
+    return e.view(m.shape), y.view(m.shape)
+
+
+def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor, mix: bool):
+    """The retraction written into ``out``; returns ``E`` for the pullback."""
+    e, y = _coefficients(kernel, split, u, mix)
+    split.sum_into(out, kernel.x, u, e)
+    split.add_times_(out, kernel.x, y, -0.5)
+    return e
+
+
+def _pull_back_(
+    kernel: _Kernel, split: _Split, u: torch.Tensor, c: torch.Tensor, e: torch.Tensor, mix: bool
+):
+    r""":math:`(D_\xi R_X)^\top c`, written into ``c``: with :math:`\bar X_F = \xi_F^\top
+    c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F =
+    -S_F^{-1} \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar
+    X_G S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}` (and exchanged),
+
+    .. math::
+
+        c_F E_F^\top - \tfrac12 F (\bar M_F + \bar M_F^\top)
+        - \tfrac12 \xi_F (\bar B_F + \bar B_F^\top).
+
+    The signs of :math:`\bar M, \bar B` are carried by the products' ``alpha``.
+    """
+    rank = u.shape[-1]
+    x_bar, y_bar = split.inner(u, c), split.inner(kernel.x, c)
+    inverses = kernel.inverses.reshape(-1, rank, rank)
+    if mix:
+        m_bar = torch.bmm(x_bar.flip(1).view(-1, rank, rank), inverses)
+        b_bar = torch.bmm(y_bar.flip(1).view(-1, rank, rank), inverses)
+        m_alpha, b_alpha = -0.5, 0.5
+    else:
+        m_bar = torch.bmm(inverses, x_bar.view(-1, rank, rank))
+        b_bar = torch.bmm(inverses, y_bar.view(-1, rank, rank))
+        m_alpha, b_alpha = 0.5, -0.5
+    result = split.times(c, e, transposed=True)
+    split.add_times_(result, kernel.x, (m_bar + m_bar.mT).view(e.shape), m_alpha)
+    split.add_times_(result, u, (b_bar + b_bar.mT).view(e.shape), b_alpha)
+    c.copy_(result)
