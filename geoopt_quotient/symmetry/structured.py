@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .strided import MAX_PIECES_PER_PARAMETER, Piece
+from .strided import MAX_PIECES_PER_PARAMETER, Piece, affine_split
 
 __all__ = ["Block", "PointStructure", "trace"]
 
@@ -557,76 +557,84 @@ def strided_pieces(
     parameter names), or ``None`` where a parameter would need more than
     :data:`~geoopt_quotient.symmetry.strided.MAX_PIECES_PER_PARAMETER`.
 
-    Each box is cut into runs of consecutive parameter entries (one per box in the
-    layouts of real architectures); consecutive runs from one point whose point views
-    are translates of each other are merged into one piece with an outer dimension.
+    Each box is cut into runs of consecutive parameter entries, all of one shape (one
+    run per box in most layouts; one per row where a box takes columns). In parameter
+    order, the runs that come from one point with one shape are one piece where their
+    positions in the point are an affine function of their number
+    (:func:`~geoopt_quotient.symmetry.strided.affine_split`): the same description as
+    from the index map, at the cost of one integer per run.
     """
-    found: Dict[str, List[List]] = {n: [] for n in names}
-    budget = MAX_PIECES_PER_PARAMETER * 64
+    found: Dict[str, List[Tuple[torch.Tensor, torch.Tensor, Tuple]]] = {n: [] for n in names}
     for source, (structure, group_names) in enumerate(structures):
         point_strides = contiguous_strides(structure.shape)
         for block in structure.blocks:
-            pieces = found[group_names[block.param]]
-            cut = _block_pieces(source, block, point_strides)
-            if cut is None or len(pieces) + len(cut) > budget:
+            cut = _block_runs(block, point_strides)
+            if cut is None:
                 return None
-            pieces += cut
+            starts, offsets, shape, strides = cut
+            found[group_names[block.param]].append((starts, offsets, (source, shape, strides)))
     out = []
     for name, shape in zip(names, shapes):
-        pieces = sorted(found[name], key=lambda p: p[1])
-        merged = _merge_pieces(pieces, shape.numel())
-        if merged is None or len(merged) > MAX_PIECES_PER_PARAMETER:
+        pieces = _param_pieces(found[name], shape.numel())
+        if pieces is None or len(pieces) > MAX_PIECES_PER_PARAMETER:
             return None
-        out.append(merged)
+        out.append(pieces)
     return tuple(out)
 
 
-def _block_pieces(source: int, block: Block, point_strides: Tuple[int, ...]):
-    """``[source, start, shape, point strides, point offset]`` of the runs of a box."""
-    offset = sum(s * p for s, p in zip(block.start, point_strides))
+def _block_runs(block: Block, point_strides: Tuple[int, ...]):
+    """(parameter starts, point offsets, shape, point strides) of the runs of a box:
+    its longest row-major contiguous tail of dimensions, once per outer index."""
     dims = sorted(
         ((s, n, p) for s, n, p in zip(block.strides, block.shape, point_strides) if n > 1),
         key=lambda d: -d[0],
     )
-    # the longest row-major contiguous tail: one run of the parameter per outer index
     tail, step = len(dims), 1
     while tail > 0 and dims[tail - 1][0] == step:
         step *= dims[tail - 1][1]
         tail -= 1
     outer, inner = dims[:tail], dims[tail:]
+    if math.prod(n for _, n, _ in outer) > MAX_RUNS:
+        return None
+    starts = torch.tensor([block.offset])
+    offsets = torch.tensor([sum(s * p for s, p in zip(block.start, point_strides))])
+    for s, n, p in outer:
+        steps = torch.arange(n)
+        starts = (starts[:, None] + s * steps).reshape(-1)
+        offsets = (offsets[:, None] + p * steps).reshape(-1)
     shape = tuple(n for _, n, _ in inner) or (1,)
     strides = tuple(p for _, _, p in inner) or (1,)
-    positions = [(block.offset, offset)]
-    for s, n, p in outer:
-        positions = [(a + i * s, b + i * p) for a, b in positions for i in range(n)]
-        if len(positions) > MAX_PIECES_PER_PARAMETER * 64:
-            return None  # too many: the caller gives up
-    return [[source, start, shape, strides, at, 1, 0] for start, at in positions]
+    return starts, offsets, shape, strides
 
 
-def _merge_pieces(pieces: List[List], size: int) -> Tuple[Piece, ...] | None:
-    """Sorted runs that tile ``[0, size)`` as :class:`Piece` s, translates merged."""
-    out: List[List] = []
-    end = 0
-    for piece in pieces:
-        source, start, shape, strides, at, _, _ = piece
-        if start != end:
-            return None  # a gap or an overlap: not a partition
-        end += math.prod(shape)
-        last = out[-1] if out else None
-        if last is not None and last[0] == source and last[2] == shape and last[3] == strides:
-            if last[5] == 1 and at > last[4]:
-                last[5], last[6] = 2, at - last[4]
-                continue
-            if last[5] > 1 and at == last[4] + last[5] * last[6]:
-                last[5] += 1
-                continue
-        out.append(list(piece))
-    if end != size:
+def _param_pieces(found, size: int) -> Tuple[Piece, ...] | None:
+    """One parameter's pieces from its runs (``None`` unless they tile ``[0, size)``)."""
+    if not found:
         return None
-    return tuple(
-        Piece(s, start, shape, strides, at)
-        if count == 1
-        else Piece(s, start, (count, *shape), (step, *strides), at)
-        for s, start, shape, strides, at, count, step in out
-    )
+    keys = list({key: None for _, _, key in found})
+    starts = torch.cat([s for s, _, _ in found])
+    offsets = torch.cat([o for _, o, _ in found])
+    which = torch.cat([torch.full_like(s, keys.index(k)) for s, _, k in found])
+    lengths = torch.tensor([math.prod(k[1]) for k in keys])[which]
+    order = torch.argsort(starts)
+    starts, offsets, which, lengths = starts[order], offsets[order], which[order], lengths[order]
+    ends = starts + lengths
+    if int(starts[0]) != 0 or int(ends[-1]) != size or not torch.equal(starts[1:], ends[:-1]):
+        return None  # a gap or an overlap: not a partition
+    breaks = (which[1:] != which[:-1]).nonzero().reshape(-1) + 1
+    bounds = [0, *breaks.tolist(), starts.numel()]
+    if len(bounds) - 1 > MAX_PIECES_PER_PARAMETER:
+        return None
+    pieces = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        source, shape, strides = keys[int(which[lo])]
+        split = affine_split(offsets[lo:hi])
+        if split is None:
+            return None
+        dims, steps = split
+        if hi - lo == 1:
+            dims, steps = (), ()
+        pieces.append(
+            Piece(source, int(starts[lo]), dims + shape, steps + strides, int(offsets[lo]))
+        )
+    return tuple(pieces)
