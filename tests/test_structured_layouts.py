@@ -24,6 +24,7 @@ from geoopt_quotient.symmetry import plan as plan_module
 from geoopt_quotient.symmetry import strided, structured
 from geoopt_quotient.symmetry.plan import _StructuredGroup, _WholeParameter
 
+F64 = torch.float64
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 
@@ -69,10 +70,11 @@ def test_structured_plans_are_the_index_map_plans(source, name, monkeypatch):
     new_out = bound.scatter(moved, params)
     assert all(torch.equal(new_out[n], old_out[n]) for n in params)
     elements = [
-        torch.linalg.matrix_exp(0.1 * torch.randn(*grp.shape[:-2], grp.shape[-1], grp.shape[-1], generator=g, dtype=torch.float64))
-        if isinstance(grp.manifold, GLQuotient) and type(grp.manifold) is GLQuotient
+        torch.linalg.matrix_exp(0.1 * torch.randn(*grp.shape[:-2], h, h, generator=g, dtype=F64))
+        if type(grp.manifold) is GLQuotient
         else None
         for grp in bound.symmetric_groups
+        for h in [grp.shape[-1]]
     ]
     new_act, old_act = bound.act(params, elements), old_bound.act(params, elements)
     assert all(torch.equal(new_act[n], old_act[n]) for n in params)
@@ -264,3 +266,15 @@ def test_overlapping_groups_are_refused_at_7b_width():
     with pytest.raises(PlanError, match=r"'model.layers.0.self_attn.q_proj.weight' is covered"):
         SymmetryPlan([*plan.groups, columns]).bind(model)
     assert plan_module  # the module under test
+
+
+@pytest.mark.parametrize(
+    ("name", "scope"),
+    [("qwen3", "over each head"), ("gemma3", "over each head"), ("olmo2", "over all heads")],
+)
+def test_qk_norm_families_say_precisely_why_qk_is_adaptive(name, scope):
+    notes = [n for n in find_symmetries(family_model(name)).notes if "q_norm, k_norm" in n]
+    assert len(notes) == 1
+    for needle in (scope, "A = c O", "O = +-1 per rotary plane", "scaled by s and 1/s"):
+        assert needle in notes[0], (needle, notes[0])
+    assert notes[0].endswith("Q/K left to the adaptive geometry (V/O is handled)")

@@ -127,15 +127,9 @@ class SymmetryGroup:
             if any(structured.overlap(*r) is not None for r in runs):
                 raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
             return _StructuredGroup(name, manifold, names, shapes, structure, kind, count)
-        total = sum(shape.numel() for shape in shapes)
-        # int32 where it holds every entry: half the memory traffic of the layout
-        dtype = torch.int32 if total <= 2**31 else torch.long
-        offsets, tensors = 0, []
-        for shape in shapes:
-            numel = shape.numel()
-            tensors.append(torch.arange(offsets, offsets + numel, dtype=dtype).reshape(shape))
-            offsets += numel
-        index = layout(*tensors)
+        offsets = sum(shape.numel() for shape in shapes)
+        dtype = torch.int32 if offsets <= 2**31 else torch.long  # as _index_tensors numbers
+        index = layout(*_index_tensors(shapes))
         if not isinstance(index, torch.Tensor) or index.dtype != dtype:
             raise PlanError(f"layout of group {name!r} must return a tensor built from its inputs")
         if not _distinct(index.reshape(-1), offsets):
@@ -241,12 +235,7 @@ class _StructuredGroup(SymmetryGroup):
         cached = self.__dict__.get("_index")
         if cached is None:
             total = sum(shape.numel() for shape in self.param_shapes)
-            dtype = torch.int32 if total <= 2**31 else torch.long
-            tensors, start = [], 0
-            for shape in self.param_shapes:
-                tensors.append(torch.arange(start, start + shape.numel(), dtype=dtype))
-                start += shape.numel()
-            cached = _compact(self.structure.gather(tensors), total)
+            cached = _compact(self.structure.gather(_index_tensors(self.param_shapes)), total)
             object.__setattr__(self, "_index", cached)
         return cached
 
@@ -274,6 +263,18 @@ class _StructuredGroup(SymmetryGroup):
             self.kind,
             self.count,
         )
+
+
+def _index_tensors(shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+    """One integer tensor per shape, numbering the entries of all of them in turn: int32
+    where that holds every entry (half the memory traffic of int64)."""
+    total = sum(shape.numel() for shape in shapes)
+    dtype = torch.int32 if total <= 2**31 else torch.long
+    tensors, start = [], 0
+    for shape in shapes:
+        tensors.append(torch.arange(start, start + shape.numel(), dtype=dtype).reshape(shape))
+        start += shape.numel()
+    return tensors
 
 
 def _distinct(index: torch.Tensor, bound: int) -> bool:
@@ -332,7 +333,9 @@ class _WholeParameter(SymmetryGroup):
 
     def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         size = self.index.numel()
-        return [(torch.zeros(1 if size else 0, dtype=torch.long), torch.full((1 if size else 0,), size))]
+        return [
+            (torch.zeros(1 if size else 0, dtype=torch.long), torch.full((1 if size else 0,), size))
+        ]
 
 
 def whole_parameter_group(
@@ -462,7 +465,9 @@ def _rest_group(
         rest = structured.range_structure(starts, lengths)
         return _StructuredGroup(label, manifold, (name,), (shape,), rest, "adaptive", 1)
     ends = torch.cumsum(lengths, 0)
-    entries = torch.arange(int(ends[-1])) + torch.repeat_interleave(starts - ends + lengths, lengths)
+    entries = torch.arange(int(ends[-1])) + torch.repeat_interleave(
+        starts - ends + lengths, lengths
+    )
     index = _compact(entries, shape.numel())
     return SymmetryGroup(label, manifold, (name,), (shape,), index, "adaptive", 1)
 
@@ -593,16 +598,22 @@ class BoundPlan:
             )
         return strided_layout(names, shapes, sources, self._permutation[3])
 
-    @functools.cached_property
-    def _partition(self):
-        """(indexed group positions, parameter names, shapes) where the groups other than
-        whole parameters cover each entry of their parameters once; else ``None``.
-        Decided on the groups' runs of entries, without an index map."""
+    def _indexed(self) -> Tuple[List[int], Dict[str, torch.Size]]:
+        """Positions of the groups other than whole parameters, and their parameters'
+        shapes by name (in order of first appearance)."""
         indexed = [i for i, g in enumerate(self.groups) if not isinstance(g, _WholeParameter)]
         shapes: Dict[str, torch.Size] = {}
         for i in indexed:
             for name, shape in zip(self.groups[i].param_names, self.groups[i].param_shapes):
                 shapes.setdefault(name, shape)
+        return indexed, shapes
+
+    @functools.cached_property
+    def _partition(self):
+        """(indexed group positions, parameter names, shapes) where the groups other than
+        whole parameters cover each entry of their parameters once; else ``None``.
+        Decided on the groups' runs of entries, without an index map."""
+        indexed, shapes = self._indexed()
         if not all(isinstance(self.groups[i], _StructuredGroup) for i in indexed):
             permutation = self._permutation
             return None if permutation is None else permutation[:3]
@@ -615,18 +626,17 @@ class BoundPlan:
             lengths = torch.cat([r[1] for r in runs[name]])
             order = torch.argsort(starts)
             starts, lengths = starts[order], lengths[order]
-            if int(lengths.sum()) != shape.numel() or structured.overlap(starts, lengths) is not None:
+            if (
+                int(lengths.sum()) != shape.numel()
+                or structured.overlap(starts, lengths) is not None
+            ):
                 return None
         return indexed, list(shapes), list(shapes.values())
 
     @functools.cached_property
     def _permutation(self):
         """(indexed group positions, parameter names, shapes, permutation) or ``None``."""
-        indexed = [i for i, g in enumerate(self.groups) if not isinstance(g, _WholeParameter)]
-        shapes: Dict[str, torch.Size] = {}
-        for i in indexed:
-            for name, shape in zip(self.groups[i].param_names, self.groups[i].param_shapes):
-                shapes.setdefault(name, shape)
+        indexed, shapes = self._indexed()
         starts, total = {}, 0
         for name, shape in shapes.items():
             starts[name], total = total, total + shape.numel()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -207,7 +208,9 @@ class _Probe:
     def permute(self, *dims) -> _Probe:
         dims = _dims(dims)
         dims = tuple(d % self.ndim for d in dims)
-        boxes = [_Box(b.param, tuple(b.start[d] for d in dims), b.view.permute(dims)) for b in self.boxes]
+        boxes = [
+            _Box(b.param, tuple(b.start[d] for d in dims), b.view.permute(dims)) for b in self.boxes
+        ]
         return _Probe([self.shape[d] for d in dims], boxes)
 
     def transpose(self, a: int, b: int) -> _Probe:
@@ -226,10 +229,9 @@ class _Probe:
     def unsqueeze(self, dim: int) -> _Probe:
         dim = dim % (self.ndim + 1)
         boxes = [
-            _Box(b.param, b.start[:dim] + (0,) + b.start[dim:], b.view.unsqueeze(dim))
-            for b in self.boxes
+            _Box(b.param, _spliced(b.start, dim, dim, 0), b.view.unsqueeze(dim)) for b in self.boxes
         ]
-        return _Probe(self.shape[:dim] + (1,) + self.shape[dim:], boxes)
+        return _Probe(_spliced(self.shape, dim, dim, 1), boxes)
 
     def contiguous(self) -> _Probe:
         return self
@@ -280,6 +282,11 @@ class _Probe:
         raise _Unsupported(getattr(func, "__name__", str(func)))
 
 
+def _spliced(items: Sequence[int], start: int, stop: int, *new: int) -> Tuple[int, ...]:
+    """``items`` with ``items[start:stop]`` replaced by ``new``."""
+    return (*items[:start], *new, *items[stop:])
+
+
 def _dims(args) -> Tuple[int, ...]:
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
         return tuple(args[0])
@@ -315,9 +322,9 @@ def _narrow(x: _Probe, dim: int, lo: int, hi: int) -> _Probe:
         first, last = b.start[dim], b.start[dim] + b.view.shape[dim]
         a, e = max(first, lo), min(last, hi)
         if a < e:
-            start = b.start[:dim] + (a - lo,) + b.start[dim + 1 :]
+            start = _spliced(b.start, dim, dim + 1, a - lo)
             boxes.append(_Box(b.param, start, b.view.narrow(dim, a - first, e - a)))
-    return _Probe(x.shape[:dim] + (hi - lo,) + x.shape[dim + 1 :], boxes)
+    return _Probe(_spliced(x.shape, dim, dim + 1, hi - lo), boxes)
 
 
 def _take(x: _Probe, dim: int, index) -> _Probe:
@@ -334,7 +341,7 @@ def _take(x: _Probe, dim: int, index) -> _Probe:
     if len(bounds) > MAX_BLOCKS:
         raise _Unsupported("too many runs")
     parts = []
-    for a, e in zip(bounds[:-1], bounds[1:]):
+    for a, e in pairwise(bounds):
         first = int(index[a])
         parts.append(_narrow(x, dim, first, first + e - a))
     return parts[0] if len(parts) == 1 else _cat(parts, dim)
@@ -353,10 +360,10 @@ def _cat(tensors, dim: int = 0) -> _Probe:
         ):
             raise _Unsupported("concatenation of mismatched shapes")
         for b in t.boxes:
-            start = b.start[:dim] + (b.start[dim] + at,) + b.start[dim + 1 :]
+            start = _spliced(b.start, dim, dim + 1, b.start[dim] + at)
             boxes.append(_Box(b.param, start, b.view))
         at += t.shape[dim]
-    return _Probe(first.shape[:dim] + (at,) + first.shape[dim + 1 :], boxes)
+    return _Probe(_spliced(first.shape, dim, dim + 1, at), boxes)
 
 
 def _stack(tensors, dim: int = 0) -> _Probe:
@@ -409,22 +416,22 @@ def _merge(x: _Probe, dim: int, count: int) -> _Probe:
         run = cut is None or all(lens[k] == sizes[k] for k in range(cut + 1, count))
         if run:
             try:
-                flat = view.view(view.shape[:dim] + (math.prod(lens),) + view.shape[dim + count :])
+                flat = view.view(_spliced(view.shape, dim, dim + count, math.prod(lens)))
             except RuntimeError:
                 flat = None
             if flat is not None:
                 position = sum(s * st for s, st in zip(local, inner))
-                boxes.append(_Box(param, start[:dim] + (position,) + start[dim + count :], flat))
+                boxes.append(_Box(param, _spliced(start, dim, dim + count, position), flat))
                 if len(boxes) > MAX_BLOCKS:
                     raise _Unsupported("too many boxes")
                 return
         for i in range(lens[cut]):
-            moved = start[: dim + cut] + (start[dim + cut] + i,) + start[dim + cut + 1 :]
+            moved = _spliced(start, dim + cut, dim + cut + 1, start[dim + cut] + i)
             place(param, moved, view.narrow(dim + cut, i, 1))
 
     for b in x.boxes:
         place(b.param, b.start, b.view)
-    return _Probe(x.shape[:dim] + (merged,) + x.shape[dim + count :], boxes)
+    return _Probe(_spliced(x.shape, dim, dim + count, merged), boxes)
 
 
 def _split(x: _Probe, dim: int, sizes: Sequence[int]) -> _Probe:
@@ -489,7 +496,7 @@ def trace(layout, shapes: Sequence[torch.Size]) -> PointStructure | None:
         leaves.append(_Probe(shape, [_Box(k, (0,) * len(shape), view)]))
     try:
         out = layout(*leaves)
-    except Exception:  # noqa: BLE001 - any failure: the index map decides (and reports)
+    except Exception:  # any failure: the index map decides (and reports it)
         return None
     if not isinstance(out, _Probe) or sum(b.view.numel() for b in out.boxes) != out.numel():
         return None
@@ -626,7 +633,7 @@ def _param_pieces(found, size: int) -> Tuple[Piece, ...] | None:
     if len(bounds) - 1 > MAX_PIECES_PER_PARAMETER:
         return None
     pieces = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in pairwise(bounds):
         source, shape, strides = keys[int(which[lo])]
         split = affine_split(offsets[lo:hi])
         if split is None:
