@@ -14,7 +14,7 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_find_symmetries import CASES
+from test_find_symmetries import CASES, lora_model
 from test_find_symmetries import model_for as case_model
 from test_modern_llms import FAMILIES
 from test_modern_llms import model_for as family_model
@@ -38,13 +38,21 @@ def index_map_plan(model, monkeypatch, **options):
     return plan, bound
 
 
-MODELS = [("case", name) for name in CASES] + [("family", name) for name in FAMILIES]
+MODELS = [("case", n) for n in CASES] + [("family", n) for n in FAMILIES] + [("lora", "lora")]
 
 
+def model_named(source: str, name: str) -> torch.nn.Module:
+    if source == "lora":
+        return lora_model()
+    return case_model(name) if source == "case" else family_model(name)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 @pytest.mark.parametrize(("source", "name"), MODELS, ids=[n for _, n in MODELS])
 def test_structured_plans_are_the_index_map_plans(source, name, monkeypatch):
-    model = case_model(name) if source == "case" else family_model(name)
-    options = dict(kinds="all") if source == "family" else {}
+    """Every family (kinds="all": MLP pairs too, ReLU ones in T5) and LoRA adapters."""
+    model = model_named(source, name)
+    options = dict(kinds="all")
     plan = find_symmetries(model, **options)
     bound = plan.bind(model)
     old_plan, old_bound = index_map_plan(model, monkeypatch, **options)

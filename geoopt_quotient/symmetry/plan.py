@@ -69,9 +69,11 @@ class SymmetryGroup:
         Their shapes.
     index : torch.Tensor
         Integer tensor of the point's shape: entry ``k`` of the point is entry
-        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``. The groups this
-        module builds store it as int32 when the parameters have fewer than
-        :math:`2^{31}` entries (half the memory of int64).
+        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``, int32 when the
+        parameters have fewer than :math:`2^{31}` entries (half the memory of int64).
+        Groups made by :meth:`from_layout` keep the structure of the map instead (boxes
+        of strided parameter views, :mod:`~geoopt_quotient.symmetry.structured`) and
+        build ``index`` on first use only.
     kind : str
         ``"query-key"``, ``"value-output"``, ``"adaptive"``, ``"manifold-parameter"``...
     count : int
