@@ -125,10 +125,10 @@ class SymmetryGroup:
         shapes = tuple(torch.Size(s) for s in params.values())
         structure = structured.trace(layout, shapes)
         if structure is not None:
-            runs = structure.runs(shapes)
-            if any(structured.overlap(*r) is not None for r in runs):
+            group = _StructuredGroup(name, manifold, names, shapes, structure, kind, count)
+            if any(structured.overlap(*r) is not None for r in group.runs()):
                 raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
-            return _StructuredGroup(name, manifold, names, shapes, structure, kind, count)
+            return group
         offsets = sum(shape.numel() for shape in shapes)
         dtype = torch.int32 if offsets <= 2**31 else torch.long  # as _index_tensors numbers
         index = layout(*_index_tensors(shapes))
@@ -253,7 +253,11 @@ class _StructuredGroup(SymmetryGroup):
         return dict(zip(self.param_names, tensors))
 
     def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        return self.structure.runs(self.param_shapes)
+        cached = self.__dict__.get("_runs")  # a few runs per tensor once coalesced
+        if cached is None:
+            cached = self.structure.runs(self.param_shapes)
+            object.__setattr__(self, "_runs", cached)
+        return cached
 
     def with_manifold(self, manifold: Manifold) -> SymmetryGroup:
         return _StructuredGroup(

@@ -156,7 +156,7 @@ class PointStructure:
             starts = torch.cat([s for s, _ in found]) if found else torch.zeros(0, dtype=torch.long)
             lengths = torch.cat([n for _, n in found]) if found else starts
             order = torch.argsort(starts)
-            out.append((starts[order], lengths[order]))
+            out.append(coalesced(starts[order], lengths[order]))
         return out
 
 
@@ -521,6 +521,20 @@ def overlap(starts: torch.Tensor, lengths: torch.Tensor) -> int | None:
         return None
     clash = (starts[1:] < starts[:-1] + lengths[:-1]).nonzero()
     return int(clash[0, 0]) + 1 if clash.numel() else None
+
+
+def coalesced(starts: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sorted runs with each run that starts where its predecessor ends joined to it
+    (overlapping runs stay apart, so :func:`overlap` still finds them)."""
+    if starts.numel() < 2:
+        return starts, lengths
+    ends = starts + lengths
+    first = torch.cat([torch.ones(1, dtype=torch.bool), starts[1:] != ends[:-1]])
+    if bool(first.all()):
+        return starts, lengths
+    heads = first.nonzero().reshape(-1)
+    last = torch.cat([heads[1:], torch.tensor([starts.numel()])]) - 1
+    return starts[heads], ends[last] - starts[heads]
 
 
 def complement(starts: torch.Tensor, lengths: torch.Tensor, size: int):
