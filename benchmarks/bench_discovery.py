@@ -133,7 +133,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for CI")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--index-repeats", type=int, default=3)
-    parser.add_argument("--slice-layers", type=int, default=2)
+    parser.add_argument("--slice-layers", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     quick = args.quick
