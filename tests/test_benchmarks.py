@@ -38,6 +38,7 @@ QUICK = [
     "profile_cpu_iteration",
     "bench_small_kernels",
     "bench_compiled_update",
+    "bench_discovery",
 ]
 
 
@@ -94,6 +95,11 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert "skipped" in report["memory"] and "skipped" in report["compile"]
     if name == "bench_sam":
         assert report["models"]["bert"]["ratio_to_sam"]["sam"] == 1.0
+    if name == "bench_discovery":
+        for model in ("llama-7b", "mistral-7b", "vit-b32", "bert-base"):
+            for kinds in ("default", "all"):
+                row = report["models"][model][kinds]
+                assert row["boxes"] > 0 and row["side_by_side"]["index_map_s"] > 0
     if name == "bench_precision":  # float64 is the reference, the others are compared to it
         rows = report["models"]["bert-tiny"]
         assert {r["mode"] for r in rows} == {"float64", "float32", "bf16-autocast"}

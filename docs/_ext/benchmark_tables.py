@@ -829,6 +829,58 @@ def cpu_small_kernels(results: Results) -> Table:
     )
 
 
+def cpu_discovery(results: Results) -> Table:
+    doc = results.json("cpu/discovery.json").data
+    labels = {
+        "llama-7b": "Llama-7B shape",
+        "mistral-7b": "Mistral-7B shape (GQA, 8 KV heads)",
+        "vit-b32": "ViT-B/32",
+        "bert-base": "BERT-base",
+    }
+    rows = []
+    for model, label in labels.items():
+        for kinds in ("default", "all"):
+            r = dig(doc, "models", model, kinds)
+            side = dig(r, "side_by_side") or {}
+            layers = dig(doc, "models", model, "layers")
+            rows.append(
+                [
+                    label,
+                    kinds,
+                    fmt(layers, "d"),
+                    fmt(dig(r, "structured_s"), ".3f", " s"),
+                    fmt(dig(r, "boxes"), ",d"),
+                    fmt(dig(r, "index_map_bytes") and r["index_map_bytes"] / 2**30, ".2f", " GiB"),
+                    fmt(side.get("layers"), "d"),
+                    fmt(side.get("index_map_s"), ".2f", " s"),
+                    fmt(side.get("structured_s"), ".3f", " s"),
+                    fmt(side.get("speedup"), ".0f", "x"),
+                ]
+            )
+    return Table(
+        [
+            "model (meta)",
+            "kinds",
+            "layers",
+            "find + bind",
+            "boxes",
+            "index map would hold",
+            "side by side: layers",
+            "index map",
+            "structured",
+            "speed-up",
+        ],
+        rows,
+        "python benchmarks/bench_discovery.py --json benchmarks/results/cpu/discovery.json",
+        [
+            "find_symmetries + bind on models built on the meta device, 1 thread, medians. "
+            "The index map (one int32 per covered entry, as before structured layouts) is "
+            "timed side by side with the structured groups on the whole model, or on a "
+            "slice of the 7B shapes' layers."
+        ],
+    )
+
+
 def transformers_seeds(results: Results) -> Table:
     source = results.json("reproductions/transformers_seeds.json")
     runs = dig(source.data, "runs") or []
@@ -1092,6 +1144,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
+    "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,
     "diagonal-checks": diagonal_checks,

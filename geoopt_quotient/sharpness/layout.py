@@ -182,7 +182,7 @@ def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
         or ball_group.path is not None
         or ball_group.point.requires_grad
         or len(group.param_names) != 1
-        or group.index.device.type != "meta"  # a whole parameter, in its own shape
+        or not group.is_whole_parameter  # a whole parameter, in its own shape
     ):
         return None
     point = ball_group.point
@@ -282,8 +282,8 @@ class BallLayout:
             flat = _Flat(names, [base[n].shape for n in names], dtype, device, trailing)
             start = dict(zip(flat.names, flat.starts))
             trash = flat.size - trailing
-            destinations = [stacks[p].destination(plan, start, trash) for p in positions]
-            destination = torch.cat(destinations).to(device)
+            destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
+            destination = torch.cat(destinations)
             shapes = [groups[p].point.shape for p in positions]
             out.append(_Rest(flat, positions, shapes, destination))
         return out
@@ -471,13 +471,15 @@ class _Stack:
             part[:, self.rows : self.rows + m] = piece[:, n:]
         return out
 
-    def destination(self, plan: BoundPlan, start: Dict[str, int], trash: int) -> torch.Tensor:
-        """Position in the flat buffer of each entry of the stack's point (flattened);
-        ``trash`` for the padding."""
-        own = [_destination(plan.groups[i], start) for i in self.members]
+    def destination(
+        self, plan: BoundPlan, start: Dict[str, int], trash: int, device
+    ) -> torch.Tensor:
+        """Position in the flat buffer of each entry of the stack's point (flattened), on
+        ``device``; ``trash`` for the padding."""
+        own = [_destination(plan.groups[i], start, device) for i in self.members]
         if not self.padded:
             return own[0]
-        pieces = [d.view(plan.groups[i].index.shape) for d, i in zip(own, self.members)]
+        pieces = [d.view(plan.groups[i].shape) for d, i in zip(own, self.members)]
         manifolds = [plan.groups[i].manifold for i in self.members]
         return self._stacked(pieces, manifolds, trash).reshape(-1)
 
@@ -512,16 +514,14 @@ def _padding(group: BallGroup, rows: int) -> float:
     return 2 * rows / (manifold.n + manifold.m) - 1
 
 
-def _destination(group: SymmetryGroup, start: Dict[str, int]) -> torch.Tensor:
-    """Position in the flat buffer of each entry of ``group``'s point (flattened)."""
-    sizes = torch.tensor([s.numel() for s in group.param_shapes])
-    local = torch.cumsum(sizes, 0) - sizes
-    offsets = torch.tensor([start[n] for n in group.param_names])
-    if group.index.device.type == "meta":  # a whole parameter
-        return torch.arange(sizes[0].item()) + offsets[0]
-    flat = group.index.reshape(-1).long()
-    which = torch.searchsorted(local, flat, right=True) - 1
-    return flat - local[which] + offsets[which]
+def _destination(group: SymmetryGroup, start: Dict[str, int], device) -> torch.Tensor:
+    """Position in the flat buffer of each entry of ``group``'s point (flattened), built
+    on ``device`` by gathering the point from the buffer's positions."""
+    positions = {
+        n: torch.arange(start[n], start[n] + s.numel(), device=device).view(s)
+        for n, s in zip(group.param_names, group.param_shapes)
+    }
+    return group.gather(positions).reshape(-1)
 
 
 class _LayoutObjective:

@@ -70,6 +70,8 @@ QK_BREAKING_CHILDREN = (
     "k_layernorm",
     "distance_embedding",
 )
+#: The children of :data:`QK_BREAKING_CHILDREN` that are norms of the queries or keys.
+QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:6]
 ROTARY_FORWARD_ARGS = ("position_embeddings", "rotary_pos_emb", "freqs_cis", "rotary_emb")
 ROTARY_CONFIG_ATTRS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")
 
@@ -299,6 +301,40 @@ def _qk_breakers(owner: torch.nn.Module) -> List[str]:
     return found
 
 
+def _qk_norm_reason(
+    names: Sequence[str], norms: Sequence[object], head_dim: int, rotary: bool
+) -> str:
+    r"""Why per-head (or all-heads) q/k norms leave no group on Q/K to quotient.
+
+    With :math:`\tilde q = \gamma \odot A u / \mathrm{rms}(A u)` (:math:`u` a head's
+    query, :math:`A` the candidate action on its rows of :math:`W_q`), the scores can be
+    restored by an action on the key side only if :math:`\mathrm{rms}(A u) \propto
+    \mathrm{rms}(u)` for every :math:`u`, i.e. :math:`A = c\,O` with :math:`O`
+    orthogonal, and :math:`D_\gamma O D_\gamma^{-1}` is again such a map (and, under
+    rotary embeddings, commutes with the rotations). For gains that differ from one
+    dimension (or rotary plane) to the next, that leaves :math:`O = \pm 1` per dimension
+    (per plane): a finite group of sign flips shared with K, without tangent directions.
+    """
+    sizes = {int(getattr(getattr(n, "weight", None), "numel", lambda: 0)()) for n in norms}
+    together = bool(sizes) and min(sizes) > head_dim
+    scope = "over all heads together" if together else "over each head"
+    scale = "one c > 0 for all heads" if together else "a scale c > 0 per head"
+    gains = "per key/value head and" if together else "shared by the heads, per"
+    unit = "rotary plane" if rotary else "dimension"
+    return (
+        f"{' and '.join(names)} normalise the queries and keys {scope}, so an action A on "
+        "a head's Q rows survives only if it keeps their RMS up to a factor (A = c O, O "
+        "orthogonal) and the norm's gains turn it into such a map again"
+        + (" that commutes with the rotary rotations" if rotary else "")
+        + f"; for gains that differ from one {unit} to the next this leaves O = +-1 per "
+        f"{unit} (sign flips shared with K: a finite group, nothing to quotient) and "
+        f"{scale}, which the norm removes only up to its eps and which acts on W_q alone "
+        "(no pair with K); the one exact continuous symmetry, the gains of q_norm and "
+        f"k_norm scaled by s and 1/s ({gains} {unit}), acts on the gains, not on Q/K, and "
+        "is not quotiented"
+    )
+
+
 def _unexpected_parameters(owner: torch.nn.Module, known: Set[str]) -> List[str]:
     """Direct parameters and parameter-holding children of ``owner`` outside ``known``."""
     out = [name for name, _ in owner.named_parameters(recurse=False)]
@@ -402,18 +438,22 @@ def _query_key_group(
     """Which group acts on Q/K: ``(quotiented, rotary_dim, pairing)``; a note says why
     where Q/K is left to the adaptive geometry."""
     breakers = _qk_breakers(owner)
+    rotary = _rotary_reason(owner, context.model_config, context.model_has_rotary)
     if breakers:
+        norms = [getattr(owner, n, None) for n in breakers]
+        if all(n in QK_NORM_CHILDREN for n in breakers):
+            why = _qk_norm_reason(breakers, norms, head_dim, rotary is not None)
+        else:
+            why = (
+                "a per-head action on Q/K must commute with them, which no continuous "
+                "subgroup of GL(h) is known to do"
+            )
         found.note(
-            f"Q/K normalised or acted on per head ({', '.join(breakers)}): an action on Q "
-            "must keep each head's RMS (an orthogonal matrix), commute with the norm's "
-            "per-dimension gains and with the rotary rotations; for generic gains no "
-            "continuous group survives (the per-plane rescaling of the q/k norm gains "
-            "against each other is exact but not modelled): Q/K left to the adaptive "
-            "geometry (V/O is handled)",
+            f"Q/K normalised or acted on ({', '.join(breakers)}): {why}: Q/K left "
+            "to the adaptive geometry (V/O is handled)",
             path,
         )
         return False, 0, "half"
-    rotary = _rotary_reason(owner, context.model_config, context.model_has_rotary)
     if rotary is None:
         return True, 0, "half"
     geometry, why = rotary_geometry(owner, context.model_config, head_dim)

@@ -25,8 +25,9 @@ from ..manifolds import (
     PositiveScalingQuotient,
     RotaryGLQuotient,
 )
-from . import strided
+from . import strided, structured
 from .strided import StridedLayout, strided_layout, write_back
+from .structured import PointStructure
 
 __all__ = [
     "BoundPlan",
@@ -68,9 +69,11 @@ class SymmetryGroup:
         Their shapes.
     index : torch.Tensor
         Integer tensor of the point's shape: entry ``k`` of the point is entry
-        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``. The groups this
-        module builds store it as int32 when the parameters have fewer than
-        :math:`2^{31}` entries (half the memory of int64).
+        ``index[k]`` of ``torch.cat([p.reshape(-1) for p in params])``, int32 when the
+        parameters have fewer than :math:`2^{31}` entries (half the memory of int64).
+        Groups made by :meth:`from_layout` keep the structure of the map instead (boxes
+        of strided parameter views, :mod:`~geoopt_quotient.symmetry.structured`) and
+        build ``index`` on first use only.
     kind : str
         ``"query-key"``, ``"value-output"``, ``"adaptive"``, ``"manifold-parameter"``...
     count : int
@@ -102,6 +105,13 @@ class SymmetryGroup:
         those shapes) and returns the point, using only indexing, views, transposes,
         ``reshape``, ``stack`` and ``cat``: no arithmetic.
 
+        The layout is first run on probes that record which strided view of which
+        parameter fills each box of the point
+        (:mod:`~geoopt_quotient.symmetry.structured`): the group then keeps that
+        description, at a cost that grows with the number of tensors and heads, and
+        builds :attr:`index` only when asked. A layout the probes cannot follow is
+        applied to integer tensors instead.
+
         Examples
         --------
         The query/key pair of one head of an ``nn.Linear``-based attention layer::
@@ -113,15 +123,15 @@ class SymmetryGroup:
         """
         names = tuple(params)
         shapes = tuple(torch.Size(s) for s in params.values())
-        total = sum(shape.numel() for shape in shapes)
-        # int32 where it holds every entry: half the memory traffic of the layout
-        dtype = torch.int32 if total <= 2**31 else torch.long
-        offsets, tensors = 0, []
-        for shape in shapes:
-            numel = shape.numel()
-            tensors.append(torch.arange(offsets, offsets + numel, dtype=dtype).reshape(shape))
-            offsets += numel
-        index = layout(*tensors)
+        structure = structured.trace(layout, shapes)
+        if structure is not None:
+            group = _StructuredGroup(name, manifold, names, shapes, structure, kind, count)
+            if any(structured.overlap(*r) is not None for r in group.runs()):
+                raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
+            return group
+        offsets = sum(shape.numel() for shape in shapes)
+        dtype = torch.int32 if offsets <= 2**31 else torch.long  # as _index_tensors numbers
+        index = layout(*_index_tensors(shapes))
         if not isinstance(index, torch.Tensor) or index.dtype != dtype:
             raise PlanError(f"layout of group {name!r} must return a tensor built from its inputs")
         if not _distinct(index.reshape(-1), offsets):
@@ -132,17 +142,23 @@ class SymmetryGroup:
     def shape(self) -> torch.Size:
         return self.index.shape
 
+    @property
+    def is_whole_parameter(self) -> bool:
+        """Whether the group is one whole parameter in its own shape."""
+        return False
+
     def gather(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The point, read from ``params`` (differentiable)."""
         flat = torch.cat([params[n].reshape(-1) for n in self.param_names])
-        return flat[self.index]
+        return flat[self.index.to(flat.device)]
 
     def scatter(
         self, point: torch.Tensor, params: Mapping[str, torch.Tensor]
     ) -> Dict[str, torch.Tensor]:
         """New tensors for :attr:`param_names`: ``params`` with the point written in."""
         flat = torch.cat([params[n].reshape(-1) for n in self.param_names])
-        flat = flat.index_put((self.index.reshape(-1),), point.reshape(-1).to(flat.dtype))
+        index = self.index.reshape(-1).to(flat.device)
+        flat = flat.index_put((index,), point.reshape(-1).to(flat.dtype))
         out, start = {}, 0
         for n, shape in zip(self.param_names, self.param_shapes):
             out[n] = flat[start : start + shape.numel()].view(shape)
@@ -161,8 +177,110 @@ class SymmetryGroup:
             start += numel
         return out
 
+    def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Per parameter, the (starts, lengths) of the runs of consecutive flat entries
+        the group covers, sorted by start (overlapping where it repeats an entry)."""
+        covered = self.covered()
+        return [
+            structured.runs_of(covered[n].sort().values.long())
+            if n in covered
+            else (torch.zeros(0, dtype=torch.long),) * 2
+            for n in self.param_names
+        ]
+
     def with_manifold(self, manifold: Manifold) -> SymmetryGroup:
         return replace(self, manifold=manifold)
+
+
+class _StructuredGroup(SymmetryGroup):
+    """A group described by the boxes of its point
+    (:class:`~geoopt_quotient.symmetry.structured.PointStructure`): it gathers and
+    scatters with strided copies, and builds :attr:`index` only when asked."""
+
+    def __init__(
+        self,
+        name: str,
+        manifold: Manifold,
+        param_names: Tuple[str, ...],
+        param_shapes: Tuple[torch.Size, ...],
+        structure: PointStructure,
+        kind: str = "custom",
+        count: int = 1,
+    ):
+        values = dict(
+            name=name,
+            manifold=manifold,
+            param_names=tuple(param_names),
+            param_shapes=tuple(torch.Size(s) for s in param_shapes),
+            structure=structure,
+            kind=kind,
+            count=count,
+        )
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmetryGroup(name={self.name!r}, manifold={self.manifold!r}, "
+            f"param_names={self.param_names!r}, shape={tuple(self.shape)}, kind={self.kind!r}, "
+            f"count={self.count!r})"
+        )
+
+    @property
+    def index(self) -> torch.Tensor:
+        """The index map (see :class:`SymmetryGroup`), built on first use."""
+        cached = self.__dict__.get("_index")
+        if cached is None:
+            total = sum(shape.numel() for shape in self.param_shapes)
+            cached = _compact(self.structure.gather(_index_tensors(self.param_shapes)), total)
+            object.__setattr__(self, "_index", cached)
+        return cached
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.structure.shape
+
+    def gather(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.structure.gather([params[n] for n in self.param_names])
+
+    def scatter(self, point, params):
+        tensors = self.structure.scatter(point, [params[n] for n in self.param_names])
+        return dict(zip(self.param_names, tensors))
+
+    def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        cached = self.__dict__.get("_runs")  # a few runs per tensor once coalesced
+        if cached is None:
+            cached = self.structure.runs(self.param_shapes)
+            object.__setattr__(self, "_runs", cached)
+        return cached
+
+    def with_manifold(self, manifold: Manifold) -> SymmetryGroup:
+        return _StructuredGroup(
+            self.name,
+            manifold,
+            self.param_names,
+            self.param_shapes,
+            self.structure,
+            self.kind,
+            self.count,
+        )
+
+
+def _index_tensors(shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+    """One integer tensor per shape, numbering the entries of all of them in turn: int32
+    where that holds every entry (half the memory traffic of int64)."""
+    total = sum(shape.numel() for shape in shapes)
+    dtype = torch.int32 if total <= 2**31 else torch.long
+    tensors, start = [], 0
+    for shape in shapes:
+        tensors.append(torch.arange(start, start + shape.numel(), dtype=dtype).reshape(shape))
+        start += shape.numel()
+    return tensors
 
 
 def _distinct(index: torch.Tensor, bound: int) -> bool:
@@ -206,6 +324,10 @@ class _WholeParameter(SymmetryGroup):
     float32 model. :meth:`covered` builds the entries when asked.
     """
 
+    @property
+    def is_whole_parameter(self) -> bool:
+        return True
+
     def gather(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return params[self.param_names[0]]
 
@@ -214,6 +336,12 @@ class _WholeParameter(SymmetryGroup):
 
     def covered(self) -> Dict[str, torch.Tensor]:
         return {self.param_names[0]: torch.arange(self.index.numel())}
+
+    def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        size = self.index.numel()
+        return [
+            (torch.zeros(1 if size else 0, dtype=torch.long), torch.full((1 if size else 0,), size))
+        ]
 
 
 def whole_parameter_group(
@@ -253,7 +381,7 @@ class SymmetryPlan:
                 "the model has no trainable parameters to perturb: set requires_grad=True on "
                 "the parameters to measure"
             )
-        coverage: Dict[str, torch.Tensor] = {}
+        coverage: Dict[str, _Coverage] = {}
         for position, group in enumerate(self.groups):
             for n, shape in zip(group.param_names, group.param_shapes):
                 if n not in params:
@@ -269,67 +397,85 @@ class SymmetryPlan:
             ok, reason = group.manifold._check_shape(tuple(group.shape), group.name)
             if not ok:
                 raise PlanError(f"group {group.name!r}: {reason}")
-            _claim(group, position, self.groups, params, coverage)
+            _claim(group, position, self.groups, coverage)
         adaptive = AdaptiveEuclidean(eps=self.adaptive_eps)
         extra: List[SymmetryGroup] = []
         for n, p in params.items():
-            mask = coverage.get(n)
-            mask = None if mask is None else mask > 0
-            if mask is None:
+            claimed = coverage.get(n)
+            if claimed is None:
                 extra.append(whole_parameter_group(n, p.shape, adaptive))
-            elif not mask.all():
-                rest = _compact((~mask).nonzero().reshape(-1), p.numel())
-                extra.append(
-                    SymmetryGroup(n + " (rest)", adaptive, (n,), (p.shape,), rest, "adaptive", 1)
-                )
+                continue
+            starts, lengths = structured.complement(claimed.starts, claimed.lengths, p.numel())
+            if starts.numel():
+                extra.append(_rest_group(n, p.shape, adaptive, starts, lengths))
         return BoundPlan(list(self.groups) + extra, tuple(params), self.notes)
 
     def __add__(self, other: SymmetryPlan) -> SymmetryPlan:
         return SymmetryPlan(self.groups + other.groups, self.adaptive_eps, self.notes + other.notes)
 
 
+@dataclass
+class _Coverage:
+    """The runs of one parameter's flat entries claimed so far (sorted, disjoint), and
+    the position of the group owning each."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    owners: torch.Tensor
+
+
 def _claim(
     group: SymmetryGroup,
     position: int,
     groups: Sequence[SymmetryGroup],
-    params: Mapping[str, torch.Tensor],
-    coverage: Dict[str, torch.Tensor],
+    coverage: Dict[str, _Coverage],
 ) -> None:
-    """Mark the entries ``group`` covers in ``coverage`` (per parameter, the position + 1
-    of the group owning each entry; 0: none), or raise where another group has one.
+    """Add the runs of entries ``group`` covers to ``coverage`` (per parameter), or raise
+    where another group has one: per parameter, the claimed runs and the group's are
+    sorted together, and disjoint exactly when each run ends before the next starts."""
+    for name, (starts, lengths) in zip(group.param_names, group.runs()):
+        if not starts.numel():
+            continue
+        owners = torch.full_like(starts, position)
+        claimed = coverage.get(name)
+        if claimed is not None:
+            starts = torch.cat([claimed.starts, starts])
+            lengths = torch.cat([claimed.lengths, lengths])
+            owners = torch.cat([claimed.owners, owners])
+            order = torch.argsort(starts, stable=True)
+            starts, lengths, owners = starts[order], lengths[order], owners[order]
+        clash = structured.overlap(starts, lengths)
+        if clash is not None:
+            pair = (int(owners[clash - 1]), int(owners[clash]))
+            other = groups[min(pair)] if min(pair) != position else groups[max(pair)]
+            raise PlanError(
+                f"parameter {name!r} is covered by two groups, {other.name!r} ({other.kind}) "
+                f"and {group.name!r} ({group.kind}): overlapping symmetry groups are not "
+                "combined (their actions need not commute, and a plan puts each entry in one "
+                "point); keep one of them"
+            )
+        coverage[name] = _Coverage(starts, lengths, owners)
 
-    One pass over the group's index: its parameters' owner arrays are joined in the
-    order the index counts them, looked up and written back.
-    """
-    dtype = torch.int16 if len(groups) < 2**15 - 1 else torch.int32
-    owners = [
-        coverage.setdefault(n, torch.zeros(params[n].numel(), dtype=dtype))
-        for n in group.param_names
-    ]
-    whole = isinstance(group, _WholeParameter)
-    joined = owners[0] if len(owners) == 1 else torch.cat(owners)
-    flat = None if whole else group.index.reshape(-1)
-    taken = joined if whole else joined[flat]
-    clash = taken.nonzero()
-    if clash.numel():
-        first = int(clash[0, 0])
-        other = groups[int(taken[first]) - 1]
-        entry = first if whole else int(flat[first])
-        sizes = torch.tensor([s.numel() for s in group.param_shapes])
-        name = group.param_names[int(torch.searchsorted(torch.cumsum(sizes, 0), entry, right=True))]
-        raise PlanError(
-            f"parameter {name!r} is covered by two groups, {other.name!r} ({other.kind}) and "
-            f"{group.name!r} ({group.kind}): overlapping symmetry groups are not combined "
-            "(their actions need not commute, and a plan puts each entry in one point); keep "
-            "one of them"
-        )
-    if whole:
-        joined.fill_(position + 1)
-    else:
-        joined[flat] = position + 1
-    if len(owners) > 1:
-        for owner, piece in zip(owners, joined.split([o.numel() for o in owners])):
-            owner.copy_(piece)
+
+def _rest_group(
+    name: str,
+    shape: torch.Size,
+    manifold: Manifold,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> SymmetryGroup:
+    """The entries of one parameter that no group covers (runs ``starts``, ``lengths``),
+    in order, as one flat point."""
+    label = name + " (rest)"
+    if starts.numel() <= structured.MAX_BLOCKS:
+        rest = structured.range_structure(starts, lengths)
+        return _StructuredGroup(label, manifold, (name,), (shape,), rest, "adaptive", 1)
+    ends = torch.cumsum(lengths, 0)
+    entries = torch.arange(int(ends[-1])) + torch.repeat_interleave(
+        starts - ends + lengths, lengths
+    )
+    index = _compact(entries, shape.numel())
+    return SymmetryGroup(label, manifold, (name,), (shape,), index, "adaptive", 1)
 
 
 @dataclass
@@ -411,12 +557,12 @@ class BoundPlan:
         """
         points = list(points)
         out = dict(params)
-        permutation = self._permutation
-        if permutation is None:  # groups do not partition their parameters
+        partition = self._partition
+        if partition is None:  # groups do not partition their parameters
             for group, point in zip(self.groups, points):
                 out.update(group.scatter(point, out))
             return out
-        indexed, names, shapes, perm = permutation
+        indexed, names, shapes = partition
         for group, point in zip(self.groups, points):
             if isinstance(group, _WholeParameter):
                 out[group.param_names[0]] = point
@@ -425,6 +571,7 @@ class BoundPlan:
         if layout is not None and _fits(layout, sources):
             out.update(write_back(layout, sources))
         elif indexed:
+            perm = self._permutation[3]
             joined = torch.cat([p.reshape(-1) for p in sources])
             flat = joined.index_select(0, self._on_device(perm, joined.device))
             for name, shape, piece in zip(names, shapes, flat.split([s.numel() for s in shapes])):
@@ -440,21 +587,62 @@ class BoundPlan:
     @functools.cached_property
     def _strided(self) -> StridedLayout | None:
         """The write-back as strided copies, if every piece of it is one."""
-        permutation = self._permutation
-        if permutation is None or not permutation[0]:
+        partition = self._partition
+        if partition is None or not partition[0]:
             return None
-        indexed, names, shapes, perm = permutation
+        indexed, names, shapes = partition
         sources = [self.groups[i].shape for i in indexed]
-        return strided_layout(names, shapes, sources, perm)
+        groups = [self.groups[i] for i in indexed]
+        if all(isinstance(g, _StructuredGroup) for g in groups):
+            pieces = structured.strided_pieces(
+                [(g.structure, g.param_names) for g in groups], names, shapes
+            )
+            if pieces is None:
+                return None
+            return StridedLayout(
+                tuple(names), tuple(shapes), pieces, tuple(torch.Size(s) for s in sources)
+            )
+        return strided_layout(names, shapes, sources, self._permutation[3])
 
-    @functools.cached_property
-    def _permutation(self):
-        """(indexed group positions, parameter names, shapes, permutation) or ``None``."""
+    def _indexed(self) -> Tuple[List[int], Dict[str, torch.Size]]:
+        """Positions of the groups other than whole parameters, and their parameters'
+        shapes by name (in order of first appearance)."""
         indexed = [i for i, g in enumerate(self.groups) if not isinstance(g, _WholeParameter)]
         shapes: Dict[str, torch.Size] = {}
         for i in indexed:
             for name, shape in zip(self.groups[i].param_names, self.groups[i].param_shapes):
                 shapes.setdefault(name, shape)
+        return indexed, shapes
+
+    @functools.cached_property
+    def _partition(self):
+        """(indexed group positions, parameter names, shapes) where the groups other than
+        whole parameters cover each entry of their parameters once; else ``None``.
+        Decided on the groups' runs of entries, without an index map."""
+        indexed, shapes = self._indexed()
+        if not all(isinstance(self.groups[i], _StructuredGroup) for i in indexed):
+            permutation = self._permutation
+            return None if permutation is None else permutation[:3]
+        runs: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in shapes}
+        for i in indexed:
+            for name, found in zip(self.groups[i].param_names, self.groups[i].runs()):
+                runs[name].append(found)
+        for name, shape in shapes.items():
+            starts = torch.cat([r[0] for r in runs[name]])
+            lengths = torch.cat([r[1] for r in runs[name]])
+            order = torch.argsort(starts)
+            starts, lengths = starts[order], lengths[order]
+            if (
+                int(lengths.sum()) != shape.numel()
+                or structured.overlap(starts, lengths) is not None
+            ):
+                return None
+        return indexed, list(shapes), list(shapes.values())
+
+    @functools.cached_property
+    def _permutation(self):
+        """(indexed group positions, parameter names, shapes, permutation) or ``None``."""
+        indexed, shapes = self._indexed()
         starts, total = {}, 0
         for name, shape in shapes.items():
             starts[name], total = total, total + shape.numel()
@@ -517,8 +705,8 @@ class BoundPlan:
                 )
             )
         lines = _table(rows) if len(rows) > 1 else [no_symmetry]
-        n_adaptive = sum(g.index.numel() for g in self.adaptive_groups)
-        n_sym = sum(g.index.numel() for g in self.symmetric_groups)
+        n_adaptive = sum(g.shape.numel() for g in self.adaptive_groups)
+        n_sym = sum(g.shape.numel() for g in self.symmetric_groups)
         lines.append(
             f"{n_sym} parameter entries in {len(self.symmetric_groups)} symmetric groups; "
             f"{n_adaptive} entries in {len(self.adaptive_groups)} tensors left to the "
@@ -529,7 +717,7 @@ class BoundPlan:
             key = re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", g.name)
             tally = patterns.setdefault(key, [0, 0])
             tally[0] += 1
-            tally[1] += g.index.numel()
+            tally[1] += g.shape.numel()
         if patterns:
             adaptive = [("adaptive parameters", "tensors", "entries")]
             adaptive += [(k, str(n), str(e)) for k, (n, e) in patterns.items()]
