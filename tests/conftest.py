@@ -163,13 +163,16 @@ def save_tiny_bert_classifier(directory, *, layers: int, initializer_range: floa
     ``TINY_BERT_WORDS``, saved to ``directory`` with safetensors, as the CLI expects."""
     import transformers
 
-    vocab = directory / "vocab.txt"
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab.write_text("\n".join([*specials, *TINY_BERT_WORDS]) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *TINY_BERT_WORDS]
+    (directory / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    # from_pretrained reads vocab.txt under transformers 4 and 5 alike; transformers 5
+    # ignores a ``vocab_file=`` argument and maps every word to [UNK]
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(directory)
+    expected = [tokens.index(t) for t in ["[CLS]", *TINY_BERT_WORDS, "[SEP]"]]
+    assert tokenizer(" ".join(TINY_BERT_WORDS))["input_ids"] == expected, "vocab.txt not read"
     extra = {} if initializer_range is None else {"initializer_range": initializer_range}
     config = transformers.BertConfig(
-        vocab_size=len(TINY_BERT_WORDS) + len(specials),
+        vocab_size=len(tokens),
         hidden_size=16,
         num_hidden_layers=layers,
         num_attention_heads=2,

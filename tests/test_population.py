@@ -25,7 +25,14 @@ import itertools
 from conftest import TINY_BERT_WORDS, save_tiny_bert_classifier
 
 from geoopt_quotient.cli import main
-from geoopt_quotient.experiments.classifiers import InputError, load_arrays
+from geoopt_quotient.experiments.classifiers import (
+    InputError,
+    load_arrays,
+    load_examples,
+    load_tokenizer,
+    make_batches,
+    read_config,
+)
 from geoopt_quotient.experiments.population import (
     ABLATIONS,
     MEASURES,
@@ -344,6 +351,26 @@ def text_population(tmp_path_factory):
                 handle.write(json.dumps({"text": text, "label": k % 2}) + "\n")
     train, test = str(directory / "train.jsonl"), str(directory / "test.jsonl")
     return ["population", "--checkpoints", str(root), *FAST, "--train", train, "--test", test]
+
+
+def test_text_population_rows_are_told_apart(text_population):
+    """The batches the command builds from the text data: every word a vocabulary id
+    (none [UNK]), every row different, both labels in each split, so that a mix-up of
+    rows, batches or labels changes what is measured."""
+    checkpoints = Path(text_population[text_population.index("--checkpoints") + 1])
+    rows = []
+    for flag in ("--train", "--test"):
+        path = text_population[text_population.index(flag) + 1]
+        for checkpoint in sorted(checkpoints.iterdir()):
+            tokenizer = load_tokenizer(str(checkpoint))
+            examples = load_examples(path, read_config(str(checkpoint)))
+            (inputs, labels), *rest = make_batches(examples, tokenizer, 16, 32, "cpu", False)
+            assert not rest and set(labels.tolist()) == {0, 1}
+            ids = inputs["input_ids"][inputs["attention_mask"].bool()]
+            assert tokenizer.unk_token_id not in ids.tolist(), checkpoint
+            assert len(set(ids.tolist())) > 5  # more than [CLS], [SEP] and 3 words
+        rows += [tuple(row) for row in inputs["input_ids"].tolist()]
+    assert len(set(rows)) == len(rows) == 12
 
 
 @slow
