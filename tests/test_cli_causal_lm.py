@@ -40,6 +40,8 @@ def save_word_tokenizer(directory) -> None:
         tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>"
     )
     fast.save_pretrained(directory)
+    reloaded = transformers.AutoTokenizer.from_pretrained(directory)
+    assert reloaded(" ".join(WORDS))["input_ids"] == [vocab[w] for w in WORDS], "no word ids"
 
 
 VOCAB = len(WORDS) + 2
@@ -237,7 +239,8 @@ def test_text_blocks_drop_the_remainder(tokenizer, tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("the cat sat on the mat\nthe dog ran\n")  # 9 tokens
     blocks = text_blocks(str(path), tokenizer, 4)
-    expected = tokenizer("the cat sat on the mat\nthe dog ran\n")["input_ids"][:8]
+    words = "the cat sat on the mat the dog ran".split()
+    expected = [2 + WORDS.index(w) for w in words[:8]]  # <unk>, <eos>, then WORDS
     assert blocks.tolist() == [expected[:4], expected[4:]]
     with pytest.raises(InputError, match="9 tokens, fewer than one block of 10"):
         text_blocks(str(path), tokenizer, 10)

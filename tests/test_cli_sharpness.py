@@ -75,6 +75,7 @@ def test_sharpness_command_writes_json(checkpoint, data, tmp_path, capsys):
     assert set(results) == {"adaptive", "geodesic_mix", "geodesic_inv"}
     for result in results.values():
         assert len(result["per_batch"]) == 2 and result["value"] > 0
+        assert result["per_batch"][0] != result["per_batch"][1]  # batches of different rows
         assert result["settings"]["rho"] == 0.05 and result["settings"]["iters"] == 2
     assert results["geodesic_inv"]["settings"]["metric"] == "inv"
 
