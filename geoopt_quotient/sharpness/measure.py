@@ -519,7 +519,7 @@ def _maximize_over_radii(
         gap = None
         if exact is not None:
             gap = path_gap(groups, exact, objective, xi)
-            passes[0] += 1
+            passes[0] += not math.isnan(gap[0])  # no forward where the geodesic broke down
         seconds = time.perf_counter() - t0
         outcomes.append((clean, top, history, (passes[0], passes[1]), seconds, gap))
     return outcomes
