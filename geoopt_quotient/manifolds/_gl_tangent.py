@@ -36,6 +36,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ._linalg import capped
+from ._rotary_tangent import RotaryProjection, rotary_projection
 from .tangent import CachedTangentSpace
 
 
@@ -54,9 +55,11 @@ class _Kernel(NamedTuple):
     quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
     outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
     outer_right: Optional[torch.Tensor]  # P_r
+    rotary: Optional[RotaryProjection] = None  # the rotary quotient's projection, if its
 
     def part(self, start: int, stop: int) -> _Kernel:
-        return _Kernel(*(None if t is None else t[start:stop] for t in self))
+        tensors = (None if t is None else t[start:stop] for t in self[:-1])
+        return _Kernel(*tensors, None if self.rotary is None else self.rotary.part(start, stop))
 
 
 def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -134,14 +137,18 @@ class GLTangentSpace(CachedTangentSpace):
     :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
     where they apply (contiguous tensors of the point's shape and working dtype, nothing
     for autograd to record), and the reference ones otherwise. A subclass with its own
-    horizontal projection (:class:`~geoopt_quotient.RotaryGLQuotient`) keeps it: the
-    metric conversion is batched, the projection is the subclass's."""
+    horizontal projection keeps it (the metric conversion batched), except
+    :class:`~geoopt_quotient.RotaryGLQuotient`'s, batched too
+    (:mod:`~geoopt_quotient.manifolds._rotary_tangent`)."""
 
     def __init__(self, manifold, x: torch.Tensor, state):
         super().__init__(manifold, x, state)
         from .gl_quotient import GLQuotient
+        from .rotary_quotient import RotaryGLQuotient
 
-        self._own_projection = type(manifold)._proju is not GLQuotient._proju
+        projection = type(manifold)._proju
+        self._rotary = projection is RotaryGLQuotient._proju
+        self._own_projection = projection is not GLQuotient._proju and not self._rotary
         self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
         self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
@@ -151,8 +158,10 @@ class GLTangentSpace(CachedTangentSpace):
 
     def _whole(self) -> _Kernel:
         if self._kernel is None:
-            own = self._own_projection
-            whole = _kernel(self.manifold, self.x, self.state, projection=not own)
+            general = not (self._own_projection or self._rotary)
+            whole = _kernel(self.manifold, self.x, self.state, projection=general)
+            if self._rotary:
+                whole = whole._replace(rotary=rotary_projection(self.manifold, self.state))
             self._kernel = self._split.keep(whole)
         return self._kernel
 
@@ -312,12 +321,14 @@ def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> 
     r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
     cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H)
     d = cross[:, 1] - cross[:, 0].mT
-    work = kernel.left.dtype
-    t = torch.bmm(torch.bmm(kernel.left, d.to(work)), kernel.right)
-    if kernel.quotient is not None:
-        t = t * kernel.quotient
-    if kernel.outer_left is not None:
-        t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
+    if kernel.rotary is not None:  # B(grad_F K_F) = D^T
+        t = kernel.rotary.omega_of_transposed(d.to(kernel.rotary.basis.dtype)).mT
+    else:
+        t = torch.bmm(torch.bmm(kernel.left, d.to(kernel.left.dtype)), kernel.right)
+        if kernel.quotient is not None:
+            t = t * kernel.quotient
+        if kernel.outer_left is not None:
+            t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
     t = t.to(grad.dtype)
     out = split.times(grad, kernel.convert)
     split.add_times_(out, kernel.x, torch.stack((t.mT, -t), dim=1), 1.0)
