@@ -383,10 +383,10 @@ def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> 
 def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
     r"""``(E, Y)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
     retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
-    \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F = \xi_F^\top
-    F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G
-    = M_H S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors
-    exchanged)."""
+    \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F =
+    \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
+    -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
+    :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged)."""
     k = split.inner(kernel.x, u, swapped=mix)
     m, b = k + k.mT, split.inner(u, u, swapped=mix)  # mix: the other factor's
     eye = split.eye(u)
