@@ -136,3 +136,28 @@ def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
         passes = forward_backward_operators(model, batch, loss_fn)
         extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
     assert 0 < extra[12] <= 1.25 * extra[4]
+
+
+def main() -> None:
+    """Print the ratios the tests bound (``python tests/test_operator_count.py``): per
+    model, measure and depth, operators per iteration over those of a forward and
+    backward pass, and the operators beyond it."""
+    torch.set_num_threads(1)
+    _linalg.CAP_ON_CPU = True
+    for build in (bert, llama):
+        for layers in (4, 12):
+            model, batch, loss_fn = build(layers)
+            passes = forward_backward_operators(model, batch, loss_fn)
+            for measure in ("adaptive", "inv", "mix"):
+                iteration = operators_per_iteration(model, batch, loss_fn, measure)
+                print(
+                    f"{build.__name__:6} {layers:2} layers {measure:8} "
+                    f"{iteration / passes:.3f} passes ({iteration - passes:.0f} beyond the pass)"
+                )
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    main()

@@ -248,6 +248,7 @@ class _Split:
         self.rows = rows if sum(self.counts) <= MAX_BLOCKS else 0
         self._index: dict = {}  # device, (points, device) -> the block indices, kept
         self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
+        self._eyes: dict = {}  # (size, dtype, device) -> the identity
 
     def keep(self, kernel: _Kernel) -> _Kernel:
         """Make the operands of ``kernel``'s tensors once (views cost a dispatch each);
@@ -266,9 +267,9 @@ class _Split:
     def eye(self, like: torch.Tensor) -> torch.Tensor:
         """The identity of ``like``'s size, dtype and device, kept."""
         key = (like.shape[-1], like.dtype, like.device)
-        if key not in self._index:
-            self._index[key] = torch.eye(key[0], dtype=key[1], device=key[2])
-        return self._index[key]
+        if key not in self._eyes:
+            self._eyes[key] = torch.eye(key[0], dtype=key[1], device=key[2])
+        return self._eyes[key]
 
     def _lookup(self, t: torch.Tensor):
         entry = self._kept.get(id(t))
