@@ -249,6 +249,7 @@ class _Split:
         self._index: dict = {}  # device, (points, device) -> the block indices, kept
         self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
         self._eyes: dict = {}  # (size, dtype, device) -> the identity
+        self._flats: dict = {}  # id -> (tensor, its flat view): the kernel's, made once
 
     def keep(self, kernel: _Kernel) -> _Kernel:
         """Make the operands of ``kernel``'s tensors once (views cost a dispatch each);
@@ -257,12 +258,13 @@ class _Split:
         for t in (kernel.metric, kernel.convert):
             self._kept[id(t)] = (t, self._small(t))
         for t in (kernel.inverses, kernel.swapped):
-            self._kept[id(t)] = (t, t.view(-1, *t.shape[-2:]))
+            self._flats[id(t)] = (t, t.view(-1, *t.shape[-2:]))
         return kernel
 
     def flat(self, s: torch.Tensor) -> torch.Tensor:
         """``s`` (``(B, 2, h, h)``) as ``(2 B, h, h)``."""
-        return self._lookup(s) if self._lookup(s) is not None else s.view(-1, *s.shape[-2:])
+        entry = self._flats.get(id(s))
+        return entry[1] if entry is not None and entry[0] is s else s.view(-1, *s.shape[-2:])
 
     def eye(self, like: torch.Tensor) -> torch.Tensor:
         """The identity of ``like``'s size, dtype and device, kept."""
