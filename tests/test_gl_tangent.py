@@ -107,7 +107,7 @@ def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
     assert torch.allclose(fast.inner(rgrad, v), (c * v).sum(), rtol=1e-9, atol=1e-12 * magnitude)
 
 
-def test_other_tensors_use_the_reference_and_rotary_keeps_its_projection(monkeypatch):
+def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(monkeypatch):
     calls = []
     for name in ("_riemannian_gradient", "_retract"):
         original = getattr(_gl_tangent, name)
@@ -130,6 +130,8 @@ def test_other_tensors_use_the_reference_and_rotary_keeps_its_projection(monkeyp
     c = torch.randn_like(x)
     expected = rotary.egrad2rgrad(x, c)
     assert torch.allclose(space.egrad2rgrad_(c.clone()), expected, rtol=0, atol=1e-12)
-    assert calls == ["_retract", "_riemannian_gradient"]  # the rotary projection is its own
+    # the rotary projection is batched too (its own matrices, _rotary_tangent)
+    assert calls == ["_retract", "_riemannian_gradient", "_riemannian_gradient"]
+    assert space._whole().rotary is not None and space._whole().left is None
     generic = gq.GLQuotient(4, 5, "inv").egrad2rgrad(x, c)  # the negative: GL(h)'s differs
     assert not torch.allclose(expected, generic, rtol=0, atol=1e-6)

@@ -111,11 +111,8 @@ def test_an_adaptive_iteration_costs_about_one_forward_and_backward_pass(build):
     assert passes < iteration <= 1.25 * passes
 
 
-#: Operators per geodesic iteration over those of a forward and backward pass. The
-#: target is 1.5 on both models; the rotary quotient of Llama (its own horizontal
-#: projection, and factors of unequal rows that cost one product each) reaches about
-#: 1.62, and is held there.
-GEODESIC_RATIO = {"bert": 1.5, "llama": 1.7}
+#: Operators per geodesic iteration over those of a forward and backward pass.
+GEODESIC_RATIO = 1.5
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
@@ -124,7 +121,7 @@ def test_a_geodesic_iteration_costs_at_most_one_and_a_half_passes(build, metric)
     model, batch, loss_fn = build(4)
     passes = forward_backward_operators(model, batch, loss_fn)
     iteration = operators_per_iteration(model, batch, loss_fn, metric)
-    assert passes < iteration <= GEODESIC_RATIO[build.__name__] * passes
+    assert passes < iteration <= GEODESIC_RATIO * passes
 
 
 @pytest.mark.parametrize(
@@ -139,3 +136,28 @@ def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
         passes = forward_backward_operators(model, batch, loss_fn)
         extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
     assert 0 < extra[12] <= 1.25 * extra[4]
+
+
+def main() -> None:
+    """Print the ratios the tests bound (``python tests/test_operator_count.py``): per
+    model, measure and depth, operators per iteration over those of a forward and
+    backward pass, and the operators beyond it."""
+    torch.set_num_threads(1)
+    _linalg.CAP_ON_CPU = True
+    for build in (bert, llama):
+        for layers in (4, 12):
+            model, batch, loss_fn = build(layers)
+            passes = forward_backward_operators(model, batch, loss_fn)
+            for measure in ("adaptive", "inv", "mix"):
+                iteration = operators_per_iteration(model, batch, loss_fn, measure)
+                print(
+                    f"{build.__name__:6} {layers:2} layers {measure:8} "
+                    f"{iteration / passes:.3f} passes ({iteration - passes:.0f} beyond the pass)"
+                )
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    main()

@@ -36,6 +36,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ._linalg import capped
+from ._rotary_tangent import RotaryProjection, rotary_projection
 from .tangent import CachedTangentSpace
 
 
@@ -54,9 +55,11 @@ class _Kernel(NamedTuple):
     quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
     outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
     outer_right: Optional[torch.Tensor]  # P_r
+    rotary: Optional[RotaryProjection] = None  # the rotary quotient's projection, if its
 
     def part(self, start: int, stop: int) -> _Kernel:
-        return _Kernel(*(None if t is None else t[start:stop] for t in self))
+        tensors = (None if t is None else t[start:stop] for t in self[:-1])
+        return _Kernel(*tensors, None if self.rotary is None else self.rotary.part(start, stop))
 
 
 def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -134,14 +137,18 @@ class GLTangentSpace(CachedTangentSpace):
     :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
     where they apply (contiguous tensors of the point's shape and working dtype, nothing
     for autograd to record), and the reference ones otherwise. A subclass with its own
-    horizontal projection (:class:`~geoopt_quotient.RotaryGLQuotient`) keeps it: the
-    metric conversion is batched, the projection is the subclass's."""
+    horizontal projection keeps it (the metric conversion batched), except
+    :class:`~geoopt_quotient.RotaryGLQuotient`'s, batched too
+    (:mod:`~geoopt_quotient.manifolds._rotary_tangent`)."""
 
     def __init__(self, manifold, x: torch.Tensor, state):
         super().__init__(manifold, x, state)
         from .gl_quotient import GLQuotient
+        from .rotary_quotient import RotaryGLQuotient
 
-        self._own_projection = type(manifold)._proju is not GLQuotient._proju
+        projection = type(manifold)._proju
+        self._rotary = projection is RotaryGLQuotient._proju
+        self._own_projection = projection is not GLQuotient._proju and not self._rotary
         self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
         self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
@@ -151,8 +158,10 @@ class GLTangentSpace(CachedTangentSpace):
 
     def _whole(self) -> _Kernel:
         if self._kernel is None:
-            own = self._own_projection
-            whole = _kernel(self.manifold, self.x, self.state, projection=not own)
+            general = not (self._own_projection or self._rotary)
+            whole = _kernel(self.manifold, self.x, self.state, projection=general)
+            if self._rotary:
+                whole = whole._replace(rotary=rotary_projection(self.manifold, self.state))
             self._kernel = self._split.keep(whole)
         return self._kernel
 
@@ -237,8 +246,10 @@ class _Split:
         rows = math.gcd(n, m)
         self.counts = (n // rows, m // rows)
         self.rows = rows if sum(self.counts) <= MAX_BLOCKS else 0
-        self._index: dict = {}  # device -> which factor each block belongs to
+        self._index: dict = {}  # device, (points, device) -> the block indices, kept
         self._kept: dict = {}  # id -> (tensor, its operands): the kernel's, made once
+        self._eyes: dict = {}  # (size, dtype, device) -> the identity
+        self._flats: dict = {}  # id -> (tensor, its flat view): the kernel's, made once
 
     def keep(self, kernel: _Kernel) -> _Kernel:
         """Make the operands of ``kernel``'s tensors once (views cost a dispatch each);
@@ -246,7 +257,21 @@ class _Split:
         self._kept[id(kernel.x)] = (kernel.x, self._factors(kernel.x))
         for t in (kernel.metric, kernel.convert):
             self._kept[id(t)] = (t, self._small(t))
+        for t in (kernel.inverses, kernel.swapped):
+            self._flats[id(t)] = (t, t.view(-1, *t.shape[-2:]))
         return kernel
+
+    def flat(self, s: torch.Tensor) -> torch.Tensor:
+        """``s`` (``(B, 2, h, h)``) as ``(2 B, h, h)``."""
+        entry = self._flats.get(id(s))
+        return entry[1] if entry is not None and entry[0] is s else s.view(-1, *s.shape[-2:])
+
+    def eye(self, like: torch.Tensor) -> torch.Tensor:
+        """The identity of ``like``'s size, dtype and device, kept."""
+        key = (like.shape[-1], like.dtype, like.device)
+        if key not in self._eyes:
+            self._eyes[key] = torch.eye(key[0], dtype=key[1], device=key[2])
+        return self._eyes[key]
 
     def _lookup(self, t: torch.Tensor):
         entry = self._kept.get(id(t))
@@ -258,7 +283,8 @@ class _Split:
         return self._lookup(t) or self._factors(t)
 
     def small(self, s: torch.Tensor) -> List[torch.Tensor]:
-        """``s`` (``(B, 2, h, h)``) as the matching operands of :meth:`factors`."""
+        """``s`` (``(B, 2, h, h)``, or flattened ``(2 B, h, h)``) as the matching operands
+        of :meth:`factors`."""
         return self._lookup(s) or self._small(s)
 
     def _factors(self, t: torch.Tensor) -> List[torch.Tensor]:
@@ -267,27 +293,58 @@ class _Split:
         return list(t.split((self.n, self.m), dim=1))
 
     def _small(self, s: torch.Tensor) -> List[torch.Tensor]:
+        rank = s.shape[-1]
         if not self.rows:
-            return [s[:, 0], s[:, 1]]
-        if self.counts != (1, 1):
-            index = self._index.get(s.device)
-            if index is None:
-                which = [0] * self.counts[0] + [1] * self.counts[1]
-                index = self._index[s.device] = torch.tensor(which, device=s.device)
-            s = s.index_select(1, index)
-        return [s.view(-1, *s.shape[-2:])]
-
-    def inner(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        r""":math:`a_F^\top b_F` for both factors, ``(B, 2, h, h)`` (a sum over the blocks
-        of a factor)."""
-        products = [torch.bmm(p.mT, q) for p, q in zip(self.factors(a), self.factors(b))]
-        if not self.rows:
-            return torch.stack(products, dim=1)
-        blocks = products[0].view(-1, sum(self.counts), *products[0].shape[-2:])
+            pairs = s if s.dim() == 4 else s.view(-1, 2, rank, rank)
+            return [pairs[:, 0], pairs[:, 1]]
+        flat = s if s.dim() == 3 else s.view(-1, rank, rank)
         if self.counts == (1, 1):
-            return blocks
+            return [flat]
+        return [flat.index_select(0, self._block_index(flat.shape[0] // 2, flat.device))]
+
+    def _block_index(self, count: int, device, swapped: bool = False) -> torch.Tensor:
+        """For ``count`` points, which of the flattened ``(2 count, h, h)`` matrices each
+        block of rows belongs to (:math:`2b` for :math:`G`, :math:`2b + 1` for :math:`H`;
+        exchanged if ``swapped``), kept per size and device."""
+        key = (count, device, swapped)
+        index = self._index.get(key)
+        if index is None:
+            which = self._factor_of_block(device)
+            points = 2 * torch.arange(count, device=device)[:, None]
+            index = self._index[key] = (points + (1 - which if swapped else which)).view(-1)
+        return index
+
+    def _factor_of_block(self, device) -> torch.Tensor:
+        """Which factor (0: G, 1: H) each block of rows belongs to, kept per device."""
+        index = self._index.get(device)
+        if index is None:
+            which = [0] * self.counts[0] + [1] * self.counts[1]
+            index = self._index[device] = torch.tensor(which, device=device)
+        return index
+
+    def inner(self, a: torch.Tensor, b: torch.Tensor, swapped: bool = False) -> torch.Tensor:
+        r""":math:`a_F^\top b_F` for both factors, ``(2 B, h, h)`` (:math:`G`, :math:`H` of
+        each point; a sum over the blocks of a factor); the factors in the other order
+        (:math:`H` first) if ``swapped``."""
+        products = [torch.bmm(p.mT, q) for p, q in zip(self.factors(a), self.factors(b))]
+        rank = products[0].shape[-1]
+        if not self.rows:
+            pairs = torch.stack(products[::-1] if swapped else products, dim=1)
+            return pairs.view(-1, rank, rank)
+        if self.counts == (1, 1):
+            if not swapped:
+                return products[0]
+            return products[0].view(-1, 2, rank, rank).flip(1).view(-1, rank, rank)
+        blocks = products[0]
+        count = blocks.shape[0] // sum(self.counts)
+        if max(self.counts) <= 2:
+            # each factor's blocks summed in one call: 0 + a + b, exact in any order
+            index = self._block_index(count, blocks.device, swapped)
+            return blocks.new_zeros(2 * count, rank, rank).index_add_(0, index, blocks)
+        blocks = blocks.view(count, -1, rank, rank)
         first = self.counts[0]
-        return torch.stack((blocks[:, :first].sum(1), blocks[:, first:].sum(1)), dim=1)
+        sums = [blocks[:, :first].sum(1), blocks[:, first:].sum(1)]
+        return torch.stack(sums[::-1] if swapped else sums, dim=1).view(-1, rank, rank)
 
     def times(self, big: torch.Tensor, s: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         """A new tensor: ``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors."""
@@ -310,14 +367,16 @@ class _Split:
 
 def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> torch.Tensor:
     r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
-    cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H)
-    d = cross[:, 1] - cross[:, 0].mT
-    work = kernel.left.dtype
-    t = torch.bmm(torch.bmm(kernel.left, d.to(work)), kernel.right)
-    if kernel.quotient is not None:
-        t = t * kernel.quotient
-    if kernel.outer_left is not None:
-        t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
+    cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
+    d = cross[1::2] - cross[0::2].mT
+    if kernel.rotary is not None:  # B(grad_F K_F) = D^T
+        t = kernel.rotary.omega_of_transposed(d.to(kernel.rotary.basis.dtype)).mT
+    else:
+        t = torch.bmm(torch.bmm(kernel.left, d.to(kernel.left.dtype)), kernel.right)
+        if kernel.quotient is not None:
+            t = t * kernel.quotient
+        if kernel.outer_left is not None:
+            t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
     t = t.to(grad.dtype)
     out = split.times(grad, kernel.convert)
     split.add_times_(out, kernel.x, torch.stack((t.mT, -t), dim=1), 1.0)
@@ -325,28 +384,23 @@ def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> 
 
 
 def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
-    r"""``(E, Y)``, ``(B, 2, h, h)``, of the retraction :math:`R_X(\xi)_F = F + \xi_F E_F
-    - \tfrac12 F Y_F`, :math:`E_F = I - \tfrac12 X_F` (the Christoffel coefficients of the
-    reference: :math:`M_F = \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top
-    \xi_F`; inv: :math:`X_F = -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G
-    = M_H S_H^{-1}`, :math:`Y_G = -B_H S_H^{-1}` and the same with the factors
-    exchanged)."""
-    rank = u.shape[-1]
-    k = split.inner(kernel.x, u)
-    m, b = k + k.mT, split.inner(u, u)
-    eye = torch.eye(rank, dtype=u.dtype, device=u.device)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(-1, rank, rank)
-
+    r"""``(E, Y)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
+    retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
+    \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F =
+    \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
+    -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
+    :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged)."""
+    k = split.inner(kernel.x, u, swapped=mix)
+    m, b = k + k.mT, split.inner(u, u, swapped=mix)  # mix: the other factor's
+    eye = split.eye(u)
     if mix:
-        swapped = flat(kernel.swapped)
-        e = torch.baddbmm(eye, flat(m.flip(1)), swapped, alpha=-0.5)
-        y = torch.bmm(flat(b.flip(1)), swapped).neg_()
+        swapped = split.flat(kernel.swapped)
+        e = torch.baddbmm(eye, m, swapped, alpha=-0.5)
+        y = torch.bmm(b, swapped).neg_()
     else:
-        inverses = flat(kernel.inverses)
-        e, y = torch.baddbmm(eye, inverses, flat(m), alpha=0.5), torch.bmm(inverses, flat(b))
-    return e.view(m.shape), y.view(m.shape)
+        inverses = split.flat(kernel.inverses)
+        e, y = torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
+    return e, y
 
 
 def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor, mix: bool):
@@ -372,18 +426,15 @@ def _pull_back_(
 
     The signs of :math:`\bar M, \bar B` are carried by the products' ``alpha``.
     """
-    rank = u.shape[-1]
-    x_bar, y_bar = split.inner(u, c), split.inner(kernel.x, c)
-    inverses = kernel.inverses.reshape(-1, rank, rank)
+    x_bar, y_bar = split.inner(u, c, swapped=mix), split.inner(kernel.x, c, swapped=mix)
+    inverses = split.flat(kernel.inverses)
     if mix:
-        m_bar = torch.bmm(x_bar.flip(1).view(-1, rank, rank), inverses)
-        b_bar = torch.bmm(y_bar.flip(1).view(-1, rank, rank), inverses)
+        m_bar, b_bar = torch.bmm(x_bar, inverses), torch.bmm(y_bar, inverses)
         m_alpha, b_alpha = -0.5, 0.5
     else:
-        m_bar = torch.bmm(inverses, x_bar.view(-1, rank, rank))
-        b_bar = torch.bmm(inverses, y_bar.view(-1, rank, rank))
+        m_bar, b_bar = torch.bmm(inverses, x_bar), torch.bmm(inverses, y_bar)
         m_alpha, b_alpha = 0.5, -0.5
     result = split.times(c, e, transposed=True)
-    split.add_times_(result, kernel.x, (m_bar + m_bar.mT).view(e.shape), m_alpha)
-    split.add_times_(result, u, (b_bar + b_bar.mT).view(e.shape), b_alpha)
+    split.add_times_(result, kernel.x, m_bar + m_bar.mT, m_alpha)
+    split.add_times_(result, u, b_bar + b_bar.mT, b_alpha)
     c.copy_(result)
