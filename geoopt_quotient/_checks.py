@@ -72,6 +72,14 @@ def check_positive_int(value: int, name: str) -> int:
     return value
 
 
+def check_nonnegative_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"`{name}` must be >= 0, got {value}")
+    return value
+
+
 def check_nonnegative_float(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")

@@ -24,7 +24,12 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_choice, check_positive_float, check_positive_int
+from .._checks import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+)
 from .._extras import require
 from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
@@ -232,12 +237,13 @@ def _measure(
 ) -> List[SharpnessResult]:
     """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
     iters = check_positive_int(iters, "iters")
-    restarts = check_restarts(restarts)
+    restarts = check_nonnegative_int(restarts, "restarts")
     if restarts and kind != "worst":
         raise ValueError("`restarts` is for the worst case (kind='worst') only")
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
+    path = path if curvature else "straight"  # curvature off: straight lines everywhere
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
         if process_group is not None:
@@ -255,7 +261,7 @@ def _measure(
             plan,
             radii=radii,
             iters=iters,
-            path=path if curvature else "straight",
+            path=path,
             kind=kind,
             seed=seed,
             norm=norm,
@@ -272,7 +278,6 @@ def _measure(
         warn_if_low_precision(base)
         points = [p.detach() for p in plan.gather(base)]
         check_points(plan, points)
-        path = path if curvature else "straight"  # curvature off: straight lines everywhere
         groups = _ball_groups(plan, points, path, norm)
         # the worst case's iterates live in the flat buffers of one layout; average-case
         # samples are drawn group by group, and stay as they were
@@ -545,15 +550,6 @@ def _restart_searches(
     for restart in range(1, restarts + 1):
         start = dict(options, seed=seed + restart * RESTART_SEED_STRIDE)
         yield maximize_in_ball(groups, objective, rho=rho, init="random", **start)
-
-
-def check_restarts(restarts: Any) -> int:
-    """``restarts`` as a non-negative int, or a ValueError/TypeError."""
-    if isinstance(restarts, bool) or not isinstance(restarts, int):
-        raise TypeError(f"`restarts` must be an int >= 0, got {restarts!r}")
-    if restarts < 0:
-        raise ValueError(f"`restarts` must be >= 0, got {restarts}")
-    return restarts
 
 
 class ZeroSharpnessWarning(UserWarning):
