@@ -52,7 +52,7 @@ def loss_fn(model, batch):
 
 
 def measure(model, batches, name: str, **options):
-    common = dict(rho=0.3, iters=12, progress=False, **options)
+    common = dict(rho=0.3, iters=12, progress=False) | options
     if name == "adaptive":
         return gq.adaptive_sharpness(model, loss_fn, batches, **common)
     return gq.geodesic_sharpness(model, loss_fn, batches, metric=name, **common)
@@ -230,6 +230,31 @@ def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
         assert a == pytest.approx(b, rel=1e-9)
 
 
+@pytest.mark.parametrize("name", ["adaptive", "inv"])
+def test_layout_gradients_mostly_reuse_the_buffers_the_loop_frees(name, monkeypatch):
+    """The gradients arrive in a vector the loop has freed where it has one (a new buffer
+    of a large model's size is faulted in page by page), not in a new buffer per
+    evaluation; and that changes no bit of the result."""
+    model, batches = tiny_bert()
+    allocations = []
+    original = layout_module._Flat.empty
+
+    def counted(self):
+        allocations.append(self.size)
+        return original(self)
+
+    monkeypatch.setattr(layout_module._Flat, "empty", counted)
+    reused = measure(model, batches, name, iters=24)
+    count = len(allocations)
+    monkeypatch.setattr(layout_module.BallLayout, "fits", lambda self, vector: False)
+    allocations.clear()
+    fresh = measure(model, batches, name, iters=24)
+    assert len(allocations) >= 2 * 24  # a new gradient buffer per evaluation and batch
+    assert count <= len(allocations) // 2
+    assert fresh.per_batch == reused.per_batch
+    assert fresh.histories == reused.histories
+
+
 def test_the_average_case_has_no_flat_layout(monkeypatch):
     model, batches = tiny_bert()
     calls = []
@@ -362,6 +387,43 @@ def test_update_as_one_combination_is_the_formulas_up_to_rounding(
     assert all(torch.equal(a, b) for a, b in zip(in_place, got))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(1, 300),
+    block=st.sampled_from([7, 64, 1 << 16]),
+    into=st.sampled_from(["new", "first", "gradient", "previous"]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_combination_writes_the_perturbed_point_in_the_same_sweep(size, block, into, dtype, seed):
+    """With ``shift = (x, buffer)`` the combination also writes ``x + out`` into the
+    buffer, bit for bit the separate sum, and ``out`` is what it is without (in any of
+    the buffers the loop writes it into, on blocks of any size)."""
+    generator = torch.Generator().manual_seed(seed)
+    x, a, b, c = (torch.randn(size, generator=generator, dtype=dtype) for _ in range(4))
+    weights = tuple(torch.randn(3, generator=generator, dtype=dtype).unbind())
+
+    def combined(shift):
+        operands = [t.clone() for t in (a, b, c)]
+        out = {"new": torch.empty_like(a), "first": operands[0]}.get(into)
+        out = {"gradient": operands[1], "previous": operands[2]}.get(into, out)
+        apgd._combine_(out, tuple(operands), weights, shift)
+        return out
+
+    old_block, apgd.COMBINE_BLOCK = apgd.COMBINE_BLOCK, block
+    try:
+        plain = combined(None)
+        buffer = torch.full_like(x, float("nan"))
+        out = combined((x, buffer))
+    finally:
+        apgd.COMBINE_BLOCK = old_block
+    assert torch.equal(out, plain)
+    assert torch.equal(buffer, x + plain)
+    terms = (c * weights[2], a * weights[0], b * weights[1])
+    scale = float(sum(t.abs() for t in terms).max())
+    assert torch.allclose(out, sum(terms), rtol=0, atol=4 * torch.finfo(dtype).eps * scale)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(1, 700),
@@ -392,6 +454,72 @@ def test_adaptive_gram_is_the_matrix_of_inner_products(size, block, eps, dtype, 
     scale = float(expected.diagonal().max())
     tol = 8 * (size + 8) * torch.finfo(dtype).eps * scale  # sums of size terms
     assert torch.allclose(gram, expected, rtol=0, atol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(1, 700),
+    block=st.sampled_from([7, 64, 1 << 16]),
+    eps=st.sampled_from([0.0, 0.1]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    capped=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_adaptive_gradient_and_gram_in_one_sweep_are_those_of_two(
+    size, block, eps, dtype, capped, seed
+):
+    """The fused sweep writes c^2 * g into g and returns the Gram matrix of (xi, c^2 * g,
+    xi_prev): bit for bit egrad2rgrad_ followed by gram, on the CPU's cache-sized blocks
+    and on an accelerator's capped ones, and the formulas to rounding."""
+    from geoopt_quotient.manifolds import _linalg, adaptive
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=generator, dtype=dtype)
+    x[::5] = 0.0  # frozen where eps = 0
+    space = gq.AdaptiveEuclidean(eps=eps).tangent_space(x)
+    xi, xi_prev = space.random(generator), space.random(generator)
+    egrad = torch.randn(size, generator=generator, dtype=dtype) * 3
+    fused = egrad.clone()
+    old = adaptive.GRAM_BLOCK, _linalg.CAP_ON_CPU
+    adaptive.GRAM_BLOCK, _linalg.CAP_ON_CPU = block, capped
+    try:
+        rgrad, gram = space.egrad2rgrad_gram_((xi, fused, xi_prev), 1)
+        separate = space.egrad2rgrad_(egrad.clone())
+        expected_gram = space.gram([xi, separate, xi_prev])
+    finally:
+        adaptive.GRAM_BLOCK, _linalg.CAP_ON_CPU = old
+    assert rgrad is fused  # in place
+    assert torch.equal(rgrad, separate) and torch.equal(gram, expected_gram)
+    c2 = (x.double().abs() + eps) ** 2
+    eps_dtype = torch.finfo(dtype).eps
+    assert torch.allclose(rgrad.double(), egrad.double() * c2, rtol=2 * eps_dtype, atol=0)
+    weight = torch.where(c2 > 0, 1 / c2, torch.zeros_like(c2))
+    vectors = [v.double() for v in (xi, rgrad, xi_prev)]
+    formula = torch.stack([torch.stack([(weight * u * v).sum() for v in vectors]) for u in vectors])
+    scale = float(formula.diagonal().max())
+    assert torch.allclose(gram, formula, rtol=0, atol=8 * (size + 8) * eps_dtype * scale)
+
+
+def test_adaptive_gradient_and_gram_fall_back_to_two_steps_where_one_sweep_cannot():
+    """A gradient in another dtype than the working one, or a strided vector: nothing is
+    fused (the sweep declines and changes nothing), and the values are those of the two
+    steps."""
+    x = torch.randn(40, 30)
+    manifold = gq.AdaptiveEuclidean()
+    space = manifold.tangent_space(x)
+    xi, xi_prev = torch.randn(40, 30), torch.randn(40, 30)
+    cases = {
+        "bfloat16": torch.randn(40, 30).bfloat16(),
+        "strided": torch.randn(30, 40).t(),
+    }
+    for name, egrad in cases.items():
+        before = egrad.clone()
+        assert space.state.rescaled_gram_((xi, egrad, xi_prev), 1) is None, name
+        assert torch.equal(egrad, before), name
+        rgrad, gram = space.egrad2rgrad_gram_((xi, egrad, xi_prev), 1)
+        expected = space.egrad2rgrad(before)
+        assert torch.equal(rgrad, expected), name
+        assert torch.equal(gram, space.gram([xi, expected, xi_prev])), name
 
 
 def test_riemannian_gradient_in_place_has_the_same_values_and_copies_what_it_cannot_own():

@@ -179,6 +179,16 @@ class AdaptiveEuclidean(QuotientManifold):
         values); a new tensor otherwise."""
         return st.rescaled_(u)
 
+    def _egrad2rgrad_gram_(
+        self, st: _ScaleState, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor] | None:
+        r""":meth:`_egrad2rgrad_` of ``vectors[index]`` (in place) and the Gram matrix of
+        ``vectors`` with the Riemannian gradient in its place, in one sweep
+        (:meth:`_ScaleState.rescaled_gram_`); ``None`` (nothing changed) where that
+        sweep does not apply."""
+        gram = st.rescaled_gram_(vectors, index)
+        return None if gram is None else (vectors[index], gram)
+
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Straight line :math:`w + \\xi`."""
         return x + u
@@ -313,8 +323,32 @@ class _ScaleState:
             return None
         if any(u.dtype != vectors[0].dtype for u in vectors):
             return None
+        return self._gram_sweep(vectors, None)
+
+    def rescaled_gram_(self, vectors: Sequence[torch.Tensor], index: int) -> torch.Tensor | None:
+        r""":meth:`rescaled_` of ``vectors[index]`` (in place) and then the :meth:`gram` of
+        ``vectors``, in one sweep over the entries.
+
+        Per block, :math:`c` is formed once and serves both: the block of
+        ``vectors[index]`` is multiplied by :math:`c^2` while it is in cache, and its
+        quotient by :math:`c` is taken from there. Each vector and the point are read
+        once and the rescaled one written once, instead of a second read of the point
+        and of the rescaled vector by a separate :meth:`gram`. The values are those of
+        :meth:`rescaled_` followed by :meth:`gram`, bit for bit. ``None`` (nothing
+        changed) where the operands do not split into blocks or are not all in the
+        working dtype.
+        """
+        if not vectors or not _splittable(self.x, *vectors):
+            return None
+        if any(u.dtype != self.dtype for u in vectors):
+            return None
+        return self._gram_sweep(vectors, index)
+
+    def _gram_sweep(self, vectors: Sequence[torch.Tensor], rescale: int | None) -> torch.Tensor:
+        """:meth:`gram`, with ``vectors[rescale]`` multiplied by :math:`c^2` first, block
+        by block (none if ``rescale`` is ``None``)."""
         flat_x = self.x.reshape(-1)
-        flats = [u.reshape(-1) for u in vectors]
+        flats = [u.view(-1) for u in vectors]
         step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
         step = block_length(flat_x.numel(), step, flat_x.device)
         size = min(step, flat_x.numel())
@@ -323,7 +357,10 @@ class _ScaleState:
         tiny = torch.finfo(self.dtype).tiny
         for start in range(0, flat_x.numel(), step):
             block = slice(start, start + step)
-            scale = self.manifold.scale(flat_x[block].to(self.dtype)).clamp_min_(tiny)
+            scale = self.manifold.scale(flat_x[block].to(self.dtype))
+            if rescale is not None:  # as rescaled_: c^2 unclamped (zero where frozen)
+                flats[rescale][block].mul_(scale.pow(2))
+            scale.clamp_min_(tiny)
             rows = ratios[:, : scale.numel()]
             for row, flat in zip(rows, flats):
                 torch.div(flat[block], scale, out=row)

@@ -53,6 +53,16 @@ class TangentSpace:
         ``u`` must then belong to the caller alone."""
         return self.egrad2rgrad(u)
 
+    def egrad2rgrad_gram_(
+        self, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        r""":meth:`egrad2rgrad_` of ``vectors[index]`` and the :meth:`gram` of ``vectors``
+        with that Riemannian gradient in its place: ``(rgrad, gram)``. Where the manifold
+        can, one sweep over the vectors does both (the same values)."""
+        vectors = list(vectors)
+        vectors[index] = self.egrad2rgrad_(vectors[index])
+        return vectors[index], self.gram(vectors)
+
     @property
     def straight_retraction(self) -> bool:
         """Whether :meth:`retr` is the straight line :math:`x + u`."""
@@ -116,6 +126,13 @@ class CachedTangentSpace(TangentSpace):
     def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
         fused = getattr(self.manifold, "_gram", None)
         return super().gram(vectors) if fused is None else fused(self.state, vectors)
+
+    def egrad2rgrad_gram_(
+        self, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        fused = getattr(self.manifold, "_egrad2rgrad_gram_", None)
+        result = None if fused is None else fused(self.state, vectors, index)
+        return super().egrad2rgrad_gram_(vectors, index) if result is None else result
 
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         retract = getattr(self.manifold, "_retr", None)

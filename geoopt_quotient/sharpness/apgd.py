@@ -13,6 +13,7 @@ The worst case is found with Auto-PGD (Croce & Hein, 2020), as in Algorithm 1 of
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple, Union
@@ -21,7 +22,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
-from ..manifolds._linalg import block_length, compute_dtype
+from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
@@ -148,6 +149,9 @@ class _Ball:
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
+        #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
+        #: last update left it (:func:`_apgd_update`); taken by the next evaluation.
+        self.written: Tuple[List[torch.Tensor], List[bool]] | None = None
         #: Sums a local inner product or Gram matrix over the processes that hold the
         #: other pieces of the ball (a sharded model's); ``None``: the ball is all here.
         self.reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -199,12 +203,37 @@ class _Ball:
             egrads[i] = space.egrad2rgrad_(g)
         return egrads
 
+    def riemannian_gradient_gram_(
+        self,
+        egrads: List[torch.Tensor],
+        xi: Sequence[torch.Tensor],
+        xi_prev: Sequence[torch.Tensor],
+    ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """:meth:`riemannian_gradient_`, and the :meth:`gram` of ``(xi, rgrads, xi_prev)``
+        that the next Auto-PGD update reads (the same values), in one sweep over each
+        group's vectors where its manifold can (the adaptive metric's)."""
+        device = self.points[0].device
+        grams = []
+        for i, space in enumerate(self.spaces):
+            egrads[i], gram = space.egrad2rgrad_gram_((xi[i], egrads[i], xi_prev[i]), 1)
+            grams.append(gram.to(device))
+        return egrads, self._reduced(torch.stack(grams).sum(0))
+
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
         same at every call: the straight paths write into it instead of allocating anew."""
         if self._perturbed is None:
             self._perturbed = _joint_buffer(self.points)
         return self._perturbed[index]
+
+    def take_written(self, xi: Sequence[torch.Tensor]) -> List[bool]:
+        """Per group, whether its perturbed-point buffer holds :math:`x + \\xi` for this
+        ``xi`` (written by the update that made it); forgotten once asked, since the
+        evaluation that asks writes the buffers anew."""
+        written, self.written = self.written, None
+        if written is None or written[0] is not xi:
+            return [False] * len(self.points)
+        return written[1]
 
     def random(self, generator: torch.Generator, scale: float) -> List[torch.Tensor]:
         return [
@@ -264,6 +293,7 @@ def _evaluate(
     xi: Sequence[torch.Tensor],
     grad: bool,
     autocast: AutocastState,
+    recycled: List[List[torch.Tensor]] | None = None,
 ) -> Tuple[torch.Tensor, List[torch.Tensor] | None]:
     r"""The objective at the perturbed points, and its gradient with respect to ``xi``.
 
@@ -277,14 +307,21 @@ def _evaluate(
 
     An objective with an ``evaluate_ball`` method (a
     :class:`~geoopt_quotient.sharpness.layout.BallLayout`'s) evaluates itself, through
-    the layout's flat buffers.
+    the layout's flat buffers. ``recycled`` holds at most one vector of the ball that the
+    caller no longer needs; the evaluation takes it (empties the list), and such an
+    objective may write the gradient into it instead of into a new buffer (one of a
+    large model's size is faulted in page by page: in system time, about a copy's worth).
     """
     custom = getattr(objective, "evaluate_ball", None)
     if custom is not None:
-        return custom(ball, paths, xi, grad, autocast)
+        return custom(ball, paths, xi, grad, autocast, recycled)
+    if recycled:
+        recycled.clear()  # freed before the objective runs
     leaves, moved, pullbacks = [], [], []
+    written = ball.take_written(xi)
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
-        point, pullback = _explicit_path(p, x, v, lambda i=index: ball.perturbed_buffer(i))
+        buffer = functools.partial(ball.perturbed_buffer, index)
+        point, pullback = _explicit_path(p, x, v, buffer, written[index])
         if point is not None:
             leaf = point.detach().requires_grad_(grad)
             leaves.append(leaf)
@@ -314,17 +351,22 @@ def _evaluate(
 
 
 def _explicit_path(
-    path: Path, x: torch.Tensor, v: torch.Tensor, buffer: Callable[[], torch.Tensor]
+    path: Path,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    buffer: Callable[[], torch.Tensor],
+    written: bool = False,
 ) -> Tuple[torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor] | None]:
     """The perturbed point written into ``buffer()``, and the pullback of the gradient
     there to one with respect to ``v`` (``None``: the identity), for the paths that
     have them without autograd: the straight line and explicit retractions. ``(None,
-    None)`` for the others."""
+    None)`` for the others. ``written``: the straight line's point is in ``buffer()``
+    already (:meth:`_Ball.take_written`)."""
     if v.dtype != x.dtype:
         return None, None
     with torch.no_grad():
         if path is _straight:
-            return torch.add(x, v, out=buffer()), None
+            return (buffer() if written else torch.add(x, v, out=buffer())), None
         if isinstance(path, _Retraction):
             explicit = path.space.retr_vjp(v, buffer())
             if explicit is not None:
@@ -541,16 +583,25 @@ def _maximize(
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
     xi = _initial_vector(ball, init, seed)
+    # at most one free gradient buffer, for the next update or evaluation to write into
+    recycled: List[List[torch.Tensor]] = []
 
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
-        return _evaluate(ball, paths, objective, xi, grad, autocast)
+        return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
 
+    def riemannian(grads: List[torch.Tensor], xi, xi_prev) -> Tuple[List[torch.Tensor], Tuple]:
+        """The Riemannian gradient, and the Gram matrix the next update reads, with the
+        vectors it is of (the update recomputes it for others, after a restart)."""
+        rgrads, gram = ball.riemannian_gradient_gram_(grads, xi, xi_prev)
+        return rgrads, (gram, xi, rgrads, xi_prev)
+
+    targets = _perturbed_targets(ball, paths, objective)
     step = 2.0 * ball.rho
     value_t, grads = evaluate(xi, grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
     best_xi = xi_prev = xi
-    rgrads = ball.riemannian_gradient_(grads)
+    rgrads, known = riemannian(grads, xi, xi)
     best_rgrads = rgrads if keep else None
     history, steps, evaluations, gradients = [value], [], 1, 1
     checkpoints = apgd_checkpoints(iters)
@@ -565,16 +616,22 @@ def _maximize(
             out = xi_prev
         elif rgrads is not best_rgrads:
             out = rgrads
+        elif spare is not None or recycled:
+            out = spare if spare is not None else recycled.pop()
         else:
-            out = spare if spare is not None else _joint_buffer(xi)
+            out = _joint_buffer(xi)
         spare = None
-        xi_next, grad_norm = _apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
+        if out is not rgrads and rgrads is not best_rgrads:
+            recycled[:] = [rgrads]  # read by the update, then free
+        gram = _known_gram(known, (xi, rgrads, xi_prev))
+        known = None
+        xi_next, grad_norm = _apgd_update(
+            ball, xi, xi_prev, rgrads, step, alpha, out, gram, targets
+        )
         # alive while the objective runs: xi, the previous xi and the best xi
         xi_prev, xi, rgrads = xi, xi_next, None
         need_grad = k + 1 < iters
         new_value_t, grads = evaluate(xi, grad=need_grad)
-        if need_grad:
-            rgrads, grads = ball.riemannian_gradient_(grads), None
         evaluations, gradients = evaluations + 1, gradients + int(need_grad)
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
@@ -584,10 +641,13 @@ def _maximize(
         history.append(new_value)
         increases += int(new_value > value)
         value = new_value
+        # ``grads`` is made Riemannian in place (the same list) at the end of the
+        # iteration, unless a restart leaves its iterate behind
         if new_value > best_value:
             best_value, best_xi = new_value, xi
             if keep and need_grad:
-                best_rgrads = rgrads
+                recycled[:] = [] if best_rgrads is None else [best_rgrads]
+                best_rgrads = grads
         if k + 1 in checkpoints and need_grad:
             since = k + 1 - last_mark
             too_few_increases = increases < 0.75 * since
@@ -598,14 +658,16 @@ def _maximize(
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
                     if keep and xi_prev is best_xi:  # no input of the next update is free
                         spare = xi
-                    xi, value, rgrads = best_xi, best_value, None
+                    recycled[:] = [grads]  # the gradient at the iterate left behind
+                    xi, value, grads = best_xi, best_value, None
                     if keep:
                         rgrads = best_rgrads
                     else:
                         grads = evaluate(xi, grad=True)[1]
-                        rgrads, grads = ball.riemannian_gradient_(grads), None
                         evaluations, gradients = evaluations + 1, gradients + 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
+        if grads is not None:
+            (rgrads, known), grads = riemannian(grads, xi, xi_prev), None
     return BallMaxResult(
         value=best_value,
         xi=[v.detach() for v in best_xi],
@@ -643,6 +705,37 @@ def _initial_vector(
     return out
 
 
+def _perturbed_targets(
+    ball: _Ball, paths: Sequence[Path], objective: Objective
+) -> List[Tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """Per group, ``(x, buffer)`` where the update writes the perturbed point
+    :math:`x + \\xi` as well, in its sweep over the new iterate (a straight path in the
+    point's dtype, on the CPU, into the buffer the evaluation reads it from), else
+    ``None``; ``None`` for an objective whose evaluation has no such buffers.
+
+    On the CPU this saves a read of the iterate per evaluation; on an accelerator, where
+    the update's blocks are few and large, it would add operators and save nothing.
+    """
+    if getattr(objective, "evaluate_ball", None) is None:
+        buffer = ball.perturbed_buffer
+    else:
+        buffer = getattr(objective, "perturbed_buffer", None)
+    if buffer is None:
+        return None
+    targets = [
+        (x, buffer(i)) if path is _straight and dtype == x.dtype and not capped(x.device) else None
+        for i, (path, x, dtype) in enumerate(zip(paths, ball.points, ball.dtypes))
+    ]
+    return targets if any(t is not None for t in targets) else None
+
+
+def _known_gram(known: Tuple | None, vectors: Tuple) -> torch.Tensor | None:
+    """The Gram matrix in ``known`` (``(gram, *its vectors)``) if it is of ``vectors``."""
+    if known is None or any(a is not b for a, b in zip(known[1:], vectors)):
+        return None
+    return known[0]
+
+
 def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -> bool:
     return all(vector is not other for other in in_use)
 
@@ -655,9 +748,15 @@ def _apgd_update(
     step: float,
     alpha: float,
     out: List[torch.Tensor],
+    gram: torch.Tensor | None = None,
+    targets: Sequence[Tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     r"""Auto-PGD's next iterate, written into ``out``, and the norm of the Riemannian
-    gradient ``rgrads`` at ``xi``.
+    gradient ``rgrads`` at ``xi``; ``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)``
+    where the caller has it (:meth:`_Ball.riemannian_gradient_gram_`); ``targets``: per
+    group, ``(x, buffer)`` where the straight path's perturbed point :math:`x + \xi_{next}`
+    is written too, in the same sweep (:func:`_perturbed_targets`; recorded in
+    :attr:`_Ball.written` for the next evaluation), or ``None``.
 
     With :math:`g` the Riemannian gradient, :math:`P` the radial scaling into the ball and
     :math:`\eta` the step,
@@ -675,13 +774,17 @@ def _apgd_update(
     ``out`` may be ``xi_prev`` itself; the other inputs are only read.
     """
     vectors = (xi, rgrads, xi_prev)
-    weights, grad_norm = _update_weights(ball.gram(vectors), step, alpha, ball.rho)
+    gram = ball.gram(vectors) if gram is None else gram
+    weights, grad_norm = _update_weights(gram, step, alpha, ball.rho)
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
-    for o, x, g, p in zip(out, xi, rgrads, xi_prev):
+    shifts = [None] * len(out) if targets is None else targets
+    for o, x, g, p, shift in zip(out, xi, rgrads, xi_prev, shifts):
         key = (o.dtype, o.device)
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
-        _combine_(o, (x, g, p), per_dtype[key])
+        _combine_(o, (x, g, p), per_dtype[key], shift)
+    if targets is not None:
+        ball.written = (out, [t is not None for t in targets])
     return out, grad_norm
 
 
@@ -713,9 +816,14 @@ COMBINE_BLOCK = 1 << 16
 
 
 def _combine_(
-    out: torch.Tensor, vectors: Tuple[torch.Tensor, ...], weights: Tuple[torch.Tensor, ...]
+    out: torch.Tensor,
+    vectors: Tuple[torch.Tensor, ...],
+    weights: Tuple[torch.Tensor, ...],
+    shift: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``out = w_2 v_2 + w_0 v_0 + w_1 v_1`` in this order, block by block on the CPU.
+    """``out = w_2 v_2 + w_0 v_0 + w_1 v_1`` in this order, block by block on the CPU;
+    with ``shift = (x, buffer)`` also ``buffer = x + out`` (the straight path's
+    perturbed point), from each block of ``out`` while it is in cache.
 
     ``out`` may be one of the ``v_i``: ``v_2`` is overwritten after it is read, any other
     is summed into a block-sized buffer first, so that the rounding does not depend on
@@ -723,7 +831,7 @@ def _combine_(
     """
     (a, b, c), (wa, wb, wc) = vectors, weights
     staged = out is a or out is b
-    operands = (out, a, b, c)
+    operands = (out, a, b, c, *(shift or ()))
     if out.device.type == "cpu" and all(
         t.is_contiguous() and t.shape == out.shape for t in operands
     ):
@@ -733,11 +841,13 @@ def _combine_(
     else:
         blocks = [operands]
     stage = torch.empty_like(blocks[0][0]) if staged else None
-    for o, a_, b_, c_ in blocks:
+    for o, a_, b_, c_, *shifted in blocks:
         target = stage[: o.numel()].view(o.shape) if staged else o
         torch.mul(c_, wc, out=target).addcmul_(a_, wa).addcmul_(b_, wb)
         if staged:
             o.copy_(target)
+        if shifted:
+            torch.add(shifted[0], target, out=shifted[1])
 
 
 def _joint_buffer(

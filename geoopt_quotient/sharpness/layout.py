@@ -31,6 +31,7 @@ gradients, and stay zero.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -206,9 +207,17 @@ class _Rest:
             joined = torch.cat([p.reshape(-1) for p in points])
         out.index_copy_(0, self.destination, joined.to(out.dtype))
 
-    def read(self, grad: torch.Tensor) -> List[torch.Tensor]:
-        joined = grad.index_select(0, self.destination)
+    def read(
+        self, grad: torch.Tensor, out: Sequence[torch.Tensor] | None = None
+    ) -> List[torch.Tensor]:
+        """The groups' parts of the flat ``grad``, written into ``out`` (contiguous
+        tensors of the groups' shapes and ``grad``'s dtype), else into new tensors."""
         sizes = [s.numel() for s in self.shapes]
+        if out is not None:  # checked by BallLayout.fits
+            for o, destination in zip(out, self.destination.split(sizes)):
+                torch.index_select(grad, 0, destination, out=o.view(-1))
+            return list(out)
+        joined = grad.index_select(0, self.destination)
         return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
 
 
@@ -256,6 +265,7 @@ class BallLayout:
         self._buffers: List[torch.Tensor] | None = None
         self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
         self._grads: List[torch.Tensor] = []
+        self._rest_grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
 
     @staticmethod
@@ -345,10 +355,20 @@ class BallLayout:
         (a function of the perturbed parameters by name, e.g. one batch's loss)."""
         return _LayoutObjective(self, loss)
 
-    def parameters(self, points: Sequence[torch.Tensor], grad: bool) -> Tuple[List, Dict]:
+    def parameters(
+        self,
+        points: Sequence[torch.Tensor],
+        grad: bool,
+        spare: Sequence[torch.Tensor] | None = None,
+    ) -> Tuple[List, Dict]:
         """(leaves, parameters by name) for perturbed ``points`` of :attr:`groups`: the
         points written into the flat buffers (unless already there), one leaf per buffer
-        (requiring grad if ``grad``), and the parameters as views of the leaves."""
+        (requiring grad if ``grad``), and the parameters as views of the leaves.
+
+        The gradients of the next :meth:`flat_gradients` go into the fused groups'
+        vectors of ``spare`` (a vector of :attr:`groups` no longer needed, which
+        :meth:`fits`), and into buffers of the layout's own for the other groups: not
+        into new allocations, which for a model-sized buffer cost a page fault per page."""
         buffers = self._perturbed_buffers()
         unfused = len(self._rest_points)
         with torch.no_grad():
@@ -360,7 +380,7 @@ class BallLayout:
         if not grad:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
             return [], dict(zip(self.names, views))
-        self._grads = [flat.empty() for flat in self.flats]
+        self._grads = self._gradient_buffers(spare)
         leaves, views = [], []
         for segments, buffer, out in zip(self._segments, buffers, self._grads):
             for segment in segments:
@@ -368,6 +388,33 @@ class BallLayout:
                 leaves.append(leaf)
                 views += _SegmentViews.apply(segment, out, leaf)
         return leaves, dict(zip(self.names, views))
+
+    def _gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
+        """Where the flat gradients go: the fused groups' vectors of ``spare`` (which
+        :meth:`fits`), else new buffers; the other groups' gradients are read out of
+        their flat buffers at once (:meth:`point_gradients`), so those are the layout's,
+        the same at every call."""
+        unfused = len(self._rest_points)
+        if spare is None:
+            out = [flat.empty() for flat in self._fused]
+        else:
+            out = list(spare[unfused:])
+        if len(self._rest_grads) != len(self._rests):
+            self._rest_grads = [rest.flat.empty() for rest in self._rests]
+        return out + self._rest_grads
+
+    def fits(self, vector: Sequence[torch.Tensor]) -> bool:
+        """Whether ``vector`` (one tensor per group of :attr:`groups`) can receive the
+        gradients: contiguous, in the flat buffers' dtypes, the fused groups' flat."""
+        unfused = len(self._rest_points)
+        fused = zip(vector[unfused:], self._fused)
+        if not all(_fits(v, flat) for v, flat in fused):
+            return False
+        return all(
+            _fits_shape(vector[p], rest.flat.dtype, rest.flat.device, shape)
+            for rest in self._rests
+            for p, shape in zip(rest.groups, rest.shapes)
+        )
 
     def flat_gradients(self, grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
         """The flat gradients of the last :meth:`parameters` call with ``grad=True``, from
@@ -378,17 +425,37 @@ class BallLayout:
         flat, self._grads = self._grads, []
         return flat
 
-    def point_gradients(self, flat_grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
+    def point_gradients(
+        self,
+        flat_grads: Sequence[torch.Tensor | None],
+        spare: Sequence[torch.Tensor] | None = None,
+    ) -> List[torch.Tensor]:
         """The gradients with respect to the groups' perturbed points, from the flat
-        buffers' gradients (in the groups' order; the fused ones are the buffers')."""
+        buffers' gradients (in the groups' order; the fused ones are the buffers'), the
+        other groups' written into their vectors of ``spare`` (which :meth:`fits`)."""
         unfused = len(self._rest_points)
         out: List[torch.Tensor | None] = [None] * len(self.groups)
         for position, grad in enumerate(flat_grads[: len(self._fused)]):
             out[unfused + position] = grad
         for rest, grad in zip(self._rests, flat_grads[len(self._fused) :]):
-            for position, g in zip(rest.groups, rest.read(grad)):
+            targets = None if spare is None else [spare[p] for p in rest.groups]
+            for position, g in zip(rest.groups, rest.read(grad, targets)):
                 out[position] = g
         return out  # type: ignore[return-value]
+
+
+def _fits(vector: torch.Tensor, flat: _Flat) -> bool:
+    """Whether ``vector`` can hold a flat buffer of ``flat``'s layout."""
+    return _fits_shape(vector, flat.dtype, flat.device, torch.Size((flat.size,)))
+
+
+def _fits_shape(vector: torch.Tensor, dtype, device, shape: torch.Size) -> bool:
+    return (
+        vector.shape == shape
+        and vector.dtype == dtype
+        and vector.device == device
+        and vector.is_contiguous()
+    )
 
 
 #: Quotient groups of one geometry are stacked into one batch whose two factors have
@@ -533,12 +600,19 @@ class _LayoutObjective:
         self.layout = layout
         self.loss = loss
 
+    def perturbed_buffer(self, index: int) -> torch.Tensor:
+        """Where :meth:`evaluate_ball` reads group ``index``'s perturbed point from
+        (:meth:`BallLayout.perturbed_buffer`)."""
+        return self.layout.perturbed_buffer(index)
+
     def __call__(self, points: List[torch.Tensor]) -> Any:
         _, params = self.layout.parameters(points, grad=False)
         return self.loss(params)
 
-    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast):
-        r"""The loss at the perturbed points and its gradient with respect to ``xi``.
+    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
+        r"""The loss at the perturbed points and its gradient with respect to ``xi``,
+        written into the vector that ``recycled`` holds, if any, where it fits
+        (:meth:`BallLayout.parameters`); it is released before the loss runs otherwise.
 
         Paths with an explicit pullback (the straight line, the retractions of this
         package's quotients) write the perturbed point into the layout's buffer and map
@@ -546,9 +620,14 @@ class _LayoutObjective:
         from the point's gradient.
         """
         layout = self.layout
+        spare = recycled.pop() if recycled else None
+        if spare is not None and not (grad and layout.fits(spare)):
+            spare = None
         points, pullbacks, traced = [], [], {}
+        written = ball.take_written(xi)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
-            point, pullback = _explicit_path(path, x, v, lambda i=index: layout.perturbed_buffer(i))
+            buffer = functools.partial(layout.perturbed_buffer, index)
+            point, pullback = _explicit_path(path, x, v, buffer, written[index])
             if point is None:
                 leaf = v.detach().requires_grad_(grad)
                 with torch.enable_grad() if grad else torch.no_grad():
@@ -556,7 +635,7 @@ class _LayoutObjective:
                 traced[index] = leaf
             points.append(point)
             pullbacks.append(pullback)
-        leaves, params = layout.parameters(points, grad)
+        leaves, params = layout.parameters(points, grad, spare)
         with torch.enable_grad() if grad else torch.no_grad():
             with autocast.restored():
                 value = as_scalar(self.loss(params))
@@ -565,7 +644,7 @@ class _LayoutObjective:
             check_depends_on_perturbation(value, grads_found=True)
             flat_grads = torch.autograd.grad(value, leaves, allow_unused=True)
         check_depends_on_perturbation(value, any(g is not None for g in flat_grads))
-        grads = layout.point_gradients(layout.flat_gradients(flat_grads))
+        grads = layout.point_gradients(layout.flat_gradients(flat_grads), spare)
         for index, leaf in traced.items():
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]

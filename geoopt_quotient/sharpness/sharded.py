@@ -595,9 +595,13 @@ class _ShardedObjective:
         self.ball.write(flat)
         return self.ball.loss(self.batch, False, AutocastState.capture())[0]
 
-    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast):
+    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
         """The loss at the perturbed points and its gradient with respect to ``xi``, as
-        :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it."""
+        :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it
+        (the vector in ``recycled`` is released unused: the gradient arrives in the
+        sharded ball's own buffer)."""
+        if recycled:
+            recycled.clear()
         owner = self.ball
         flat = owner.perturbed_buffer()
         pullbacks, traced = [], {}
