@@ -610,14 +610,15 @@ def _maximize(
     spare = None  # an iterate left by a restart, for the next update to write into
     for k in range(iters):
         alpha = 1.0 if k == 0 else momentum
-        # written over an input the update reads each entry of before writing it: the
-        # previous iterate, else the gradient, unless the best iterate holds them
+        # written over an input the update reads each entry of before writing it (the
+        # previous iterate), else a vector freed earlier (an iterate a restart left, a
+        # gradient), else the gradient, unless the best iterate holds them
         if _is_free(xi_prev, (xi, best_xi)):
             out = xi_prev
+        elif spare is not None or recycled:  # not the gradient: no staging in _combine_
+            out = spare if spare is not None else recycled.pop()
         elif rgrads is not best_rgrads:
             out = rgrads
-        elif spare is not None or recycled:
-            out = spare if spare is not None else recycled.pop()
         else:
             out = _joint_buffer(xi)
         spare = None
