@@ -1,29 +1,37 @@
-r"""The exponential map of :class:`~geoopt_quotient.GLQuotient` at a fixed point, as a
-few batched products and in-place updates per Runge-Kutta stage.
+r"""The exponential map of :class:`~geoopt_quotient.GLQuotient` at a fixed point,
+integrated in the span of its start: a few products of :math:`2h \times 2h` matrices per
+Runge-Kutta stage, whatever the number of rows.
 
 The reference (:meth:`~geoopt_quotient.GLQuotient.geodesic`) integrates
-:math:`\ddot X = -\Gamma_X(\dot X, \dot X)` with classical RK4: per stage a new
-:class:`~geoopt_quotient.manifolds.gl_quotient.PointState` (a Cholesky factor and an
-inverse per factor), the Christoffel term factor by factor, and every stage's input and
-the steps' sums as new tensors. Here, for points in their own high precision (float64:
-the path gap's, :mod:`~geoopt_quotient.sharpness.path_gap`), the same discretisation runs
-on the batch of both factors at once: with the factors' products of
-:class:`~geoopt_quotient.manifolds._gl_tangent._Split` (one batched product for both
-where the factors have equal rows),
+:math:`\ddot X = -\Gamma_X(\dot X, \dot X)` with classical RK4 on the point itself: per
+stage, per factor, a Gram matrix, a Cholesky factor and an inverse, and the Christoffel
+term :math:`\Gamma_F = \xi_F X_F + F Y_F` (:math:`h \times h` coefficients
+:math:`X_F, Y_F` of the Gram matrices :math:`F^\top F, F^\top \xi_F, \xi_F^\top \xi_F`,
+:meth:`~geoopt_quotient.GLQuotient._christoffel_coefficients`): five products of
+:math:`n h^2` multiply-adds per factor and stage, and every stage's input as a new tensor.
 
-- the Gram matrices :math:`S_F = F^\top F + \varepsilon I`, one batched Cholesky
-  factorisation and one batched inverse for both factors (for ``mix`` in exchanged
-  order, each factor's slot holding the other's, as its coefficients need);
-- :math:`M_F = K_F + K_F^\top` with :math:`K_F = F^\top \xi_F`, :math:`B_F = \xi_F^\top
-  \xi_F` and :math:`\Gamma_F = \xi_F X_F + F Y_F`, with inv: :math:`X_F = -S_F^{-1}
-  M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`, :math:`Y_G = -B_H
-  S_H^{-1}` and the same with the factors exchanged (the reference's
-  :meth:`~geoopt_quotient.GLQuotient._christoffel_coefficients`);
-- the stage inputs :math:`X + c\,h\,k` and the step's weighted sums written into
-  buffers kept over the integration (one operation each).
+Both :math:`\dot F = \xi_F` and :math:`\dot \xi_F = -\xi_F X_F - F Y_F` multiply
+:math:`[F, \xi_F]` from the right, so position and velocity stay in the column span of
+the start, :math:`[F, \xi_F] = Z_F M_F` with :math:`Z_F = [F_0, \xi_{F,0}]`
+(:math:`n \times 2h`) and :math:`M_F = [P, V]` (:math:`2h \times 2h`, the identity at
+the start), and RK4's stages, linear combinations of states, keep that form:
 
-The values are the reference's up to the order of float rounding; the integration's
-checks (speed kept, every factorisation positive definite) are the reference's.
+.. math::
+
+    f(M) = [V, -(V X + P Y)],
+
+with the coefficients from :math:`F^\top F = P^\top C P`, :math:`F^\top \xi_F = P^\top
+C V`, :math:`\xi_F^\top \xi_F = V^\top C V`, :math:`C = Z_F^\top Z_F`. The integration
+carries :math:`N = C M` beside :math:`M` (it moves as :math:`M` does: :math:`f(N) =
+[N_V, -(N_V X + N_P Y)]`), so those are :math:`N_P^\top M` and :math:`N_V^\top V`: per
+stage and factor :math:`14 h^3` multiply-adds in place of :math:`5 n h^2`, and the
+point's rows are read once at the start (:math:`C`) and once at the end (:math:`Z M`).
+Both factors of a batch of points are one batch of such matrices; the Cholesky
+factorisations and inverses are one batched call each.
+
+The discretisation is the reference's; the values are its own up to float rounding
+(the order of sums), and the integration's checks (speed kept, every factorisation
+positive definite) are the reference's.
 """
 
 from __future__ import annotations
@@ -34,12 +42,18 @@ import torch
 
 from ._gl_tangent import _Split
 
+#: Per stage, the span's products cost about ``SPAN_COST * h`` multiply-adds per row of
+#: the reference's (:math:`14 h^3` per factor against :math:`5 (n + m) h^2` for both);
+#: :func:`applies` takes the span where that is at most the reference's.
+SPAN_COST = 28 / 5
+
 
 def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether :func:`geodesic` integrates ``manifold``'s geodesic from ``x`` along ``u``:
     the reference's Christoffel term and integrator (no subclass of its own), a point in
     its own high precision (float64), contiguous tensors of one shape, dtype and device,
-    and nothing for autograd to record."""
+    nothing for autograd to record, and rows enough that the span is the cheaper
+    (:data:`SPAN_COST`)."""
     from .gl_quotient import GLQuotient
 
     cls = type(manifold)
@@ -49,6 +63,7 @@ def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
         and cls._christoffel_coefficients is GLQuotient._christoffel_coefficients
         and x.dtype == torch.float64
         and x.dim() >= 2
+        and manifold.n + manifold.m >= SPAN_COST * x.shape[-1]
         and u.shape == x.shape
         and u.dtype == x.dtype
         and u.device == x.device
@@ -58,87 +73,92 @@ def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
     )
 
 
-class _Christoffel:
-    r""":math:`\Gamma_X(\xi, \xi)` of a batch of points ``(B, n + m, h)``, both factors at
-    once; the Cholesky factorisations' ``info`` kept in ``failures``."""
-
-    def __init__(self, manifold, split: _Split, failures: List[torch.Tensor]):
-        self.mix = manifold.metric == "mix"
-        self.eps = manifold.eps
-        self.split = split
-        self.failures = failures
-
-    def inverses(self, p: torch.Tensor) -> torch.Tensor:
-        r""":math:`S_F^{-1}` of each factor (``(2 B, h, h)``; for mix the other factor's)."""
-        s = self.split.inner(p, p, swapped=self.mix)
-        if self.eps:
-            s.diagonal(dim1=-2, dim2=-1).add_(self.eps)
-        chol, info = torch.linalg.cholesky_ex(s)
-        self.failures.append(info)
-        return torch.cholesky_inverse(chol)
-
-    def into(self, out: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        r""":math:`\Gamma_p(v, v)` written into ``out`` (not ``p`` or ``v``); returns it."""
-        split, mix = self.split, self.mix
-        inverses = self.inverses(p)
-        k = split.inner(p, v, swapped=mix)
-        m, b = k + k.mT, split.inner(v, v, swapped=mix)
-        if mix:
-            x_coef, y_coef = torch.bmm(m, inverses), torch.bmm(b, inverses).neg_()
-        else:
-            x_coef, y_coef = torch.bmm(inverses, m).neg_(), torch.bmm(inverses, b)
-        for o, f, w in zip(split.factors(out), split.factors(v), split.small(x_coef)):
-            torch.bmm(f, w, out=o)
-        split.add_times_(out, p, y_coef, 1.0)
-        return out
-
-
 def geodesic(
     manifold, x: torch.Tensor, u: torch.Tensor, t: float, steps: int
 ) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     r"""``(position, velocity, failures)`` at time ``t`` of the geodesic from ``x`` along
-    ``u`` (:func:`applies`), ``steps`` classical RK4 steps as the reference's:
+    ``u`` (where :func:`applies`), ``steps`` classical RK4 steps as the reference's,
 
     .. math::
 
-        k_1 = f(X, V),\ k_2 = f(X + \tfrac{h}{2} k_1^X, V + \tfrac{h}{2} k_1^V),\ \dots,
-        \quad X \mathrel{+}= \tfrac{h}{6}(k_1 + 2 k_2 + 2 k_3 + k_4)
+        k_1 = f(M),\ k_2 = f(M + \tfrac{h}{2} k_1),\ k_3 = f(M + \tfrac{h}{2} k_2),\
+        k_4 = f(M + h k_3), \qquad M \mathrel{+}= \tfrac{h}{6}(k_1 + 2 k_2 + 2 k_3 + k_4),
 
-    with :math:`f(X, V) = (V, -\Gamma_X(V, V))`. ``failures`` holds the ``info`` of every
-    Cholesky factorisation on the way, for the reference's check."""
+    in the span's coordinates (module docstring); ``failures`` holds the ``info`` of
+    every Cholesky factorisation on the way, for the reference's check.
+
+    The state is kept transposed, ``(2 B, 2h, 4h)``: rows :math:`P^\top` then
+    :math:`V^\top`, columns :math:`M^\top` then :math:`N^\top`, so that each half of
+    :math:`f` is a block of whole rows.
+    """
     shape = x.shape
     rows, rank = shape[-2:]
     flat = (-1, rows, rank)
+    x, u = x.reshape(flat), u.reshape(flat)
     split = _Split(manifold.n, manifold.m)
+    pairs = [split.inner(a, b) for a, b in ((x, x), (x, u), (u, u))]
+    count, width = pairs[0].shape[0], 2 * rank  # 2 B: G, H of each point
+    state = torch.empty(count, width, 2 * width, dtype=x.dtype, device=x.device)
+    state[..., :width] = torch.eye(width, dtype=x.dtype, device=x.device)  # M^T = I
+    state[..., width:] = torch.cat(  # N^T = C
+        (torch.cat((pairs[0], pairs[1]), -1), torch.cat((pairs[1].mT, pairs[2]), -1)), -2
+    )
     failures: List[torch.Tensor] = []
-    gamma = _Christoffel(manifold, split, failures)
-    pos = x.reshape(flat).clone()
-    vel = u.reshape(flat).clone()
-    stage_p, stage_v = torch.empty_like(pos), torch.empty_like(pos)
-    next_p, next_v = torch.empty_like(pos), torch.empty_like(pos)
-    sum_v, term = torch.empty_like(pos), torch.empty_like(pos)
-    sum_p = torch.empty_like(pos)
+    gamma = _SpanChristoffel(manifold, rank, failures)
+    stage, spare = torch.empty_like(state), torch.empty_like(state)
     dt = t / steps
     for _ in range(steps):
-        # stage 1 at (pos, vel): k1 = (vel, -gamma_1)
-        gamma.into(sum_v, pos, vel)
-        torch.add(pos, vel, alpha=0.5 * dt, out=stage_p)
-        torch.add(vel, sum_v, alpha=-0.5 * dt, out=stage_v)
-        # stages 2 and 3: k = (stage_v, -gamma); the next stage from pos and vel
-        for weight in (0.5 * dt, dt):
-            gamma.into(term, stage_p, stage_v)
-            sum_v.add_(term, alpha=2)
-            if weight == 0.5 * dt:
-                torch.add(vel, stage_v, alpha=2, out=sum_p)
-            else:
-                sum_p.add_(stage_v, alpha=2)
-            torch.add(pos, stage_v, alpha=weight, out=next_p)
-            torch.add(vel, term, alpha=-weight, out=next_v)
-            stage_p, next_p, stage_v, next_v = next_p, stage_p, next_v, stage_v
-        # stage 4
-        gamma.into(term, stage_p, stage_v)
-        sum_v.add_(term)
-        sum_p.add_(stage_v)
-        pos.add_(sum_p, alpha=dt / 6)
-        vel.add_(sum_v, alpha=-dt / 6)
-    return pos.view(shape), vel.view(shape), failures
+        velocity, terms = state[:, rank:], gamma(state)
+        sum_p, sum_g = velocity.clone(), terms  # k1 = (V, -Gamma)
+        for weight, factor in ((0.5 * dt, 2), (0.5 * dt, 2), (dt, 1)):
+            torch.add(state[:, :rank], velocity, alpha=weight, out=stage[:, :rank])
+            torch.add(state[:, rank:], terms, alpha=-weight, out=stage[:, rank:])
+            velocity, terms = stage[:, rank:], gamma(stage)
+            sum_p.add_(velocity, alpha=factor)
+            sum_g.add_(terms, alpha=factor)
+            stage, spare = spare, stage
+        state[:, :rank].add_(sum_p, alpha=dt / 6)
+        state[:, rank:].add_(sum_g, alpha=-dt / 6)
+    change = state[..., :width].mT  # M - I: the change from (x, u)
+    change.diagonal(dim1=-2, dim2=-1).sub_(1)
+    ends = []
+    for base, column in ((x, slice(0, rank)), (u, slice(rank, None))):
+        coef = change[..., column]
+        end = split.times(x, coef[:, :rank].contiguous())
+        split.add_times_(end, u, coef[:, rank:].contiguous(), 1.0)
+        ends.append(end.add_(base))
+    return ends[0].view(shape), ends[1].view(shape), failures
+
+
+class _SpanChristoffel:
+    r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state, rows
+    :math:`[\Gamma_M^\top, \Gamma_N^\top]` (a new tensor ``(2 B, h, 4h)``)."""
+
+    def __init__(self, manifold, rank: int, failures: List[torch.Tensor]):
+        self.mix, self.eps, self.rank = manifold.metric == "mix", manifold.eps, rank
+        self.failures = failures
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        rank, width = self.rank, 2 * self.rank
+        top = torch.bmm(w[:, :rank, width:], w[..., :width].mT)  # N_P^T M = [S, K]
+        b = torch.bmm(w[:, rank:, width:], w[:, rank:, :width].mT)  # N_V^T V
+        if self.mix:  # each factor's coefficients from the other factor's blocks
+            top, b = _exchanged(top), _exchanged(b)
+        s, k = top[..., :rank], top[..., rank:]
+        if self.eps:
+            s = s + self.eps * torch.eye(rank, dtype=s.dtype, device=s.device)
+        chol, info = torch.linalg.cholesky_ex(s)
+        self.failures.append(info)
+        inverses = torch.cholesky_inverse(chol)
+        sym_k = k + k.mT
+        # transposed coefficients: inv X = -S^-1 M, Y = S^-1 B; mix X = M S^-1, Y = -B S^-1
+        if self.mix:
+            x_t, y_t = torch.bmm(inverses, sym_k), torch.bmm(inverses, b).neg_()
+        else:
+            x_t, y_t = torch.bmm(sym_k, inverses).neg_(), torch.bmm(b, inverses)
+        return torch.bmm(torch.cat((y_t, x_t), -1), w)  # Y^T P^T + X^T V^T
+
+
+def _exchanged(t: torch.Tensor) -> torch.Tensor:
+    """``(2 B, ...)`` matrices ``(G, H)`` of each point in the other order."""
+    return t.view(-1, 2, *t.shape[1:]).flip(1).reshape(t.shape)
