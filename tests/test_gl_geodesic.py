@@ -84,8 +84,8 @@ def test_the_reference_where_the_batched_map_does_not_apply(monkeypatch):
     manifold.tangent_space(x32).expmap(u.float())  # float32: its Gram matrices in float64
     leaf = u.clone().requires_grad_()
     space.expmap(leaf).sum().backward()  # autograd through the reference
-    few = gq.GLQuotient(4, 5, "mix")  # 9 rows for h = 2: the reference is the cheaper
-    y = few.random(2, 9, 2, dtype=torch.float64)
+    few = gq.GLQuotient(4, 5, "mix")  # fewer than 2h rows in G: no orthonormal basis
+    y = few.random(2, 9, 3, dtype=torch.float64)
     few.tangent_space(y).expmap(0.1 * few.proju(y, torch.randn_like(y)))
     assert calls == [] and leaf.grad is not None
     space.expmap(u)
@@ -101,3 +101,10 @@ def test_a_geodesic_that_leaves_the_manifold_raises_as_the_reference(metric):
         reference.expmap(u)
     with pytest.raises(GeodesicDomainError):
         fast.expmap(u)
+
+
+def test_the_zero_vector_stays_at_the_point():
+    manifold = gq.GLQuotient(6, 6, "inv")
+    x, u, fast, _ = case(manifold, (2,), 2, 1, 0.0)
+    assert not u.any() and _gl_geodesic.applies(manifold, x, u)
+    assert torch.equal(fast.expmap(u), x)

@@ -8,26 +8,25 @@ stage, per factor, a Gram matrix, a Cholesky factor and an inverse, and the Chri
 term :math:`\Gamma_F = \xi_F X_F + F Y_F` (:math:`h \times h` coefficients
 :math:`X_F, Y_F` of the Gram matrices :math:`F^\top F, F^\top \xi_F, \xi_F^\top \xi_F`,
 :meth:`~geoopt_quotient.GLQuotient._christoffel_coefficients`): five products of
-:math:`n h^2` multiply-adds per factor and stage, and every stage's input as a new tensor.
+:math:`n h^2` multiply-adds per factor and stage, and every stage's input a new tensor.
 
 Both :math:`\dot F = \xi_F` and :math:`\dot \xi_F = -\xi_F X_F - F Y_F` multiply
 :math:`[F, \xi_F]` from the right, so position and velocity stay in the column span of
-the start, :math:`[F, \xi_F] = Z_F M_F` with :math:`Z_F = [F_0, \xi_{F,0}]`
-(:math:`n \times 2h`) and :math:`M_F = [P, V]` (:math:`2h \times 2h`, the identity at
-the start), and RK4's stages, linear combinations of states, keep that form:
+the start: with the thin QR factorisation :math:`[F_0, \xi_{F,0}] = Q_F R_F`
+(:math:`Q_F` of orthonormal columns, :math:`n \times 2h`), :math:`[F, \xi_F] = Q_F M_F`
+with :math:`M_F = [P, V]` (:math:`2h \times 2h`, :math:`R_F` at the start), and RK4's
+stages, linear combinations of states, keep that form:
 
 .. math::
 
     f(M) = [V, -(V X + P Y)],
 
-with the coefficients from :math:`F^\top F = P^\top C P`, :math:`F^\top \xi_F = P^\top
-C V`, :math:`\xi_F^\top \xi_F = V^\top C V`, :math:`C = Z_F^\top Z_F`. The integration
-carries :math:`N = C M` beside :math:`M` (it moves as :math:`M` does: :math:`f(N) =
-[N_V, -(N_V X + N_P Y)]`), so those are :math:`N_P^\top M` and :math:`N_V^\top V`: per
-stage and factor :math:`14 h^3` multiply-adds in place of :math:`5 n h^2`, and the
-point's rows are read once at the start (:math:`C`) and once at the end (:math:`Z M`).
-Both factors of a batch of points are one batch of such matrices; the Cholesky
-factorisations and inverses are one batched call each.
+with the coefficients from :math:`F^\top F = P^\top P`, :math:`F^\top \xi_F = P^\top V`,
+:math:`\xi_F^\top \xi_F = V^\top V` (:math:`Q_F^\top Q_F = I`): per stage and factor
+:math:`10 h^3` multiply-adds in place of :math:`5 n h^2`, and the point's rows are read
+once at the start (the QR factorisation) and once at the end (:math:`Q_F (M_F - R_F)`
+added to the start). Both factors of a batch of points are one batch of such matrices;
+the Cholesky factorisations and inverses are one batched call each.
 
 The discretisation is the reference's; the values are its own up to float rounding
 (the order of sums), and the integration's checks (speed kept, every factorisation
@@ -40,20 +39,13 @@ from typing import List, Tuple
 
 import torch
 
-from ._gl_tangent import _Split
-
-#: Per stage, the span's products cost about ``SPAN_COST * h`` multiply-adds per row of
-#: the reference's (:math:`14 h^3` per factor against :math:`5 (n + m) h^2` for both);
-#: :func:`applies` takes the span where that is at most the reference's.
-SPAN_COST = 28 / 5
-
 
 def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether :func:`geodesic` integrates ``manifold``'s geodesic from ``x`` along ``u``:
     the reference's Christoffel term and integrator (no subclass of its own), a point in
     its own high precision (float64), contiguous tensors of one shape, dtype and device,
-    nothing for autograd to record, and rows enough that the span is the cheaper
-    (:data:`SPAN_COST`)."""
+    nothing for autograd to record, and at least :math:`2h` rows in each factor (the
+    span's orthonormal basis; the span's stages are then the cheaper)."""
     from .gl_quotient import GLQuotient
 
     cls = type(manifold)
@@ -63,7 +55,7 @@ def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
         and cls._christoffel_coefficients is GLQuotient._christoffel_coefficients
         and x.dtype == torch.float64
         and x.dim() >= 2
-        and manifold.n + manifold.m >= SPAN_COST * x.shape[-1]
+        and min(manifold.n, manifold.m) >= 2 * x.shape[-1]
         and u.shape == x.shape
         and u.dtype == x.dtype
         and u.device == x.device
@@ -84,25 +76,25 @@ def geodesic(
         k_1 = f(M),\ k_2 = f(M + \tfrac{h}{2} k_1),\ k_3 = f(M + \tfrac{h}{2} k_2),\
         k_4 = f(M + h k_3), \qquad M \mathrel{+}= \tfrac{h}{6}(k_1 + 2 k_2 + 2 k_3 + k_4),
 
-    in the span's coordinates (module docstring); ``failures`` holds the ``info`` of
-    every Cholesky factorisation on the way, for the reference's check.
+    in the span's orthonormal coordinates (module docstring); ``failures`` holds the
+    ``info`` of every Cholesky factorisation on the way, for the reference's check.
 
-    The state is kept transposed, ``(2 B, 2h, 4h)``: rows :math:`P^\top` then
-    :math:`V^\top`, columns :math:`M^\top` then :math:`N^\top`, so that each half of
-    :math:`f` is a block of whole rows.
+    The state is kept transposed, ``(2 B, 2h, 2h)`` (the factors :math:`G, H` of each
+    point): rows :math:`P^\top` then :math:`V^\top`, so that each half of :math:`f` is
+    a block of whole rows.
     """
     shape = x.shape
     rows, rank = shape[-2:]
     flat = (-1, rows, rank)
     x, u = x.reshape(flat), u.reshape(flat)
-    split = _Split(manifold.n, manifold.m)
-    pairs = [split.inner(a, b) for a, b in ((x, x), (x, u), (u, u))]
-    count, width = pairs[0].shape[0], 2 * rank  # 2 B: G, H of each point
-    state = torch.empty(count, width, 2 * width, dtype=x.dtype, device=x.device)
-    state[..., :width] = torch.eye(width, dtype=x.dtype, device=x.device)  # M^T = I
-    state[..., width:] = torch.cat(  # N^T = C
-        (torch.cat((pairs[0], pairs[1]), -1), torch.cat((pairs[1].mT, pairs[2]), -1)), -2
-    )
+    count, width = x.shape[0], 2 * rank
+    frames, start = [], x.new_empty(count, 2, width, width)
+    for index, (x_f, u_f) in enumerate(zip(manifold.factors(x), manifold.factors(u))):
+        frame, coordinates = torch.linalg.qr(torch.cat((x_f, u_f), -1))
+        frames.append(frame)
+        start[:, index] = coordinates.mT
+    start = start.view(2 * count, width, width)
+    state = start.clone()
     failures: List[torch.Tensor] = []
     gamma = _SpanChristoffel(manifold, rank, failures)
     stage, spare = torch.empty_like(state), torch.empty_like(state)
@@ -119,29 +111,26 @@ def geodesic(
             stage, spare = spare, stage
         state[:, :rank].add_(sum_p, alpha=dt / 6)
         state[:, rank:].add_(sum_g, alpha=-dt / 6)
-    change = state[..., :width].mT  # M - I: the change from (x, u)
-    change.diagonal(dim1=-2, dim2=-1).sub_(1)
+    change = (state - start).view(count, 2, width, width)  # from (x, u): small
     ends = []
-    for base, column in ((x, slice(0, rank)), (u, slice(rank, None))):
-        coef = change[..., column]
-        end = split.times(x, coef[:, :rank].contiguous())
-        split.add_times_(end, u, coef[:, rank:].contiguous(), 1.0)
-        ends.append(end.add_(base))
+    for base, part in ((x, slice(0, rank)), (u, slice(rank, None))):
+        moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(frames)]
+        ends.append(torch.cat(moved, -2).add_(base))
     return ends[0].view(shape), ends[1].view(shape), failures
 
 
 class _SpanChristoffel:
-    r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state, rows
-    :math:`[\Gamma_M^\top, \Gamma_N^\top]` (a new tensor ``(2 B, h, 4h)``)."""
+    r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state in the orthonormal
+    coordinates (a new tensor ``(2 B, h, 2h)``)."""
 
     def __init__(self, manifold, rank: int, failures: List[torch.Tensor]):
         self.mix, self.eps, self.rank = manifold.metric == "mix", manifold.eps, rank
         self.failures = failures
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        rank, width = self.rank, 2 * self.rank
-        top = torch.bmm(w[:, :rank, width:], w[..., :width].mT)  # N_P^T M = [S, K]
-        b = torch.bmm(w[:, rank:, width:], w[:, rank:, :width].mT)  # N_V^T V
+        rank = self.rank
+        top = torch.bmm(w[:, :rank], w.mT)  # P^T M = [F^T F, F^T xi]
+        b = torch.bmm(w[:, rank:], w[:, rank:].mT)  # V^T V = xi^T xi
         if self.mix:  # each factor's coefficients from the other factor's blocks
             top, b = _exchanged(top), _exchanged(b)
         s, k = top[..., :rank], top[..., rank:]
