@@ -829,6 +829,34 @@ def cpu_small_kernels(results: Results) -> Table:
     )
 
 
+def cpu_geodesic(results: Results) -> Table:
+    doc = results.json("cpu/geodesic.json").data
+    rows = [
+        [
+            name,
+            f"{row['points']} x ({row['rows']} + {row['rows']}) x {row['h']}",
+            fmt(dig(row, "seconds", "reference"), ".3g", " s"),
+            fmt(dig(row, "seconds", "span"), ".3g", " s"),
+            fmt(row.get("speedup"), ".1f", "x"),
+            fmt(row.get("max_difference_relative_to_step"), ".1e"),
+        ]
+        for name, row in (dig(doc, "shapes") or {}).items()
+    ]
+    if not rows:
+        rows = [["11M BERT", NOT_MEASURED, *[NOT_MEASURED] * 4]]
+    return Table(
+        ["groups, metric", "points x rows x h", "reference", "span", "speed-up", "difference"],
+        rows,
+        "python benchmarks/bench_geodesic.py --json benchmarks/results/cpu/geodesic.json",
+        [
+            "The float64 exponential map of a sharpness ball's GL(h) groups (16 RK4 steps, "
+            "the path gap's), the reference's integration on the point against the same "
+            "integration in the span of the geodesic's start; the difference of the end "
+            "points relative to the step's size."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1144,6 +1172,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
+    "cpu-geodesic": cpu_geodesic,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,
