@@ -213,9 +213,9 @@ class GLTangentSpace(CachedTangentSpace):
 
     # ------------------------------------------------------------------ geodesic
     def expmap(self, u: torch.Tensor) -> torch.Tensor:
-        """The reference's exponential map (RK4 on the geodesic equation), batched over
-        both factors with its buffers kept over the integration
-        (:mod:`~geoopt_quotient.manifolds._gl_geodesic`) where that applies."""
+        """The reference's exponential map (RK4 on the geodesic equation), integrated in
+        the span of the geodesic's start (:mod:`~geoopt_quotient.manifolds._gl_geodesic`)
+        where that applies; the reference's checks of the integration either way."""
         from . import _gl_geodesic
         from .gl_quotient import _integration_error
 
