@@ -309,7 +309,7 @@ def main(argv=None) -> Dict[str, Any]:
         "--keep-best-gradient",
         choices=tuple(KEEP),
         default="auto",
-        help="keep the best iterate's gradient (auto: up to 64 MiB; default auto)",
+        help="keep the best iterate's gradient (auto: up to 1 GiB; default auto)",
     )
     parser.add_argument(
         "--breakdown",

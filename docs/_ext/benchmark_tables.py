@@ -727,6 +727,7 @@ def gpu_flat_ball(results: Results) -> Table:
     measures = ("adaptive", "inv", "mix")
     rows = []
     engines = (
+        ("kept best gradient", KEPT_GRADIENT_FILES),
         ("batched geometry", ("gpu/flat_ball_bert.json", "gpu/flat_ball_vit.json")),
         ("flat ball", ("gpu/flat_ball.json",)),
         ("before", ("gpu/flat_ball_before.json",)),
@@ -744,7 +745,7 @@ def gpu_flat_ball(results: Results) -> Table:
                     rows.append([label, *[state] * 8])
                     continue
                 ratios, launches = unit["ratio_to_step"], unit["launches_per_iteration"]
-                launch_ratios = unit["launches_ratio_to_step"]
+                launch_ratios = unit.get("launches_ratio_to_step") or {}
                 rows.append(
                     [
                         label,
@@ -772,16 +773,83 @@ def gpu_flat_ball(results: Results) -> Table:
         rows,
         "python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball.json",
         [
-            "Seconds and kernel launches per Auto-PGD iteration against a training step "
-            "without the optimizer (forward and backward), from runs of 4 and 8 iterations, "
-            "3 interleaved repeats. 'before': the same script on the engine before the flat "
-            "ball, in the same call on the same GPU. The call reached its time limit: rows "
-            "it did not reach say so. 'batched geometry': the engine with the quotient "
-            "geometry as batched products, one run per model (--models bert-base or "
-            "vit-b32, --dtypes float32,bfloat16, into flat_ball_bert.json and "
-            "flat_ball_vit.json)."
+            "Seconds and kernel launches per Auto-PGD iteration against a training step without "
+            "the optimizer (forward and backward), 3 interleaved repeats. 'kept best gradient': "
+            "the engine that keeps Auto-PGD's best gradient on these models (no pass per "
+            "restart), runs of 5 and 10 iterations, seconds and launches by difference of the "
+            "two. The other rows: runs of 4 and 8 iterations, seconds by difference, launches of "
+            "the run of 4 over 4 (the call's fixed work included), the best gradient recomputed "
+            "at every restart. 'batched geometry': the engine with the quotient geometry as "
+            "batched products, one run per model (--models bert-base or vit-b32, --dtypes "
+            "float32,bfloat16, into flat_ball_bert.json and flat_ball_vit.json). 'flat ball' and "
+            "'before': the same script on the engine before the batched geometry and before the "
+            "flat ball, in the same call on the same GPU; that call reached its time limit: rows "
+            "it did not reach say so."
         ],
     )
+
+
+KEPT_GRADIENT_FILES = ("gpu/flat_ball_kept_bert.json", "gpu/flat_ball_kept_vit.json")
+
+
+def gpu_iteration_counts(results: Results) -> Table:
+    units = {}
+    for path in KEPT_GRADIENT_FILES:
+        units.update(dig(results.json(path).data, "units") or {})
+    rows = []
+    for model, model_label in MODELS.items():
+        for precision, precision_label in PRECISIONS.items():
+            unit = units.get(f"{model} {precision}")
+            state = unit_state(unit)
+            for measure in ("step", "adaptive", "inv", "mix"):
+                label = f"{model_label}, {precision_label}: {measure}"
+                if state:
+                    rows.append([label, *[state] * 6])
+                    continue
+                counts = unit["counts_per_iteration"][measure]
+                step = unit["counts_per_iteration"]["step"]
+                kernels = counts.get("top_kernels") or {}
+                top = "; ".join(f"{n:.0f} {k[:40]}" for k, n in list(kernels.items())[:3])
+                rows.append(
+                    [
+                        label,
+                        fmt(counts.get("forward_passes", 1.0), ".2f"),
+                        fmt(counts.get("backward_passes", 1.0), ".2f"),
+                        f"{fmt(counts['operators'], '.0f')} "
+                        f"({fmt(counts['operators'] / step['operators'], '.2f')})",
+                        f"{fmt(counts.get('launches'), '.0f')} ({fmt(ratio(counts, step), '.2f')})",
+                        fmt(counts.get("fixed_launches"), ".0f"),
+                        top or NOT_MEASURED,
+                    ]
+                )
+    return Table(
+        [
+            "model, precision: run",
+            "forward passes",
+            "backward passes",
+            "operators (/ step)",
+            "launches (/ step)",
+            "fixed launches per call",
+            "most launched kernels per iteration",
+        ],
+        rows,
+        "python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball_kept_bert.json "
+        "--models bert-base --dtypes float32,bfloat16",
+        [
+            "Per Auto-PGD iteration (a training step's pass for 'step'): the counts of a run "
+            "of 10 iterations minus those of 5, over 5. Operators: ATen operators dispatched "
+            "(a TorchDispatchMode counter); launches: CUDA kernel launches under "
+            "torch.profiler; fixed launches: those of one call that do not grow with the "
+            "iterations (clean loss, base-point geometry, the path gap's exact geodesic, "
+            "the last forward pass)."
+        ],
+    )
+
+
+def ratio(counts: Dict[str, Any], step: Dict[str, Any]) -> Optional[float]:
+    if counts.get("launches") is None or not step.get("launches"):
+        return None
+    return counts["launches"] / step["launches"]
 
 
 def cpu_compiled_update(results: Results) -> Table:
@@ -1159,6 +1227,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-compile": gpu_compile,
     "gpu-profile": gpu_profile,
     "gpu-flat-ball": gpu_flat_ball,
+    "gpu-iteration-counts": gpu_iteration_counts,
     "geometry-projection": geometry_projection,
     "geometry-scaling": geometry_scaling,
     "precision": precision,
