@@ -590,34 +590,58 @@ def cpu_iteration_overhead(results: Results) -> Table:
     doc = results.json("cpu/iteration_overhead.json").data
     rows = []
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
+    measures = ("adaptive", "inv", "mix")
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, *[NOT_MEASURED] * 5])
+            rows.append([label, *[NOT_MEASURED] * 7])
             continue
         passes = sorted(
             {
                 f"{m[k]['forward_passes_per_batch']} f / {m[k]['backward_passes_per_batch']} b"
-                for k in ("adaptive", "inv", "mix")
+                for k in measures
                 if k in m
             }
         )
+        marginal = {k: dig(m, k, "marginal_ratio") for k in measures}
         rows.append(
             [
                 label,
                 fmt(m["plain_ms"], ".1f", " ms"),
-                *(fmt(dig(m, k, "ratio"), ".2f", "x") for k in ("adaptive", "inv", "mix")),
+                *(fmt(marginal[k], ".2f", "x") for k in measures),
+                " / ".join(
+                    fmt(marginal[k] / marginal["adaptive"], ".2f")
+                    if marginal[k] and marginal["adaptive"]
+                    else NOT_MEASURED
+                    for k in ("inv", "mix")
+                ),
+                " / ".join(fmt(dig(m, k, "fixed_passes"), ".1f") for k in measures),
+                " / ".join(fmt(dig(m, k, "ratio"), ".2f", "x") for k in measures),
                 ", ".join(passes),
             ]
         )
     return Table(
-        ["model", "plain forward+backward", "adaptive", "inv", "mix", "passes per batch"],
+        [
+            "model",
+            "plain forward+backward",
+            "adaptive",
+            "inv",
+            "mix",
+            "inv / mix over adaptive",
+            "fixed work per batch, passes (adaptive / inv / mix)",
+            "whole run per iteration (adaptive / inv / mix)",
+            "passes per batch",
+        ],
         rows,
         "python benchmarks/bench_iteration_overhead.py "
         "--json benchmarks/results/cpu/iteration_overhead.json",
         [
-            "Time of a 20-iteration sharpness run per iteration, over a plain forward and "
-            "backward pass of the same loss (interleaved, medians); "
+            "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
+            "forward and backward pass of the same loss: the time of a 20-iteration run "
+            "minus a 10-iteration run's, over 10 (interleaved, medians); fixed work: what "
+            "a run costs besides its iterations (clean loss, base-point geometry, the path "
+            "gap's exact geodesic, the last forward pass), per batch, in plain passes; "
+            "whole run: the 20-iteration run's time per iteration, both together; "
             + (
                 "the process's CPU time (--clock process: the machine was shared)."
                 if dig(doc, "settings", "clock") == "process"
