@@ -12,7 +12,7 @@ import geoopt_quotient as gq
 from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic
 from geoopt_quotient.manifolds.tangent import TangentSpace
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
 
 
 def case(manifold, batch, rank, seed, scale, zero_rows=False):
