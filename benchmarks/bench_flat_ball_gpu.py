@@ -5,18 +5,24 @@ For BERT-base (batches of 32 x 128 tokens) and ViT-B/32 (batches of 64 images of
 bfloat16 autocast, this measures, for adaptive sharpness and geodesic sharpness (inv, mix):
 
 - seconds per Auto-PGD iteration: the median run time with ``2N`` iterations minus that
-  with ``N``, over ``N`` (fixed work and the last forward pass cancel); the reference is a
-  training step without the optimizer (forward, backward, gradients set to None), timed
-  the same way with ``N`` and ``2N`` passes. Interleaved repeats, a warm-up first,
-  ``torch.cuda.synchronize()`` around every timed call. Ratios: each measure over the
-  step (target <= 1.2), geodesic over adaptive (target <= 1.10);
+  with ``N``, over ``N`` (fixed work, such as the clean loss, the path gap's exact geodesic
+  and the last forward pass, cancels); the reference is a training step without the
+  optimizer (forward, backward, gradients set to None), timed the same way with ``N`` and
+  ``2N`` passes. Interleaved repeats, a warm-up first, ``torch.cuda.synchronize()`` around
+  every timed call. Ratios: each measure over the step (target <= 1.2), geodesic over
+  adaptive (target <= 1.10);
 - kernel launches per iteration (``torch.profiler``: ``cudaLaunchKernel`` and the like),
-  against the step's, from one profiled run of ``N`` iterations (``N`` passes).
+  likewise the launches of a run of ``2N`` iterations minus those of ``N``, over ``N``,
+  against the step's; the fixed launches of one call apart (``fixed_launches``);
+- forward and backward passes per iteration (from the results' pass counts, by the same
+  difference), the operators dispatched per iteration (a ``TorchDispatchMode`` counter)
+  and the most frequent operators and kernels of an iteration, to tell which operators
+  expand into many kernels on the device.
 
 One JSON is written to the path given, rewritten after every unit (a killed run keeps what
 it had); a summary is printed. A unit (one model in one precision) takes about 1.5 minutes
-on an H100 (BERT-base in both precisions took about 170 s), so a run of at most three units
-stays under 5 minutes: split the four with ``--models`` and ``--dtypes``.
+on an H100, so a run of at most three units stays under 5 minutes: split the four with
+``--models`` and ``--dtypes``.
 
     python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball_bert.json \
         --models bert-base --dtypes float32,bfloat16
@@ -29,6 +35,7 @@ stays under 5 minutes: split the four with ``--models`` and ``--dtypes``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import platform
@@ -39,6 +46,7 @@ from typing import Any, Callable, Dict
 import torch
 from bench_cuda import bert_loss, build_vit, vit_loss
 from bench_sharpness_iteration import build_model as build_bert
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 
@@ -109,17 +117,77 @@ def seconds_per_iteration(
     }
 
 
-def launches_per_iteration(run: Callable[[int], Any], n: int, device: str) -> float | None:
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def launch_counts(run: Callable[[int], Any], n: int, device: str):
+    """(launches, {kernel name: count}) of one run of ``n`` iterations, or ``None`` off CUDA."""
     if not device.startswith("cuda"):
         return None
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(n)
         synchronize(device)
-    keys = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
-    return sum(e.count for e in prof.key_averages() if e.key.startswith(keys)) / n
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key.startswith(LAUNCHES))
+    kernels = {e.key: e.count for e in events if e.device_type == DeviceType.CUDA}
+    return launches, kernels
+
+
+class OperatorCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operator_counts(run: Callable[[int], Any], n: int):
+    """(result of the run, {operator: count}) of one run of ``n`` iterations."""
+    with OperatorCounter() as counter:
+        result = run(n)
+    return result, dict(counter.counts)
+
+
+def per_iteration(counts_n: Dict[str, int], counts_2n: Dict[str, int], n: int, top: int):
+    """The ``top`` most frequent names of ``(counts(2N) - counts(N)) / N``."""
+    names = set(counts_n) | set(counts_2n)
+    diff = {k: (counts_2n.get(k, 0) - counts_n.get(k, 0)) / n for k in names}
+    ranked = sorted(diff.items(), key=lambda item: -item[1])[:top]
+    return {k: v for k, v in ranked if v > 0}
+
+
+def passes(result: Any) -> tuple[int, int]:
+    """(forward, backward) passes of a result; a training step's run returns ``None``."""
+    if result is None:
+        return 0, 0
+    return sum(result.forward_passes), sum(result.backward_passes)
+
+
+def counts_per_iteration(run: Callable[[int], Any], n: int, device: str) -> Dict[str, Any]:
+    """Launches, operators, kernels and passes per iteration of ``run``, by difference."""
+    (result_n, ops_n), (result_2n, ops_2n) = operator_counts(run, n), operator_counts(run, 2 * n)
+    row: Dict[str, Any] = {
+        "operators": (sum(ops_2n.values()) - sum(ops_n.values())) / n,
+        "top_operators": per_iteration(ops_n, ops_2n, n, top=12),
+    }
+    (fwd_n, bwd_n), (fwd_2n, bwd_2n) = passes(result_n), passes(result_2n)
+    if result_n is not None:
+        row["forward_passes"] = (fwd_2n - fwd_n) / n
+        row["backward_passes"] = (bwd_2n - bwd_n) / n
+    launched_n, launched_2n = launch_counts(run, n, device), launch_counts(run, 2 * n, device)
+    if launched_n is not None:
+        row["launches"] = (launched_2n[0] - launched_n[0]) / n
+        row["fixed_launches"] = launched_n[0] - n * row["launches"]
+        row["top_kernels"] = per_iteration(launched_n[1], launched_2n[1], n, top=12)
+    return row
 
 
 def unit(name: str, precision: str, args, device: str) -> Dict[str, Any]:
@@ -128,9 +196,14 @@ def unit(name: str, precision: str, args, device: str) -> Dict[str, Any]:
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
     with autocast if precision == "bf16-autocast" else contextlib.nullcontext():
         seconds = seconds_per_iteration(runs, args.iters, args.repeats, device)
-        launches = {k: launches_per_iteration(run, args.iters, device) for k, run in runs.items()}
+        counts = {k: counts_per_iteration(run, args.iters, device) for k, run in runs.items()}
+    launches = {k: c.get("launches") for k, c in counts.items()}
     step = seconds["step"]
-    row: Dict[str, Any] = {"seconds_per_iteration": seconds, "launches_per_iteration": launches}
+    row: Dict[str, Any] = {
+        "seconds_per_iteration": seconds,
+        "launches_per_iteration": launches,
+        "counts_per_iteration": counts,
+    }
     row["ratio_to_step"] = {k: seconds[k] / step for k in MEASURES} if step > 0 else {}
     if seconds["adaptive"] > 0:
         row["geodesic_over_adaptive"] = {
@@ -138,6 +211,9 @@ def unit(name: str, precision: str, args, device: str) -> Dict[str, Any]:
         }
     if launches["step"]:
         row["launches_ratio_to_step"] = {k: launches[k] / launches["step"] for k in MEASURES}
+    row["operators_ratio_to_step"] = {
+        k: counts[k]["operators"] / counts["step"]["operators"] for k in MEASURES
+    }
     del model, runs
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -148,7 +224,9 @@ def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="write the measurements to this file")
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
-    parser.add_argument("--iters", type=int, default=4, help="N (default 4)")
+    parser.add_argument(
+        "--iters", type=int, default=5, help="N: runs of N and 2N iterations (default 5)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--models",
@@ -217,12 +295,16 @@ def summary_line(key: str, row: Dict[str, Any]) -> str:
     if "error" in row:
         return f"{key:24s} error: {row['error']}"
     ratios = " ".join(f"{k} {v:.2f}x" for k, v in row["ratio_to_step"].items())
+    operators = " ".join(f"{k} {v:.2f}x" for k, v in row["operators_ratio_to_step"].items())
     launches = row.get("launches_ratio_to_step")
     extra = (
         " launches " + " ".join(f"{k} {v:.2f}x" for k, v in launches.items()) if launches else ""
     )
     step = row["seconds_per_iteration"]["step"] * 1e3
-    return f"{key:24s} step {step:.1f} ms; per iteration / step: {ratios}{extra}"
+    return (
+        f"{key:24s} step {step:.1f} ms; per iteration / step: {ratios}; "
+        f"operators {operators}{extra}"
+    )
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
         "--keep-best-gradient",
         choices=tuple(KEEP),
         default="auto",
-        help="keep Auto-PGD's best gradient (auto: up to 64 MiB, so not for BERT-base)",
+        help="keep Auto-PGD's best gradient (auto: up to 1 GiB, BERT-base included)",
     )
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)

@@ -39,6 +39,7 @@ QUICK = [
     "bench_small_kernels",
     "bench_compiled_update",
     "bench_discovery",
+    "bench_geodesic",
 ]
 
 
@@ -96,6 +97,10 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
                     expected = {"forward_backward": 2, "forward": forward}
                     assert protocol[measure]["passes"] == expected
         assert "skipped" in report["memory"] and "skipped" in report["compile"]
+    if name == "bench_geodesic":  # the span's integration is the reference's
+        for row in report["shapes"].values():
+            assert row["max_difference_relative_to_step"] < 1e-10
+            assert set(row["seconds"]) == {"reference", "span"}
     if name == "bench_sam":
         assert report["models"]["bert"]["ratio_to_sam"]["sam"] == 1.0
     if name == "bench_discovery":

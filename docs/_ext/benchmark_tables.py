@@ -590,34 +590,58 @@ def cpu_iteration_overhead(results: Results) -> Table:
     doc = results.json("cpu/iteration_overhead.json").data
     rows = []
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
+    measures = ("adaptive", "inv", "mix")
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, *[NOT_MEASURED] * 5])
+            rows.append([label, *[NOT_MEASURED] * 7])
             continue
         passes = sorted(
             {
                 f"{m[k]['forward_passes_per_batch']} f / {m[k]['backward_passes_per_batch']} b"
-                for k in ("adaptive", "inv", "mix")
+                for k in measures
                 if k in m
             }
         )
+        marginal = {k: dig(m, k, "marginal_ratio") for k in measures}
         rows.append(
             [
                 label,
                 fmt(m["plain_ms"], ".1f", " ms"),
-                *(fmt(dig(m, k, "ratio"), ".2f", "x") for k in ("adaptive", "inv", "mix")),
+                *(fmt(marginal[k], ".2f", "x") for k in measures),
+                " / ".join(
+                    fmt(marginal[k] / marginal["adaptive"], ".2f")
+                    if marginal[k] and marginal["adaptive"]
+                    else NOT_MEASURED
+                    for k in ("inv", "mix")
+                ),
+                " / ".join(fmt(dig(m, k, "fixed_passes"), ".1f") for k in measures),
+                " / ".join(fmt(dig(m, k, "ratio"), ".2f", "x") for k in measures),
                 ", ".join(passes),
             ]
         )
     return Table(
-        ["model", "plain forward+backward", "adaptive", "inv", "mix", "passes per batch"],
+        [
+            "model",
+            "plain forward+backward",
+            "adaptive",
+            "inv",
+            "mix",
+            "inv / mix over adaptive",
+            "fixed work per batch, passes (adaptive / inv / mix)",
+            "whole run per iteration (adaptive / inv / mix)",
+            "passes per batch",
+        ],
         rows,
         "python benchmarks/bench_iteration_overhead.py "
         "--json benchmarks/results/cpu/iteration_overhead.json",
         [
-            "Time of a 20-iteration sharpness run per iteration, over a plain forward and "
-            "backward pass of the same loss (interleaved, medians); "
+            "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
+            "forward and backward pass of the same loss: the time of a 20-iteration run "
+            "minus a 10-iteration run's, over 10 (interleaved, medians); fixed work: what "
+            "a run costs besides its iterations (clean loss, base-point geometry, the path "
+            "gap's exact geodesic, the last forward pass), per batch, in plain passes; "
+            "whole run: the 20-iteration run's time per iteration, both together; "
             + (
                 "the process's CPU time (--clock process: the machine was shared)."
                 if dig(doc, "settings", "clock") == "process"
@@ -727,6 +751,7 @@ def gpu_flat_ball(results: Results) -> Table:
     measures = ("adaptive", "inv", "mix")
     rows = []
     engines = (
+        ("kept best gradient", KEPT_GRADIENT_FILES),
         ("batched geometry", ("gpu/flat_ball_bert.json", "gpu/flat_ball_vit.json")),
         ("flat ball", ("gpu/flat_ball.json",)),
         ("before", ("gpu/flat_ball_before.json",)),
@@ -744,7 +769,7 @@ def gpu_flat_ball(results: Results) -> Table:
                     rows.append([label, *[state] * 8])
                     continue
                 ratios, launches = unit["ratio_to_step"], unit["launches_per_iteration"]
-                launch_ratios = unit["launches_ratio_to_step"]
+                launch_ratios = unit.get("launches_ratio_to_step") or {}
                 rows.append(
                     [
                         label,
@@ -772,16 +797,83 @@ def gpu_flat_ball(results: Results) -> Table:
         rows,
         "python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball.json",
         [
-            "Seconds and kernel launches per Auto-PGD iteration against a training step "
-            "without the optimizer (forward and backward), from runs of 4 and 8 iterations, "
-            "3 interleaved repeats. 'before': the same script on the engine before the flat "
-            "ball, in the same call on the same GPU. The call reached its time limit: rows "
-            "it did not reach say so. 'batched geometry': the engine with the quotient "
-            "geometry as batched products, one run per model (--models bert-base or "
-            "vit-b32, --dtypes float32,bfloat16, into flat_ball_bert.json and "
-            "flat_ball_vit.json)."
+            "Seconds and kernel launches per Auto-PGD iteration against a training step without "
+            "the optimizer (forward and backward), 3 interleaved repeats. 'kept best gradient': "
+            "the engine that keeps Auto-PGD's best gradient on these models (no pass per "
+            "restart), runs of 5 and 10 iterations, seconds and launches by difference of the "
+            "two. The other rows: runs of 4 and 8 iterations, seconds by difference, launches of "
+            "the run of 4 over 4 (the call's fixed work included), the best gradient recomputed "
+            "at every restart. 'batched geometry': the engine with the quotient geometry as "
+            "batched products, one run per model (--models bert-base or vit-b32, --dtypes "
+            "float32,bfloat16, into flat_ball_bert.json and flat_ball_vit.json). 'flat ball' and "
+            "'before': the same script on the engine before the batched geometry and before the "
+            "flat ball, in the same call on the same GPU; that call reached its time limit: rows "
+            "it did not reach say so."
         ],
     )
+
+
+KEPT_GRADIENT_FILES = ("gpu/flat_ball_kept_bert.json", "gpu/flat_ball_kept_vit.json")
+
+
+def gpu_iteration_counts(results: Results) -> Table:
+    units = {}
+    for path in KEPT_GRADIENT_FILES:
+        units.update(dig(results.json(path).data, "units") or {})
+    rows = []
+    for model, model_label in MODELS.items():
+        for precision, precision_label in PRECISIONS.items():
+            unit = units.get(f"{model} {precision}")
+            state = unit_state(unit)
+            for measure in ("step", "adaptive", "inv", "mix"):
+                label = f"{model_label}, {precision_label}: {measure}"
+                if state:
+                    rows.append([label, *[state] * 6])
+                    continue
+                counts = unit["counts_per_iteration"][measure]
+                step = unit["counts_per_iteration"]["step"]
+                kernels = counts.get("top_kernels") or {}
+                top = "; ".join(f"{n:.0f} {k[:40]}" for k, n in list(kernels.items())[:3])
+                rows.append(
+                    [
+                        label,
+                        fmt(counts.get("forward_passes", 1.0), ".2f"),
+                        fmt(counts.get("backward_passes", 1.0), ".2f"),
+                        f"{fmt(counts['operators'], '.0f')} "
+                        f"({fmt(counts['operators'] / step['operators'], '.2f')})",
+                        f"{fmt(counts.get('launches'), '.0f')} ({fmt(ratio(counts, step), '.2f')})",
+                        fmt(counts.get("fixed_launches"), ".0f"),
+                        top or NOT_MEASURED,
+                    ]
+                )
+    return Table(
+        [
+            "model, precision: run",
+            "forward passes",
+            "backward passes",
+            "operators (/ step)",
+            "launches (/ step)",
+            "fixed launches per call",
+            "most launched kernels per iteration",
+        ],
+        rows,
+        "python benchmarks/bench_flat_ball_gpu.py benchmarks/results/gpu/flat_ball_kept_bert.json "
+        "--models bert-base --dtypes float32,bfloat16",
+        [
+            "Per Auto-PGD iteration (a training step's pass for 'step'): the counts of a run "
+            "of 10 iterations minus those of 5, over 5. Operators: ATen operators dispatched "
+            "(a TorchDispatchMode counter); launches: CUDA kernel launches under "
+            "torch.profiler; fixed launches: those of one call that do not grow with the "
+            "iterations (clean loss, base-point geometry, the path gap's exact geodesic, "
+            "the last forward pass)."
+        ],
+    )
+
+
+def ratio(counts: Dict[str, Any], step: Dict[str, Any]) -> Optional[float]:
+    if counts.get("launches") is None or not step.get("launches"):
+        return None
+    return counts["launches"] / step["launches"]
 
 
 def cpu_compiled_update(results: Results) -> Table:
@@ -825,6 +917,34 @@ def cpu_small_kernels(results: Results) -> Table:
         [
             "One call of each fused GL(h) operation of an Auto-PGD evaluation at the tiny "
             "ViT's base point, per group and stacked."
+        ],
+    )
+
+
+def cpu_geodesic(results: Results) -> Table:
+    doc = results.json("cpu/geodesic.json").data
+    rows = [
+        [
+            name,
+            f"{row['points']} x ({row['rows']} + {row['rows']}) x {row['h']}",
+            fmt(dig(row, "seconds", "reference"), ".3g", " s"),
+            fmt(dig(row, "seconds", "span"), ".3g", " s"),
+            fmt(row.get("speedup"), ".1f", "x"),
+            fmt(row.get("max_difference_relative_to_step"), ".1e"),
+        ]
+        for name, row in (dig(doc, "shapes") or {}).items()
+    ]
+    if not rows:
+        rows = [["11M BERT", NOT_MEASURED, *[NOT_MEASURED] * 4]]
+    return Table(
+        ["groups, metric", "points x rows x h", "reference", "span", "speed-up", "difference"],
+        rows,
+        "python benchmarks/bench_geodesic.py --json benchmarks/results/cpu/geodesic.json",
+        [
+            "The float64 exponential map of a sharpness ball's GL(h) groups (16 RK4 steps, "
+            "the path gap's), the reference's integration on the point against the same "
+            "integration in the span of the geodesic's start; the difference of the end "
+            "points relative to the step's size."
         ],
     )
 
@@ -1131,6 +1251,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-compile": gpu_compile,
     "gpu-profile": gpu_profile,
     "gpu-flat-ball": gpu_flat_ball,
+    "gpu-iteration-counts": gpu_iteration_counts,
     "geometry-projection": geometry_projection,
     "geometry-scaling": geometry_scaling,
     "precision": precision,
@@ -1144,6 +1265,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
+    "cpu-geodesic": cpu_geodesic,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,

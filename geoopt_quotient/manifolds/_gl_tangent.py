@@ -211,6 +211,25 @@ class GLTangentSpace(CachedTangentSpace):
             piece.copy_(_riemannian_gradient(kernel, self._split, piece))
         return u
 
+    # ------------------------------------------------------------------ geodesic
+    def expmap(self, u: torch.Tensor) -> torch.Tensor:
+        """The reference's exponential map (RK4 on the geodesic equation), integrated in
+        the span of the geodesic's start (:mod:`~geoopt_quotient.manifolds._gl_geodesic`)
+        where that applies; the reference's checks of the integration either way."""
+        from . import _gl_geodesic
+        from .gl_quotient import _integration_error
+
+        manifold = self.manifold
+        if not _gl_geodesic.applies(manifold, self.x, u):
+            return super().expmap(u)
+        steps = manifold.expmap_steps
+        try:
+            pos, vel, failures = _gl_geodesic.geodesic(manifold, self.x, u, 1.0, steps)
+        except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
+            raise _integration_error(steps) from error
+        manifold._check_integration(self.x, u, pos, vel, steps, failures)
+        return pos
+
     # ------------------------------------------------------------------ retraction
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor

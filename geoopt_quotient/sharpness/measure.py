@@ -836,9 +836,10 @@ def geodesic_sharpness(
     keep_best_gradient : bool or None
         Worst case: keep the best iterate's gradient, so that Auto-PGD's restarts from it
         cost no pass, at the price of one more parameter-sized vector alive throughout.
-        ``None``: kept when that vector takes at most 64 MiB
-        (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 16M
-        float32 parameters). The values are the same either way.
+        ``None``: kept when that vector takes at most 1 GiB
+        (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 268M
+        float32 parameters, per rank on a sharded model). The values are the same either
+        way.
     process_group : ProcessGroup or None
         Measure over the ranks of this ``torch.distributed`` process group (e.g.
         ``torch.distributed.group.WORLD``), each rank passing only its share of the

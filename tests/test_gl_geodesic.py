@@ -1,0 +1,110 @@
+"""The exponential map of GLQuotient's tangent space, integrated in the span of its start,
+is the reference's RK4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import geoopt_quotient as gq
+from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic
+from geoopt_quotient.manifolds.tangent import TangentSpace
+
+pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
+
+
+def case(manifold, batch, rank, seed, scale, zero_rows=False):
+    """A float64 point (optionally with zero rows at the end of both factors, as a
+    stack's padding), a horizontal vector of metric norm ``scale`` per point, and the
+    batched and the reference tangent spaces."""
+    generator = torch.Generator().manual_seed(seed)
+    n, m = manifold.n, manifold.m
+    x, noise = (
+        torch.randn(*batch, n + m, rank, generator=generator, dtype=torch.float64) for _ in range(2)
+    )
+    if zero_rows:
+        for t in (x, noise):
+            t[..., n - 1, :] = 0
+            t[..., n + m - 1, :] = 0
+    u = manifold.proju(x, noise)
+    u = scale * u / manifold.norm(x, u, keepdim=True).clamp_min(1e-300)
+    return x, u, manifold.tangent_space(x), TangentSpace(manifold, x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    metric=st.sampled_from(["inv", "mix"]),
+    eps=st.sampled_from([0.0, 0.1]),
+    batch=st.lists(st.integers(1, 3), max_size=2).map(tuple),
+    rank=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+    zero_rows=st.booleans(),
+    rows=st.sampled_from([(6, 6), (6, 7), (8, 6), (4, 8)]),
+    steps=st.sampled_from([1, 3, 16]),
+)
+def test_the_batched_exponential_map_is_the_reference_one(
+    metric, eps, batch, rank, seed, zero_rows, rows, steps
+):
+    manifold = gq.GLQuotient(*rows, metric, eps, expmap_steps=steps)
+    x, u, fast, reference = case(manifold, batch, rank, seed, 0.2, zero_rows)
+    assert _gl_geodesic.applies(manifold, x, u)
+    end = fast.expmap(u)
+    expected = reference.expmap(u)
+    # the two points differ by the order of float rounding, relative to the step's size
+    tolerance = 1e3 * torch.finfo(torch.float64).eps * (1 + float(x.abs().max()))
+    assert torch.allclose(end, expected, rtol=0, atol=tolerance), float(
+        (end - expected).abs().max()
+    )
+    moved = float((expected - x).abs().max())
+    assert moved > 1e3 * tolerance or not u.any()  # the negative: the point moved
+    pos, vel, failures = _gl_geodesic.geodesic(manifold, x, u, 0.5, steps)
+    pos_ref, vel_ref = manifold.geodesic(x, u, 0.5, steps=steps)
+    assert torch.allclose(pos, pos_ref, rtol=0, atol=tolerance)
+    assert torch.allclose(vel, vel_ref, rtol=0, atol=tolerance * (1 + float(u.abs().max())))
+    assert len(failures) == 4 * steps and all(not info.any() for info in failures)
+    if zero_rows:  # a stack's padding stays exactly zero
+        n, m = rows
+        assert not end[..., n - 1, :].any() and not end[..., n + m - 1, :].any()
+
+
+def test_the_reference_where_the_batched_map_does_not_apply(monkeypatch):
+    calls = []
+    original = _gl_geodesic.geodesic
+    monkeypatch.setattr(
+        _gl_geodesic, "geodesic", lambda *a: calls.append(a[1].dtype) or original(*a)
+    )
+    manifold = gq.GLQuotient(6, 7, "mix")
+    x = manifold.random(2, 13, 2, dtype=torch.float64)
+    space = manifold.tangent_space(x)
+    u = 0.1 * space.proju(torch.randn_like(x))
+    space.expmap(u.mT.contiguous().mT)  # strided
+    x32 = x.float()
+    manifold.tangent_space(x32).expmap(u.float())  # float32: its Gram matrices in float64
+    leaf = u.clone().requires_grad_()
+    space.expmap(leaf).sum().backward()  # autograd through the reference
+    few = gq.GLQuotient(4, 5, "mix")  # fewer than 2h rows in G: no orthonormal basis
+    y = few.random(2, 9, 3, dtype=torch.float64)
+    few.tangent_space(y).expmap(0.1 * few.proju(y, torch.randn_like(y)))
+    assert calls == [] and leaf.grad is not None
+    space.expmap(u)
+    assert calls == [torch.float64]
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_a_geodesic_that_leaves_the_manifold_raises_as_the_reference(metric):
+    manifold = gq.GLQuotient(6, 6, metric, expmap_steps=2)
+    _, u, fast, reference = case(manifold, (3,), 2, 0, 50.0)
+    assert _gl_geodesic.applies(manifold, fast.x, u)
+    with pytest.raises(GeodesicDomainError):
+        reference.expmap(u)
+    with pytest.raises(GeodesicDomainError):
+        fast.expmap(u)
+
+
+def test_the_zero_vector_stays_at_the_point():
+    manifold = gq.GLQuotient(6, 6, "inv")
+    x, u, fast, _ = case(manifold, (2,), 2, 1, 0.0)
+    assert not u.any() and _gl_geodesic.applies(manifold, x, u)
+    assert torch.equal(fast.expmap(u), x)
