@@ -757,13 +757,17 @@ def gpu_flat_ball(results: Results) -> Table:
         ("before", ("gpu/flat_ball_before.json",)),
     )
     for engine, paths in engines:
-        units = {}
+        units, devices = {}, {}
         for path in paths:  # one file per model where the runs were split
-            units.update(dig(results.json(path).data, "units") or {})
+            doc = results.json(path).data
+            for key, unit in (dig(doc, "units") or {}).items():
+                units[key], devices[key] = unit, dig(doc, "device")
         for model, model_label in MODELS.items():
             for precision, precision_label in PRECISIONS.items():
                 unit = units.get(f"{model} {precision}")
-                label = f"{engine}: {model_label}, {precision_label}"
+                device = devices.get(f"{model} {precision}")
+                where = f" ({device})" if device else ""
+                label = f"{engine}{where}: {model_label}, {precision_label}"
                 state = unit_state(unit)
                 if state:
                     rows.append([label, *[state] * 8])
@@ -817,23 +821,27 @@ KEPT_GRADIENT_FILES = ("gpu/flat_ball_kept_bert.json", "gpu/flat_ball_kept_vit.j
 
 
 def gpu_iteration_counts(results: Results) -> Table:
-    units = {}
+    units, devices = {}, {}
     for path in KEPT_GRADIENT_FILES:
-        units.update(dig(results.json(path).data, "units") or {})
+        doc = results.json(path).data
+        for key, unit in (dig(doc, "units") or {}).items():
+            units[key], devices[key] = unit, dig(doc, "device")
     rows = []
     for model, model_label in MODELS.items():
         for precision, precision_label in PRECISIONS.items():
             unit = units.get(f"{model} {precision}")
             state = unit_state(unit)
+            device = devices.get(f"{model} {precision}")
+            where = f" ({device})" if device else ""
             for measure in ("step", "adaptive", "inv", "mix"):
-                label = f"{model_label}, {precision_label}: {measure}"
+                label = f"{model_label}, {precision_label}{where}: {measure}"
                 if state:
                     rows.append([label, *[state] * 6])
                     continue
                 counts = unit["counts_per_iteration"][measure]
                 step = unit["counts_per_iteration"]["step"]
                 kernels = counts.get("top_kernels") or {}
-                top = "; ".join(f"{n:.0f} {k[:40]}" for k, n in list(kernels.items())[:3])
+                top = "; ".join(f"{n:.0f} {kernel_name(k)}" for k, n in list(kernels.items())[:3])
                 rows.append(
                     [
                         label,
@@ -868,6 +876,14 @@ def gpu_iteration_counts(results: Results) -> Table:
             "the last forward pass)."
         ],
     )
+
+
+def kernel_name(name: str) -> str:
+    """A CUDA kernel's name without its template arguments, with the functor it applies."""
+    name = name.removeprefix("void ").split("(")[0].strip()
+    base = name.split("<")[0].split("::")[-1]
+    functor = re.search(r"(CUDAFunctor_\w+|\w+_functor|\w+Functor\w*)", name)
+    return f"{base} ({functor.group(1)})" if functor and base != functor.group(1) else base[:48]
 
 
 def ratio(counts: Dict[str, Any], step: Dict[str, Any]) -> Optional[float]:
