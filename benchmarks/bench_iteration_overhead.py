@@ -245,11 +245,12 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
     """Median seconds of the adaptive update's element-wise steps on the model's size,
     with its parameters in one flat group as in the engine's ball.
 
-    ``riemannian gradient``: c² ⊙ g written into g (at a point of ones, where repeated
-    calls keep the values; the work is the same at any point); ``gram``: the 3 × 3 Gram
-    matrix of (ξ, g, ξ_prev); ``combination``: ξ_next = w₁ξ + w₂g + w₃ξ_prev into
-    ξ_prev's buffer; ``perturbed point``: θ + ξ into the perturbed point's buffer;
-    ``copy``: one vector copied, the yardstick.
+    As the engine runs them on the CPU: ``riemannian gradient and gram``: c² ⊙ g written
+    into g and the 3 × 3 Gram matrix of (ξ, g, ξ_prev), in one sweep (at a point of ones,
+    where repeated calls keep the values; the work is the same at any point);
+    ``combination and perturbed point``: ξ_next = w₁ξ + w₂g + w₃ξ_prev into ξ_prev's
+    buffer and θ + ξ_next into the perturbed point's buffer, in one sweep; ``copy``: one
+    vector copied, the yardstick.
     """
     from geoopt_quotient.sharpness import apgd
 
@@ -262,14 +263,10 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
     weights = torch.tensor([0.5, 0.25, -0.25]).unbind()
     copies = [torch.empty_like(p) for p in points]
     steps: Dict[str, Callable[[], Any]] = {
-        "riemannian gradient": lambda: unit.riemannian_gradient_(grads),
-        "gram": lambda: ball.gram((xi, grads, xi_prev)),
-        "combination": lambda: [
-            apgd._combine_(p, (a, g, p), weights) for a, g, p in zip(xi, grads, xi_prev)
-        ],
-        "perturbed point": lambda: [
-            torch.add(x, v, out=ball.perturbed_buffer(i))
-            for i, (x, v) in enumerate(zip(points, xi))
+        "riemannian gradient and gram": lambda: unit.riemannian_gradient_gram_(grads, xi, xi_prev),
+        "combination and perturbed point": lambda: [
+            apgd._combine_(p, (a, g, p), weights, (x, ball.perturbed_buffer(i)))
+            for i, (x, a, g, p) in enumerate(zip(points, xi, grads, xi_prev))
         ],
         "copy": lambda: torch._foreach_copy_(copies, xi),
     }

@@ -191,19 +191,15 @@ class _Ball:
     def gram(self, vectors: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         r"""The matrix :math:`G_{ij} = \langle u_i, u_j \rangle` of ``k`` vectors of the ball,
         summed over the groups, in float64 (``(k, k)``, on the first point's device)."""
-        device = self.points[0].device
-        per_group = (
-            space.gram([u[i] for u in vectors]).to(device) for i, space in enumerate(self.spaces)
+        return self._summed(
+            [space.gram([u[i] for u in vectors]) for i, space in enumerate(self.spaces)]
         )
-        return self._reduced(torch.stack(list(per_group)).sum(0))
 
-    def riemannian_gradient_(self, egrads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Replace the Euclidean gradients in ``egrads`` by Riemannian ones (horizontal for
-        the quotients), group by group, written into their buffers where the manifold can;
-        the buffers must belong to the caller alone. Returns ``egrads``."""
-        for i, (space, g) in enumerate(zip(self.spaces, egrads)):
-            egrads[i] = space.egrad2rgrad_(g)
-        return egrads
+    def _summed(self, per_group: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The groups' Gram matrices summed on the first point's device, and over the
+        processes that hold other pieces of the ball."""
+        device = self.points[0].device
+        return self._reduced(torch.stack([g.to(device) for g in per_group]).sum(0))
 
     def riemannian_gradient_gram_(
         self,
@@ -211,15 +207,17 @@ class _Ball:
         xi: Sequence[torch.Tensor],
         xi_prev: Sequence[torch.Tensor],
     ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """:meth:`riemannian_gradient_`, and the :meth:`gram` of ``(xi, rgrads, xi_prev)``
-        that the next Auto-PGD update reads (the same values), in one sweep over each
-        group's vectors where its manifold can (the adaptive metric's)."""
-        device = self.points[0].device
+        """Replace the Euclidean gradients in ``egrads`` by Riemannian ones (horizontal for
+        the quotients), group by group, written into their buffers where the manifold can
+        (the buffers must belong to the caller alone), and the :meth:`gram` of
+        ``(xi, rgrads, xi_prev)`` that the next Auto-PGD update reads (the same values),
+        in one sweep over each group's vectors where its manifold can (the adaptive
+        metric's). Returns ``(egrads, gram)``."""
         grams = []
         for i, space in enumerate(self.spaces):
             egrads[i], gram = space.egrad2rgrad_gram_((xi[i], egrads[i], xi_prev[i]), 1)
-            grams.append(gram.to(device))
-        return egrads, self._reduced(torch.stack(grams).sum(0))
+            grams.append(gram)
+        return egrads, self._summed(grams)
 
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
