@@ -46,6 +46,8 @@ from typing import Any, Callable, Dict
 import torch
 from bench_cuda import bert_loss, build_vit, vit_loss
 from bench_sharpness_iteration import build_model as build_bert
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
@@ -120,23 +122,6 @@ def seconds_per_iteration(
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
-def launch_counts(run: Callable[[int], Any], n: int, device: str):
-    """(launches, {kernel name: count}) of one run of ``n`` iterations, or ``None`` off CUDA."""
-    if not device.startswith("cuda"):
-        return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run(n)
-        synchronize(device)
-    events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key.startswith(LAUNCHES))
-    kernels = {e.key: e.count for e in events if e.device_type == DeviceType.CUDA}
-    return launches, kernels
-
-
 class OperatorCounter(TorchDispatchMode):
     """Counts the ATen operators dispatched, by name."""
 
@@ -149,11 +134,22 @@ class OperatorCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def operator_counts(run: Callable[[int], Any], n: int):
-    """(result of the run, {operator: count}) of one run of ``n`` iterations."""
-    with OperatorCounter() as counter:
-        result = run(n)
-    return result, dict(counter.counts)
+def counted_run(run: Callable[[int], Any], n: int, device: str) -> Dict[str, Any]:
+    """One run of ``n`` iterations: its result and operators by name, and on CUDA its
+    kernel launches and kernels by name (``torch.profiler``)."""
+    profiling = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    synchronize(device)
+    with profile(activities=activities) if profiling else contextlib.nullcontext() as prof:
+        with OperatorCounter() as counter:
+            result = run(n)
+        synchronize(device)
+    counted = {"result": result, "operators": dict(counter.counts)}
+    if profiling:
+        events = prof.key_averages()
+        counted["launches"] = sum(e.count for e in events if e.key.startswith(LAUNCHES))
+        counted["kernels"] = {e.key: e.count for e in events if e.device_type == DeviceType.CUDA}
+    return counted
 
 
 def per_iteration(counts_n: Dict[str, int], counts_2n: Dict[str, int], n: int, top: int):
@@ -173,20 +169,20 @@ def passes(result: Any) -> tuple[int, int]:
 
 def counts_per_iteration(run: Callable[[int], Any], n: int, device: str) -> Dict[str, Any]:
     """Launches, operators, kernels and passes per iteration of ``run``, by difference."""
-    (result_n, ops_n), (result_2n, ops_2n) = operator_counts(run, n), operator_counts(run, 2 * n)
+    short, long = counted_run(run, n, device), counted_run(run, 2 * n, device)
+    ops_n, ops_2n = short["operators"], long["operators"]
     row: Dict[str, Any] = {
         "operators": (sum(ops_2n.values()) - sum(ops_n.values())) / n,
         "top_operators": per_iteration(ops_n, ops_2n, n, top=12),
     }
-    (fwd_n, bwd_n), (fwd_2n, bwd_2n) = passes(result_n), passes(result_2n)
-    if result_n is not None:
+    if short["result"] is not None:
+        (fwd_n, bwd_n), (fwd_2n, bwd_2n) = passes(short["result"]), passes(long["result"])
         row["forward_passes"] = (fwd_2n - fwd_n) / n
         row["backward_passes"] = (bwd_2n - bwd_n) / n
-    launched_n, launched_2n = launch_counts(run, n, device), launch_counts(run, 2 * n, device)
-    if launched_n is not None:
-        row["launches"] = (launched_2n[0] - launched_n[0]) / n
-        row["fixed_launches"] = launched_n[0] - n * row["launches"]
-        row["top_kernels"] = per_iteration(launched_n[1], launched_2n[1], n, top=12)
+    if "launches" in short:
+        row["launches"] = (long["launches"] - short["launches"]) / n
+        row["fixed_launches"] = short["launches"] - n * row["launches"]
+        row["top_kernels"] = per_iteration(short["kernels"], long["kernels"], n, top=12)
     return row
 
 
