@@ -14,7 +14,7 @@ It reports, as ratios to ``plain`` (medians over ``--repeats``):
 
 - ``marginal_ratio``: what one more Auto-PGD iteration costs, from runs of ``--iters`` and
   ``--iters / 2`` iterations: (t(iters) - t(iters / 2)) / ((iters - iters / 2) x
-  batches). The issue's target (at most 1.15) is on this figure;
+  batches). The target of at most 1.15 is on this figure;
 - ``fixed_passes``: the work of a run that does not grow with the iterations (clean loss,
   base-point geometry, the path gap's exact geodesic on ``path="second_order"``, the last
   forward pass), per batch, in plain passes;
@@ -205,18 +205,11 @@ def bench_model(name: str, args) -> Dict[str, Any]:
             statistics.median(seconds[f"{measure} half"]),
         )
         iteration = whole / per_iteration
-        marginal = (
-            (whole - part) / ((args.iters - half) * len(batches)) if args.iters > half else None
-        )
-        fixed = None if marginal is None else part / len(batches) - half * marginal
         result = results[measure]
         row[measure] = {
             "iteration_ms": 1e3 * iteration,
             "ratio": iteration / plain,
-            "marginal_ms": None if marginal is None else 1e3 * marginal,
-            "marginal_ratio": None if marginal is None else marginal / plain,
-            "fixed_ms_per_batch": None if fixed is None else 1e3 * fixed,
-            "fixed_passes": None if fixed is None else fixed / plain,
+            **marginal_cost(whole, part, args.iters, half, len(batches), plain),
             "half_iters": half,
             "half_seconds": seconds[f"{measure} half"],
             "forward_passes_per_batch": statistics.mean(result.forward_passes),
@@ -228,6 +221,26 @@ def bench_model(name: str, args) -> Dict[str, Any]:
             "seconds": seconds[measure],
         }
     return row
+
+
+def marginal_cost(
+    whole: float, part: float, iters: int, half: int, batches: int, plain: float
+) -> Dict[str, float | None]:
+    """One more iteration's seconds (``(whole - part) / ((iters - half) x batches)``) and
+    the fixed seconds of a run per batch, in ms and over a plain pass; ``None`` where the
+    two runs have the same length (``iters`` 1)."""
+    if iters <= half:
+        return dict.fromkeys(
+            ("marginal_ms", "marginal_ratio", "fixed_ms_per_batch", "fixed_passes")
+        )
+    marginal = (whole - part) / ((iters - half) * batches)
+    fixed = part / batches - half * marginal
+    return {
+        "marginal_ms": 1e3 * marginal,
+        "marginal_ratio": marginal / plain,
+        "fixed_ms_per_batch": 1e3 * fixed,
+        "fixed_passes": fixed / plain,
+    }
 
 
 def flat_points(model: torch.nn.Module) -> List[torch.Tensor]:
