@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -198,6 +199,8 @@ def bench_model(name: str, args) -> Dict[str, Any]:
         "plain_ms": 1e3 * plain,
         "plain_seconds": seconds["plain"],
         "plain_passes": plain_passes,
+        "iters": args.iters,
+        "repeats": args.repeats,
     }
     for measure in MEASURES:
         whole, part = (
@@ -368,6 +371,13 @@ def main(argv=None) -> Dict[str, Any]:
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the models of an existing --json file that this run does not measure "
+        "(each model's row records its own iterations, repeats and batch shape), e.g. "
+        "BERT-base at a smaller batch beside the other models",
+    )
     args = parser.parse_args(argv)
     global _clock
     _clock = CLOCKS[args.clock]
@@ -388,6 +398,9 @@ def main(argv=None) -> Dict[str, Any]:
                 model = bert_setup(name, args.quick, 1, 1, 1)[0]
             row["breakdown"] = update_breakdown(model, max(args.repeats, 3))
         print(format_breakdown(rows))
+    if args.merge and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            rows = {**json.load(f).get("models", {}), **rows}
     return write_document("iteration_overhead", args, rows)
 
 
@@ -396,7 +409,7 @@ def write_document(benchmark: str, args, rows: Dict[str, Any]) -> Dict[str, Any]
     ``args.json`` when given."""
     document = {
         "benchmark": benchmark,
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge")},
         "models": rows,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

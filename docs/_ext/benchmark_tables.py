@@ -594,7 +594,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, *[NOT_MEASURED] * 7])
+            rows.append([label, *[NOT_MEASURED] * 8])
             continue
         passes = sorted(
             {
@@ -604,9 +604,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
             }
         )
         marginal = {k: dig(m, k, "marginal_ratio") for k in measures}
+        iters = m.get("iters") or dig(doc, "settings", "iters")
+        half = dig(m, "adaptive", "half_iters")
         rows.append(
             [
                 label,
+                f"{iters} vs {half}, {m['batches']} × ({' × '.join(map(str, m['batch_shape']))})",
                 fmt(m["plain_ms"], ".1f", " ms"),
                 *(fmt(marginal[k], ".2f", "x") for k in measures),
                 " / ".join(
@@ -623,6 +626,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
     return Table(
         [
             "model",
+            "iterations, batches",
             "plain forward+backward",
             "adaptive",
             "inv",
@@ -637,11 +641,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
         "--json benchmarks/results/cpu/iteration_overhead.json",
         [
             "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
-            "forward and backward pass of the same loss: the time of a 20-iteration run "
-            "minus a 10-iteration run's, over 10 (interleaved, medians); fixed work: what "
-            "a run costs besides its iterations (clean loss, base-point geometry, the path "
-            "gap's exact geodesic, the last forward pass), per batch, in plain passes; "
-            "whole run: the 20-iteration run's time per iteration, both together; "
+            "forward and backward pass of the same loss: the time of a run of n iterations "
+            "minus that of a run of n/2, over n/2 (iterations: n vs n/2; interleaved, "
+            "medians); fixed work: what a run costs besides its iterations (clean loss, "
+            "base-point geometry, the path gap's exact geodesic, the last forward pass), per "
+            "batch, in plain passes; whole run: the n-iteration run's time per iteration, "
+            "both together; "
             + (
                 "the process's CPU time (--clock process: the machine was shared)."
                 if dig(doc, "settings", "clock") == "process"
