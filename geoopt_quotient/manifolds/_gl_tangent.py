@@ -31,12 +31,14 @@ tests compare both in float64.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .._checks import check_positive_int
 from ._linalg import capped
 from ._rotary_tangent import RotaryProjection, rotary_projection
+from ._validation import GeodesicDomainError
 from .tangent import CachedTangentSpace
 
 
@@ -216,18 +218,36 @@ class GLTangentSpace(CachedTangentSpace):
         """The reference's exponential map (RK4 on the geodesic equation), integrated in
         the span of the geodesic's start (:mod:`~geoopt_quotient.manifolds._gl_geodesic`)
         where that applies; the reference's checks of the integration either way."""
+        return self._expmap(self._span(u), u, self.manifold.expmap_steps)
+
+    def expmaps(self, u: torch.Tensor, steps: Iterable[int]) -> Iterator[torch.Tensor | None]:
+        """:meth:`expmap` with each of ``steps`` RK4 steps in turn, each computed when
+        asked for, the span's factorisation shared; ``None`` where an integration breaks
+        down (where :meth:`expmap` raises)."""
+        span = self._span(u)
+        for count in steps:
+            try:
+                yield self._expmap(span, u, check_positive_int(count, "steps"))
+            except GeodesicDomainError:
+                yield None
+
+    def _span(self, u: torch.Tensor):
         from . import _gl_geodesic
+
+        if not _gl_geodesic.applies(self.manifold, self.x, u):
+            return None
+        return _gl_geodesic.SpanGeodesic(self.manifold, self.x, u)
+
+    def _expmap(self, span, u: torch.Tensor, steps: int) -> torch.Tensor:
         from .gl_quotient import _integration_error
 
-        manifold = self.manifold
-        if not _gl_geodesic.applies(manifold, self.x, u):
-            return super().expmap(u)
-        steps = manifold.expmap_steps
+        if span is None:
+            return self.manifold.expmap(self.x, u, steps=steps)
         try:
-            pos, vel, failures = _gl_geodesic.geodesic(manifold, self.x, u, 1.0, steps)
+            pos, vel, failures = span(1.0, steps)
         except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
             raise _integration_error(steps) from error
-        manifold._check_integration(self.x, u, pos, vel, steps, failures)
+        self.manifold._check_integration(self.x, u, pos, vel, steps, failures)
         return pos
 
     # ------------------------------------------------------------------ retraction
