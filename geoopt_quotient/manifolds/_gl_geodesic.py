@@ -102,6 +102,17 @@ class SpanGeodesic:
             frames.append(frame)
             start[:, index] = coordinates.mT
         self.frames, self.start = frames, start.view(2 * count, width, width)
+        self._first: Tuple[torch.Tensor, torch.Tensor] | None = None  # Gamma^T at the start
+
+    def _first_stage(self, gamma: _SpanChristoffel, failures: List[torch.Tensor]):
+        r""":math:`\Gamma^\top` at the start (a new tensor), computed on the first call
+        only: every integration's first stage."""
+        if self._first is None:
+            terms = gamma(self.start)
+            self._first = (terms.clone(), failures[-1])
+            return terms
+        failures.append(self._first[1])
+        return self._first[0].clone()
 
     def __call__(
         self, t: float, steps: int
@@ -113,8 +124,9 @@ class SpanGeodesic:
         gamma = _SpanChristoffel(self.manifold, rank, failures)
         stage, spare = torch.empty_like(state), torch.empty_like(state)
         dt = t / steps
-        for _ in range(steps):
-            velocity, terms = state[:, rank:], gamma(state)
+        for step in range(steps):
+            terms = self._first_stage(gamma, failures) if step == 0 else gamma(state)
+            velocity = state[:, rank:]
             sum_p, sum_g = velocity.clone(), terms  # k1 = (V, -Gamma)
             for weight, factor in ((0.5 * dt, 2), (0.5 * dt, 2), (dt, 1)):
                 torch.add(state[:, :rank], velocity, alpha=weight, out=stage[:, :rank])

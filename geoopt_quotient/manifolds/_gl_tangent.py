@@ -31,7 +31,7 @@ tests compare both in float64.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -220,16 +220,19 @@ class GLTangentSpace(CachedTangentSpace):
         where that applies; the reference's checks of the integration either way."""
         return self._expmap(self._span(u), u, self.manifold.expmap_steps)
 
-    def expmaps(self, u: torch.Tensor, steps: Iterable[int]) -> Iterator[torch.Tensor | None]:
-        """:meth:`expmap` with each of ``steps`` RK4 steps in turn, each computed when
-        asked for, the span's factorisation shared; ``None`` where an integration breaks
-        down (where :meth:`expmap` raises)."""
+    def expmaps(self, u: torch.Tensor) -> Callable[[int], torch.Tensor | None]:
+        """``ends(steps)``: :meth:`expmap` of ``u`` with ``steps`` RK4 steps, for as many
+        step counts as asked, the span's factorisation and first stage shared; ``None``
+        where an integration breaks down (where :meth:`expmap` raises)."""
         span = self._span(u)
-        for count in steps:
+
+        def ends(steps: int) -> torch.Tensor | None:
             try:
-                yield self._expmap(span, u, check_positive_int(count, "steps"))
+                return self._expmap(span, u, check_positive_int(steps, "steps"))
             except GeodesicDomainError:
-                yield None
+                return None
+
+        return ends
 
     def _span(self, u: torch.Tensor):
         from . import _gl_geodesic

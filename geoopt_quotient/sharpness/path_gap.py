@@ -200,15 +200,16 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
 
     With :math:`E_n` the end point after :math:`n` RK4 steps (global error
     :math:`E_n - \operatorname{Exp} \approx C n^{-4}`), the error of :math:`E_{2n}` is
-    about :math:`|E_{2n} - E_n| / 15` (Richardson: :math:`E_n - E_{2n} \approx
-    15\, C (2n)^{-4}`). For :math:`n = 1, 2, \ldots` while :math:`2n` is below the
-    manifold's ``expmap_steps`` (:math:`N`), :math:`E_{2n}` is accepted when that estimate,
-    in the metric at :math:`w`, is at most :data:`GEODESIC_TOLERANCE` times
-    :math:`|R - E_{2n}|_w` (then the reported gap is within that fraction of the exact
-    geodesic's), or below the rounding floor :data:`ROUNDING_FLOOR_EPS`
-    :math:`\cdot\, \epsilon\, |w|_w`; the next pair is tried only where the estimate,
-    divided by 16, would pass. Otherwise the end point is :math:`E_N`, today's
-    ``expmap`` (also where a coarse integration breaks down).
+    about :math:`|E_{2n} - E_n| / 15` (step doubling, Richardson:
+    :math:`E_n - E_{2n} \approx 15\, C (2n)^{-4}`). For :math:`n = 1, 2, 4, \ldots` while
+    :math:`2n` is below the manifold's ``expmap_steps`` :math:`N`, :math:`E_{2n}` is
+    accepted when that estimate, in the metric at :math:`w`, is at most
+    :data:`GEODESIC_TOLERANCE` times :math:`|R - E_{2n}|_w` (the reported gap is then
+    within about that fraction of the exact geodesic's), or below the rounding floor
+    :data:`ROUNDING_FLOOR_EPS` :math:`\cdot\, \epsilon\, |w|_w`; the next doubling is
+    tried only where the estimate divided by 16 (its prediction for :math:`E_{4n}`)
+    would pass. Otherwise, or where a coarse integration breaks down, the end point is
+    :math:`E_N`, the exponential map (``expmap``) itself.
     """
     x, largest = space.x, space.manifold.expmap_steps
 
@@ -217,18 +218,19 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
 
     step_sq = float(space.inner(v, v))
     floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * norm(x)
-    ladder = [2**k for k in range(largest.bit_length()) if 2**k < largest]
-    ends = space.expmaps(v, ladder)
-    coarse = next(ends, None)
-    for fine in ends:
-        if coarse is None or fine is None:
+    ends = space.expmaps(v)
+    steps = 1
+    coarse = ends(steps) if 2 * steps < largest else None
+    while coarse is not None and 2 * steps < largest:
+        fine = ends(2 * steps)
+        if fine is None:
             break
         gap, error = norm(retracted - fine), norm(fine - coarse) / 15
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
             return gap**2, step_sq, fine
-        if error / 16 > GEODESIC_TOLERANCE * gap:
+        if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
-        coarse = fine
+        steps, coarse = 2 * steps, fine
     end = space.expmap(v)
     difference = retracted - end
     return float(space.inner(difference, difference)), step_sq, end
@@ -268,10 +270,10 @@ def elementwise_gap(x: torch.Tensor, v: torch.Tensor) -> Tuple[float, float, tor
         |R - \operatorname{Exp}|_w^2 = \sum_i d(a_i)^2, \quad
         d(a) = e^a - 1 - a, \qquad |\xi|_w^2 = \sum_i a_i^2,
 
-    and :math:`\operatorname{Exp} = w + w\,(a + d(a))`. Computed block by block in the
-    point's working dtype (:func:`expm1_minus_identity`: accurate where
-    :math:`d` cancels), the sums accumulated in float64; where a square overflows
-    (:math:`|a| > 44` in float32), again in float64.
+    and :math:`\operatorname{Exp} = w e^a`. Computed block by block in the point's
+    working dtype (:func:`expm1_minus_identity`: accurate where :math:`d` cancels), the
+    squares summed in float64; where :math:`d` overflows (:math:`a > 88` in float32),
+    again in float64 (the end point is then infinite in the point's dtype either way).
     """
     dtype = compute_dtype(x.dtype)
     end = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -288,11 +290,11 @@ def _elementwise_sums(x, v, end, dtype) -> Tuple[float, float]:
     for start in range(0, flat_x.numel(), step):
         part = slice(start, start + step)
         w = flat_x[part].to(dtype)
-        a = flat_v[part].to(dtype).div_(w).masked_fill_(w == 0, 0.0)
+        a = torch.div(flat_v[part].to(dtype), w).masked_fill_(w == 0, 0.0)  # a new tensor
         d = expm1_minus_identity(a)
         sums[0] += _sum_of_squares(d)
         sums[1] += _sum_of_squares(a)
-        flat_end[part] = a.add_(d).mul_(w).add_(w)
+        flat_end[part] = torch.exp(a).mul_(w)
     return float(sums[0]), float(sums[1])
 
 
