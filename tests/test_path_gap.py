@@ -165,9 +165,9 @@ def spy_steps(monkeypatch):
 
     steps, original = [], _gl_geodesic.SpanGeodesic.__call__
 
-    def recorded(self, t, count):
+    def recorded(self, t, count, with_velocity=True):
         steps.append(count)
-        return original(self, t, count)
+        return original(self, t, count, with_velocity)
 
     monkeypatch.setattr(_gl_geodesic.SpanGeodesic, "__call__", recorded)
     return steps

@@ -115,8 +115,10 @@ class SpanGeodesic:
         return self._first[0].clone()
 
     def __call__(
-        self, t: float, steps: int
-    ) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+        self, t: float, steps: int, with_velocity: bool = True
+    ) -> Tuple[torch.Tensor, torch.Tensor | None, List[torch.Tensor]]:
+        """``(position, velocity, failures)`` as :func:`geodesic`'s; the velocity
+        ``None`` unless asked for."""
         start, rank = self.start, self.x.shape[-1]
         count, width = self.x.shape[0], 2 * rank
         state = start.clone()
@@ -141,8 +143,10 @@ class SpanGeodesic:
         ends = []
         for base, part in ((self.x, slice(0, rank)), (self.u, slice(rank, None))):
             moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(self.frames)]
-            ends.append(torch.cat(moved, -2).add_(base))
-        return ends[0].view(self.shape), ends[1].view(self.shape), failures
+            ends.append(torch.cat(moved, -2).add_(base).view(self.shape))
+            if not with_velocity:
+                return ends[0], None, failures
+        return ends[0], ends[1], failures
 
 
 class _SpanChristoffel:
