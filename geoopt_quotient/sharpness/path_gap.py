@@ -188,7 +188,8 @@ def _slice_gap(
     x, v = x.to(wide), v.to(wide)
     (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
     (space,) = ball.spaces
-    if exact.path is None and isinstance(space, GLTangentSpace) and retract is not _straight:
+    same_manifold = exact.path is None and exact.manifold is group.manifold
+    if same_manifold and isinstance(space, GLTangentSpace) and retract is not _straight:
         return _controlled_gap(space, retract(x, v), v)
     (_, (geodesic,)) = _prepare([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
     end = geodesic(x, v)
