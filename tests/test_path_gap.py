@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_radius_grid import bert_case, llama_case
 
 from geoopt_quotient import find_symmetries, geodesic_sharpness
-from geoopt_quotient.manifolds import GLQuotient
+from geoopt_quotient.manifolds import AdaptiveEuclidean, GLQuotient
 from geoopt_quotient.manifolds._linalg import compute_dtype
 from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
@@ -290,3 +290,20 @@ def test_closed_form_agrees_with_the_generic_float64_path(monkeypatch):
     monkeypatch.setattr(module, "_closed_form_applies", lambda group, exact: False)
     generic = gap_along(groups, direction, 0.3)
     assert closed == pytest.approx(generic, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_path_gap_leaves_the_points_and_the_vector_as_they_were(dtype):
+    """The report reads the maximiser and the base points only (the result's values and
+    the caller's weights depend on them)."""
+    manifold = GLQuotient(12, 12, "inv")
+    torch.manual_seed(0)
+    quotient = manifold.random(2, 24, 3, dtype=torch.float64).to(dtype)
+    adaptive = torch.randn(50, dtype=dtype)
+    groups = [BallGroup(quotient, manifold), BallGroup(adaptive, AdaptiveEuclidean())]
+    xi = [0.1 * v for v in unit_direction(groups)]
+    before = [t.clone() for t in (quotient, adaptive, *xi)]
+    points = []
+    path_gap(groups, groups, lambda p: points.extend(p) or torch.zeros(()), xi)
+    assert all(torch.equal(a, b) for a, b in zip(before, (quotient, adaptive, *xi)))
+    assert [p.dtype for p in points] == [dtype, dtype]
