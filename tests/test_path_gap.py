@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_radius_grid import bert_case, llama_case
 
 from geoopt_quotient import find_symmetries, geodesic_sharpness
-from geoopt_quotient.manifolds import AdaptiveEuclidean, GLQuotient
+from geoopt_quotient.manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
 from geoopt_quotient.manifolds._linalg import compute_dtype
 from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
@@ -307,3 +307,17 @@ def test_path_gap_leaves_the_points_and_the_vector_as_they_were(dtype):
     path_gap(groups, groups, lambda p: points.extend(p) or torch.zeros(()), xi)
     assert all(torch.equal(a, b) for a, b in zip(before, (quotient, adaptive, *xi)))
     assert [p.dtype for p in points] == [dtype, dtype]
+
+
+def test_a_geodesic_that_leaves_the_manifold_still_reports_nan_without_a_forward():
+    """Where the 16 steps break down (the reference raises), the coarse integrations do
+    not hide it: NaN, and the objective is not evaluated."""
+    from test_gl_geodesic import case
+
+    manifold = GLQuotient(6, 6, "inv")
+    x, u, _, reference = case(manifold, (3,), 2, 0, 20.0)
+    with pytest.raises(GeodesicDomainError):
+        reference.expmap(u)
+    groups, calls = [BallGroup(x, manifold)], []
+    gap, loss = path_gap(groups, groups, lambda p: calls.append(p) or torch.zeros(()), [u])
+    assert math.isnan(gap) and math.isnan(loss) and not calls

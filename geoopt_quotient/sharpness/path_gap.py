@@ -248,7 +248,9 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
         steps, coarse = 2 * steps, fine
-    end = space.expmap(v)
+    end = ends(largest)  # the exponential map's own integration, bit for bit
+    if end is None:
+        raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
     difference = retracted - end
     return float(space.inner(difference, difference)), step_sq, end
 
