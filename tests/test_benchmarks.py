@@ -40,6 +40,7 @@ QUICK = [
     "bench_compiled_update",
     "bench_discovery",
     "bench_geodesic",
+    "bench_path_gap_cost",
 ]
 
 

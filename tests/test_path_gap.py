@@ -18,13 +18,23 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_radius_grid import bert_case, llama_case
 
 from geoopt_quotient import find_symmetries, geodesic_sharpness
+from geoopt_quotient.manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
+from geoopt_quotient.manifolds._linalg import compute_dtype
 from geoopt_quotient.sharpness import DEFAULT_RADII, PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
 from geoopt_quotient.sharpness.functional import trainable_parameters
-from geoopt_quotient.sharpness.path_gap import PATH_GAP_TOLERANCE, path_gap
+from geoopt_quotient.sharpness.path_gap import (
+    GEODESIC_TOLERANCE,
+    PATH_GAP_TOLERANCE,
+    elementwise_gap,
+    expm1_minus_identity,
+    path_gap,
+)
 
 CASES = {"bert": bert_case, "llama": llama_case}
 
@@ -138,3 +148,176 @@ def test_large_groups_taken_a_slice_at_a_time_give_the_same_report(metric, monke
     for a, b in zip(sliced.path_gaps, whole.path_gaps):
         assert a == pytest.approx(b, rel=1e-9)
     assert sliced.exact_losses == pytest.approx(whole.exact_losses, rel=1e-12, abs=0)
+
+
+def gl_ball(metric, radius, seed=0, steps=16):
+    """A float64 batch of GL points and a horizontal vector of metric norm ``radius``."""
+    manifold = GLQuotient(12, 12, metric, expmap_steps=steps)
+    torch.manual_seed(seed)
+    x = manifold.random(3, 24, 3, dtype=torch.float64)
+    (u,) = unit_direction([BallGroup(x, manifold)], seed)
+    return [BallGroup(x, manifold)], [radius * u]
+
+
+def spy_steps(monkeypatch):
+    """The step counts of every span integration made from now on."""
+    from geoopt_quotient.manifolds import _gl_geodesic
+
+    steps, original = [], _gl_geodesic.SpanGeodesic.__call__
+
+    def recorded(self, t, count, with_velocity=True):
+        steps.append(count)
+        return original(self, t, count, with_velocity)
+
+    monkeypatch.setattr(_gl_geodesic.SpanGeodesic, "__call__", recorded)
+    return steps
+
+
+def reference_gap(groups, xi):
+    """The gap on the manifold's ``expmap_steps`` (the reference's integration)."""
+    ((x, manifold, _),), (v,) = [(g.point, g.manifold, g.path) for g in groups], xi
+    difference = manifold.retr(x, v) - manifold.expmap(x, v)
+    return math.sqrt(
+        float(manifold.inner(x, difference, difference).sum() / manifold.inner(x, v, v).sum())
+    )
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_error_controlled_geodesic_agrees_with_the_sixteen_step_reference(metric, monkeypatch):
+    """At a moderate radius a few RK4 steps pass the Richardson check: the accepted end
+    point's error is at most GEODESIC_TOLERANCE of the gap, the reference's is smaller by
+    (steps / 16)^4, so the two gaps differ by at most twice that fraction."""
+    groups, xi = gl_ball(metric, 0.05)
+    steps = spy_steps(monkeypatch)
+    gap, _ = path_gap(groups, groups, lambda points: torch.zeros(()), xi)
+    assert max(steps) < 16 and steps[:2] == [1, 2]
+    reference = reference_gap(groups, xi)
+    assert reference > 0
+    assert abs(gap - reference) <= 2 * GEODESIC_TOLERANCE * reference
+
+
+def test_error_control_falls_back_to_expmap_steps_at_a_large_radius(monkeypatch):
+    """Far out the coarse integrations disagree (or break down): the gap is the one of
+    the manifold's own ``expmap_steps``, bit for bit."""
+    groups, xi = gl_ball("inv", 20.0)
+    steps = spy_steps(monkeypatch)
+    gap, _ = path_gap(groups, groups, lambda points: torch.zeros(()), xi)
+    assert steps[0] == 1 and steps[-1] == 16
+    reference = reference_gap(groups, xi)
+    assert gap == pytest.approx(reference, rel=1e-12)
+    assert gap > 1  # far outside the asymptotic range indeed
+
+
+def test_error_control_is_off_where_expmap_steps_leaves_no_coarser_pair(monkeypatch):
+    groups, xi = gl_ball("inv", 0.05, steps=2)
+    steps = spy_steps(monkeypatch)
+    gap, _ = path_gap(groups, groups, lambda points: torch.zeros(()), xi)
+    assert steps == [2]
+    assert gap == pytest.approx(reference_gap(groups, xi), rel=1e-12)
+
+
+def d_reference(a: torch.Tensor) -> torch.Tensor:
+    r""":math:`e^a - 1 - a` in float64 to a few units of its rounding: the series to
+    :math:`a^{20} / 20!` below :math:`|a| = 1` (tail :math:`< 10^{-19}` relative),
+    ``expm1(a) - a`` above (cancellation at most a factor 2.5)."""
+    a = a.double()
+    series = torch.full_like(a, 1 / math.factorial(20))
+    for k in range(19, 1, -1):
+        series = series * a + 1 / math.factorial(k)
+    return torch.where(a.abs() < 1, series * a * a, torch.expm1(a) - a)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exponent=st.floats(-12, 1.2),
+    weight_exponent=st.floats(-6, 2),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_closed_form_of_the_adaptive_gap_matches_float64(exponent, weight_exponent, seed, dtype):
+    """Entries of both signs with |a| = |xi / w| up to 10**exponent (tiny a included,
+    where e^a - 1 - a cancels), a frozen entry: the squared gap and step to a few units
+    of the working dtype's rounding, the end point w e^a to its rounding, no NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    w = (torch.randn(999, generator=generator, dtype=torch.float64) * 10**weight_exponent).to(dtype)
+    w[0] = 0.0
+    a = torch.randn(999, generator=generator, dtype=torch.float64) * 10**exponent / 3
+    v = (a * w.double()).to(dtype)
+    v[0] = 0.0
+    gap_sq, step_sq, end = elementwise_gap(w, v)
+    a = torch.where(w == 0, 0.0, v.double() / w.double())
+    eps = torch.finfo(compute_dtype(dtype)).eps
+    assert gap_sq == pytest.approx(float((d_reference(a) ** 2).sum()), rel=16 * eps, abs=0)
+    assert step_sq == pytest.approx(float((a**2).sum()), rel=16 * eps, abs=0)
+    expected = (w.double() * torch.exp(a)).to(dtype)
+    ulp = torch.finfo(dtype).eps * expected.double().abs()  # and a's rounding, |a| ulp
+    assert ((end.double() - expected.double()).abs() <= (2 + a.abs()) * ulp).all()
+    assert end.dtype == dtype and end[0] == 0
+
+
+def test_naive_closed_form_loses_its_digits_where_the_series_does_not():
+    a = torch.tensor([1e-4, -3e-5, 2e-2, 0.3, -0.45, 0.6, -2.0], dtype=torch.float32)
+    expected = d_reference(a)
+    ours = expm1_minus_identity(a).double()
+    naive = (torch.expm1(a) - a).double()
+    eps = torch.finfo(torch.float32).eps
+    assert ((ours - expected).abs() <= 8 * eps * expected.abs()).all()
+    assert ((naive - expected).abs() > 100 * eps * expected.abs())[:2].all()
+
+
+def test_closed_form_redone_in_float64_where_float32_overflows():
+    """a = 100: e^a - 1 - a overflows float32; the sums are then float64's."""
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float32)
+    v = torch.tensor([100.0, 1.0, -0.1], dtype=torch.float32) * w.abs()
+    gap_sq, step_sq, end = elementwise_gap(w, v)
+    a = v.double() / w.double()
+    assert math.isfinite(gap_sq) and step_sq == pytest.approx(float((a**2).sum()), rel=1e-6)
+    assert end[0] == math.inf and end[1:].isfinite().all()
+    assert gap_sq == pytest.approx(float((d_reference(a) ** 2).sum()), rel=1e-12)
+
+
+def test_closed_form_agrees_with_the_generic_float64_path(monkeypatch):
+    """The adaptive groups of a model: the same report with the closed form switched off
+    (today's float64 geodesic and difference)."""
+    from geoopt_quotient.sharpness import path_gap as module
+
+    model = bert_case()[0]
+    plan = find_symmetries(model, metric="inv").bind(model)
+    points = plan.gather(trainable_parameters(model))
+    groups = [BallGroup(x, g.manifold) for g, x in zip(plan.groups, points) if g.kind == "adaptive"]
+    direction = unit_direction(groups)
+    closed = gap_along(groups, direction, 0.3)
+    monkeypatch.setattr(module, "_closed_form_applies", lambda group, exact: False)
+    generic = gap_along(groups, direction, 0.3)
+    assert closed == pytest.approx(generic, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_path_gap_leaves_the_points_and_the_vector_as_they_were(dtype):
+    """The report reads the maximiser and the base points only (the result's values and
+    the caller's weights depend on them)."""
+    manifold = GLQuotient(12, 12, "inv")
+    torch.manual_seed(0)
+    quotient = manifold.random(2, 24, 3, dtype=torch.float64).to(dtype)
+    adaptive = torch.randn(50, dtype=dtype)
+    groups = [BallGroup(quotient, manifold), BallGroup(adaptive, AdaptiveEuclidean())]
+    xi = [0.1 * v for v in unit_direction(groups)]
+    before = [t.clone() for t in (quotient, adaptive, *xi)]
+    points = []
+    path_gap(groups, groups, lambda p: points.extend(p) or torch.zeros(()), xi)
+    assert all(torch.equal(a, b) for a, b in zip(before, (quotient, adaptive, *xi)))
+    assert [p.dtype for p in points] == [dtype, dtype]
+
+
+def test_a_geodesic_that_leaves_the_manifold_still_reports_nan_without_a_forward():
+    """Where the 16 steps break down (the reference raises), the coarse integrations do
+    not hide it: NaN, and the objective is not evaluated."""
+    from test_gl_geodesic import case
+
+    manifold = GLQuotient(6, 6, "inv")
+    x, u, _, reference = case(manifold, (3,), 2, 0, 20.0)
+    with pytest.raises(GeodesicDomainError):
+        reference.expmap(u)
+    groups, calls = [BallGroup(x, manifold)], []
+    gap, loss = path_gap(groups, groups, lambda p: calls.append(p) or torch.zeros(()), [u])
+    assert math.isnan(gap) and math.isnan(loss) and not calls

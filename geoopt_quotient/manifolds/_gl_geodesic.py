@@ -83,40 +83,70 @@ def geodesic(
     point): rows :math:`P^\top` then :math:`V^\top`, so that each half of :math:`f` is
     a block of whole rows.
     """
-    shape = x.shape
-    rows, rank = shape[-2:]
-    flat = (-1, rows, rank)
-    x, u = x.reshape(flat), u.reshape(flat)
-    count, width = x.shape[0], 2 * rank
-    frames, start = [], x.new_empty(count, 2, width, width)
-    for index, (x_f, u_f) in enumerate(zip(manifold.factors(x), manifold.factors(u))):
-        frame, coordinates = torch.linalg.qr(torch.cat((x_f, u_f), -1))
-        frames.append(frame)
-        start[:, index] = coordinates.mT
-    start = start.view(2 * count, width, width)
-    state = start.clone()
-    failures: List[torch.Tensor] = []
-    gamma = _SpanChristoffel(manifold, rank, failures)
-    stage, spare = torch.empty_like(state), torch.empty_like(state)
-    dt = t / steps
-    for _ in range(steps):
-        velocity, terms = state[:, rank:], gamma(state)
-        sum_p, sum_g = velocity.clone(), terms  # k1 = (V, -Gamma)
-        for weight, factor in ((0.5 * dt, 2), (0.5 * dt, 2), (dt, 1)):
-            torch.add(state[:, :rank], velocity, alpha=weight, out=stage[:, :rank])
-            torch.add(state[:, rank:], terms, alpha=-weight, out=stage[:, rank:])
-            velocity, terms = stage[:, rank:], gamma(stage)
-            sum_p.add_(velocity, alpha=factor)
-            sum_g.add_(terms, alpha=factor)
-            stage, spare = spare, stage
-        state[:, :rank].add_(sum_p, alpha=dt / 6)
-        state[:, rank:].add_(sum_g, alpha=-dt / 6)
-    change = (state - start).view(count, 2, width, width)  # from (x, u): small
-    ends = []
-    for base, part in ((x, slice(0, rank)), (u, slice(rank, None))):
-        moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(frames)]
-        ends.append(torch.cat(moved, -2).add_(base))
-    return ends[0].view(shape), ends[1].view(shape), failures
+    return SpanGeodesic(manifold, x, u)(t, steps)
+
+
+class SpanGeodesic:
+    """:func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
+    (at construction), integrated for any ``t`` and ``steps`` by calling it."""
+
+    def __init__(self, manifold, x: torch.Tensor, u: torch.Tensor):
+        self.manifold, self.shape = manifold, x.shape
+        rows, rank = x.shape[-2:]
+        flat = (-1, rows, rank)
+        self.x, self.u = x.reshape(flat), u.reshape(flat)
+        count, width = self.x.shape[0], 2 * rank
+        frames, start = [], x.new_empty(count, 2, width, width)
+        for index, (x_f, u_f) in enumerate(zip(manifold.factors(self.x), manifold.factors(self.u))):
+            frame, coordinates = torch.linalg.qr(torch.cat((x_f, u_f), -1))
+            frames.append(frame)
+            start[:, index] = coordinates.mT
+        self.frames, self.start = frames, start.view(2 * count, width, width)
+        self._first: Tuple[torch.Tensor, torch.Tensor] | None = None  # Gamma^T at the start
+
+    def _first_stage(self, gamma: _SpanChristoffel, failures: List[torch.Tensor]):
+        r""":math:`\Gamma^\top` at the start (a new tensor), computed on the first call
+        only: every integration's first stage."""
+        if self._first is None:
+            terms = gamma(self.start)
+            self._first = (terms.clone(), failures[-1])
+            return terms
+        failures.append(self._first[1])
+        return self._first[0].clone()
+
+    def __call__(
+        self, t: float, steps: int, with_velocity: bool = True
+    ) -> Tuple[torch.Tensor, torch.Tensor | None, List[torch.Tensor]]:
+        """``(position, velocity, failures)`` as :func:`geodesic`'s; the velocity
+        ``None`` unless asked for."""
+        start, rank = self.start, self.x.shape[-1]
+        count, width = self.x.shape[0], 2 * rank
+        state = start.clone()
+        failures: List[torch.Tensor] = []
+        gamma = _SpanChristoffel(self.manifold, rank, failures)
+        stage, spare = torch.empty_like(state), torch.empty_like(state)
+        dt = t / steps
+        for step in range(steps):
+            terms = self._first_stage(gamma, failures) if step == 0 else gamma(state)
+            velocity = state[:, rank:]
+            sum_p, sum_g = velocity.clone(), terms  # k1 = (V, -Gamma)
+            for weight, factor in ((0.5 * dt, 2), (0.5 * dt, 2), (dt, 1)):
+                torch.add(state[:, :rank], velocity, alpha=weight, out=stage[:, :rank])
+                torch.add(state[:, rank:], terms, alpha=-weight, out=stage[:, rank:])
+                velocity, terms = stage[:, rank:], gamma(stage)
+                sum_p.add_(velocity, alpha=factor)
+                sum_g.add_(terms, alpha=factor)
+                stage, spare = spare, stage
+            state[:, :rank].add_(sum_p, alpha=dt / 6)
+            state[:, rank:].add_(sum_g, alpha=-dt / 6)
+        change = (state - start).view(count, 2, width, width)  # from (x, u): small
+        ends = []
+        for base, part in ((self.x, slice(0, rank)), (self.u, slice(rank, None))):
+            moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(self.frames)]
+            ends.append(torch.cat(moved, -2).add_(base).view(self.shape))
+            if not with_velocity:
+                return ends[0], None, failures
+        return ends[0], ends[1], failures
 
 
 class _SpanChristoffel:

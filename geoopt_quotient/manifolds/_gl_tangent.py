@@ -35,8 +35,10 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .._checks import check_positive_int
 from ._linalg import capped
 from ._rotary_tangent import RotaryProjection, rotary_projection
+from ._validation import GeodesicDomainError
 from .tangent import CachedTangentSpace
 
 
@@ -216,18 +218,43 @@ class GLTangentSpace(CachedTangentSpace):
         """The reference's exponential map (RK4 on the geodesic equation), integrated in
         the span of the geodesic's start (:mod:`~geoopt_quotient.manifolds._gl_geodesic`)
         where that applies; the reference's checks of the integration either way."""
+        return self._expmap(self._span(u), u, self.manifold.expmap_steps)
+
+    def expmaps(self, u: torch.Tensor) -> Callable[..., torch.Tensor | None]:
+        """``ends(steps, checked=True)``: :meth:`expmap` of ``u`` with ``steps`` RK4 steps,
+        for as many step counts as asked, the span's factorisation and first stage
+        shared; ``None`` where an integration breaks down (where :meth:`expmap` raises).
+        ``checked=False`` skips the check of the end point's speed (and the velocity it
+        needs) where the span's integration applies: for a coarse end point that is only
+        compared with a finer one."""
+        span = self._span(u)
+
+        def ends(steps: int, checked: bool = True) -> torch.Tensor | None:
+            try:
+                return self._expmap(span, u, check_positive_int(steps, "steps"), checked)
+            except GeodesicDomainError:
+                return None
+
+        return ends
+
+    def _span(self, u: torch.Tensor):
         from . import _gl_geodesic
+
+        if not _gl_geodesic.applies(self.manifold, self.x, u):
+            return None
+        return _gl_geodesic.SpanGeodesic(self.manifold, self.x, u)
+
+    def _expmap(self, span, u: torch.Tensor, steps: int, checked: bool = True) -> torch.Tensor:
         from .gl_quotient import _integration_error
 
-        manifold = self.manifold
-        if not _gl_geodesic.applies(manifold, self.x, u):
-            return super().expmap(u)
-        steps = manifold.expmap_steps
+        if span is None:
+            return self.manifold.expmap(self.x, u, steps=steps)
         try:
-            pos, vel, failures = _gl_geodesic.geodesic(manifold, self.x, u, 1.0, steps)
+            pos, vel, failures = span(1.0, steps, with_velocity=checked)
         except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
             raise _integration_error(steps) from error
-        manifold._check_integration(self.x, u, pos, vel, steps, failures)
+        if checked:
+            self.manifold._check_integration(self.x, u, pos, vel, steps, failures)
         return pos
 
     # ------------------------------------------------------------------ retraction
