@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _gl_tangent
@@ -246,3 +247,46 @@ def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
     # the negative: the plain GL(h) quotient's gradient is not horizontal here
     _, generic = gq.GLQuotient(4, 8, metric).tangent_space(x).egrad2rgrad_gram_((v, c, u), 1)
     assert not torch.allclose(generic, expected, rtol=1e-6, atol=0)
+
+
+class _FactorProducts(TorchDispatchMode):
+    """The work of the batched products with an operand of ``rows`` rows or more, in
+    multiply-adds over ``unit`` (those of one product of every factor with an ``h x h``
+    matrix)."""
+
+    def __init__(self, rows: int, unit: int):
+        super().__init__()
+        self.rows, self.unit, self.work = rows, unit, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packets = (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.baddbmm_)
+        if func.overloadpacket in packets:
+            left, right = args[-2:] if func.overloadpacket is torch.ops.aten.bmm else args[1:3]
+            if max(*left.shape[-2:], *right.shape[-2:]) >= self.rows:
+                self.work += left.numel() * right.shape[-1] / self.unit
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_an_auto_pgd_iteration_makes_twelve_products_with_the_factors(metric):
+    """The retraction 4, its pullback 5, the Riemannian gradient 2 (its product with the
+    point read from the pullback's), the Gram matrix 1 (the gradient's row Euclidean, the
+    previous iterate's norm kept): the work of 12 products of the ``n x h`` factors with
+    ``h x h`` matrices; the generic path (a conversion and a Gram matrix of their own)
+    does 15 and the Gram matrix's pairs."""
+    n, rank, batch = 32, 8, 3
+    manifold = gq.GLQuotient(n, n, metric)
+    x, fast, _, u, c = case(manifold, (batch,), rank, 0)
+    previous = 0.5 * u
+    fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+    unit = 2 * batch * n * rank * rank
+    with _FactorProducts(n, unit) as counter:
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        fast.egrad2rgrad_gram_((u, pullback(c.clone()), previous), 1)
+    assert counter.work == 12
+    with _FactorProducts(n, unit) as counter:  # the negative: no products known
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        grad = pullback(c.clone()).clone()
+        fast.egrad2rgrad_(grad)
+        fast.gram([u, grad, previous])
+    assert counter.work == 15 + 9 / rank

@@ -24,6 +24,18 @@ is linear algebra on the tangent vectors alone:
   point (below), and the gradient is :math:`\nabla_F K_F + F\,O_F` with
   :math:`O = [T^\top; -T]`: one batched product and one batched multiply-add.
 
+Across the operations of one Auto-PGD iteration, products are shared:
+
+- the pullback of the retraction returns :math:`F^\top` of the gradient it writes, from
+  :math:`h \times h` products of the retraction's and its own (:func:`_pull_back_`),
+  and the Riemannian gradient of that gradient reads it instead of a product with the
+  factors (:attr:`GLTangentSpace._crosses`);
+- the conversion is the inverse of the metric's weights (:math:`K_F = W_F^{-1}`) and
+  the projection is metric-orthogonal, so the Gram matrix of the update takes the
+  gradient's row from Euclidean dot products, and only the iterates' rows from the
+  metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
+  the Gram matrix that computed it (:attr:`GLTangentSpace._norms`).
+
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.
 """
