@@ -168,7 +168,7 @@ class GLTangentSpace(CachedTangentSpace):
         #: :math:`F^\top c_F` of the gradients written by the pullback of :meth:`retr_vjp`
         self._crosses = _Derived()
         #: :math:`\langle v, v \rangle` of the vectors of the last Gram matrices, as
-        #: ``(diagonal, position)``
+        #: ``(values, position)`` (the values private to this space)
         self._norms = _Derived()
         self._orders: dict = {}  # the index tensors of egrad2rgrad_gram_
 
@@ -282,10 +282,12 @@ class GLTangentSpace(CachedTangentSpace):
             start = stop
         if skip >= 0:
             pairs.append((skip, skip))
-            diagonal, position = kept[skip]
-            total = torch.cat((total, diagonal[position : position + 1]))
+            values, position = kept[skip]
+            total = torch.cat((total, values[position : position + 1]))
         entry = {pair: n for n, pair in enumerate(pairs)}
         entry.update({(j, i): n for (i, j), n in entry.items() if (j, i) not in entry})
+        for i in weighted:  # the diagonal is the same after the symmetrisation below
+            self._norms.put(unique[i], (total, entry[i, i]))
         where = [
             -1 if v is grad else next(i for i, w in enumerate(unique) if w is v) for v in vectors
         ]
@@ -293,9 +295,6 @@ class GLTangentSpace(CachedTangentSpace):
         gram = gram.view(len(vectors), -1)
         if len(weighted) > 1:  # both (i, j) and (j, i) computed
             gram = (gram + gram.mT) / 2
-        diagonal = gram.diagonal()
-        for i in weighted:
-            self._norms.put(unique[i], (diagonal, where.index(i)))
         return grad, gram
 
     def _order(self, order: List[int]) -> torch.Tensor:
@@ -341,10 +340,7 @@ class GLTangentSpace(CachedTangentSpace):
             if not self._applies(c):
                 raise ValueError("the cotangent must be a contiguous tensor like the point")
             crosses, start = [], 0
-            for (
-                (kernel, (u_, c_)),
-                (e, k),
-            ) in zip(self._parts(u, c), saved):
+            for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c), saved):
                 stop = start + u_.shape[0]
                 s = _rows(grams, start, stop)
                 crosses.append(_pull_back_(kernel, split, u_, c_, e, k, s, mix))
