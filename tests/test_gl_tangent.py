@@ -219,6 +219,11 @@ def test_the_riemannian_gradient_and_gram_of_auto_pgd_are_the_reference(
             assert torch.equal(gram, gram.mT)
     expected = reference.gram([u, reference.egrad2rgrad(c), u])
     close(first[1], expected, dtype, float(expected.abs().max()) * scale)
+    with chunk_bytes(chunk):  # an iterate changed in place: its norm is not the kept one
+        v.mul_(3)
+        _, gram = fast.egrad2rgrad_gram_((u, c.clone(), v), 1)
+    expected = reference.gram([u, reference.egrad2rgrad(c), v])
+    close(gram, expected, dtype, float(expected.abs().max()) * scale)
     if dtype == torch.float64:  # the negative: an iterate that is not horizontal
         vertical = c - reference.proju(c)
         if float(vertical.abs().max()) > 1e-3:
