@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _gl_tangent
@@ -135,3 +136,162 @@ def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(m
     assert space._whole().rotary is not None and space._whole().left is None
     generic = gq.GLQuotient(4, 5, "inv").egrad2rgrad(x, c)  # the negative: GL(h)'s differs
     assert not torch.allclose(expected, generic, rtol=0, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(**cases)
+def test_the_pullback_knows_the_point_products_of_its_result(
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows
+):
+    r""":math:`F^\top` of the pulled-back gradient, from :math:`h \times h` products
+    only, is the direct product; the Riemannian gradient that reads it is the reference's.
+    The negative: a changed coefficient (:math:`E` in place of :math:`E^\top`) breaks the
+    identity, and a gradient changed in place is not taken for the one pulled back."""
+    manifold = gq.GLQuotient(*rows, metric, eps)
+    x, fast, reference, u, c = case(manifold, batch, rank, seed, zero_rows=zero_rows)
+    split = fast._split
+    with chunk_bytes(chunk):
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        pulled = pullback(c.clone())
+        known = fast._crosses.get(pulled)
+        direct = split.inner(x.reshape(-1, *x.shape[-2:]), pulled.view(-1, *x.shape[-2:]))
+        magnitude = float(c.abs().max()) * (1 + float(x.abs().max())) ** 4
+        assert known is not None
+        assert torch.allclose(known, direct, rtol=0, atol=1e-11 * magnitude)
+        expected = reference.egrad2rgrad(pulled)
+        assert torch.allclose(fast.egrad2rgrad_(pulled), expected, rtol=0, atol=1e-11 * magnitude)
+        assert fast._crosses.get(pulled) is None  # written anew by the gradient
+        other = pullback(c.clone())
+        other.mul_(2)  # changed in place: its products are no longer the pullback's
+        assert fast._crosses.get(other) is None
+
+    # the negative: E instead of E^T in the first term
+    kernel = fast._whole()
+    flat_u = u.reshape(kernel.x.shape)
+    e, k = _gl_tangent._retract(kernel, split, flat_u, torch.empty_like(kernel.x), metric == "mix")
+    wrong = _gl_tangent._pull_back_(
+        kernel,
+        split,
+        flat_u,
+        c.clone().reshape(kernel.x.shape),
+        e.mT,
+        k,
+        fast._point_grams(),
+        metric == "mix",
+    )
+    right = _gl_tangent._pull_back_(
+        kernel,
+        split,
+        flat_u,
+        c.clone().reshape(kernel.x.shape),
+        e,
+        k,
+        fast._point_grams(),
+        metric == "mix",
+    )
+    assert torch.allclose(right, direct.reshape(right.shape), rtol=0, atol=1e-11 * magnitude)
+    asymmetric = float((e - e.mT).abs().max()) > 1e-6
+    if asymmetric:
+        assert not torch.allclose(wrong, right, rtol=0, atol=1e-6 * magnitude)
+
+
+@settings(max_examples=30, deadline=None)
+@given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_the_riemannian_gradient_and_gram_of_auto_pgd_are_the_reference(
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
+):
+    r"""The Gram matrix of ``(xi, rgrad, xi_prev)`` with the gradient's row from Euclidean
+    products, and the previous iterate's norm kept, is the reference's (the metric's
+    products of all three), for horizontal iterates; the negative: with an iterate that
+    is not horizontal, the Euclidean row is not the metric's."""
+    manifold = gq.GLQuotient(*rows, metric, eps)
+    x, fast, reference, u, c = case(manifold, batch, rank, seed, dtype, zero_rows)
+    v = 0.5 * reference.proju(torch.randn_like(x))
+    scale = (1 + float(x.abs().max())) ** 6 * (1 + float(c.abs().max())) ** 2
+    with chunk_bytes(chunk):
+        first = fast.egrad2rgrad_gram_((u, c.clone(), u), 1)
+        for vectors in ((v, c.clone(), u), (v, c.clone(), u)):  # u's norm kept, then v's
+            rgrad, gram = fast.egrad2rgrad_gram_(vectors, 1)
+            expected_rgrad = reference.egrad2rgrad(c)
+            close(rgrad, expected_rgrad, dtype, float(c.abs().max()) * scale)
+            expected = reference.gram([vectors[0], expected_rgrad, vectors[2]])
+            close(gram, expected, dtype, float(expected.abs().max()) * scale)
+            assert torch.equal(gram, gram.mT)
+    expected = reference.gram([u, reference.egrad2rgrad(c), u])
+    close(first[1], expected, dtype, float(expected.abs().max()) * scale)
+    with chunk_bytes(chunk):  # an iterate changed in place: its norm is not the kept one
+        v.mul_(3)
+        _, gram = fast.egrad2rgrad_gram_((u, c.clone(), v), 1)
+    expected = reference.gram([u, reference.egrad2rgrad(c), v])
+    close(gram, expected, dtype, float(expected.abs().max()) * scale)
+    if dtype == torch.float64:  # the negative: an iterate that is not horizontal
+        vertical = c - reference.proju(c)
+        if float(vertical.abs().max()) > 1e-3:
+            _, gram = fast.egrad2rgrad_gram_((vertical, c.clone(), u), 1)
+            metric_row = reference.gram([vertical, reference.egrad2rgrad(c)])
+            assert not torch.allclose(gram[0, 1], metric_row[0, 1], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
+    """The rotary quotient's projection is metric-orthogonal too: the Euclidean row of
+    its Riemannian gradient is the metric's."""
+    torch.manual_seed(0)
+    manifold = gq.RotaryGLQuotient(4, 8, rotary_dim=2, metric=metric)
+    x = manifold.random(3, 12, 4, dtype=torch.float64)
+    fast = manifold.tangent_space(x)
+    reference = CachedTangentSpace(manifold, x, PointState(manifold, x))
+    u, v = (0.3 * reference.proju(torch.randn_like(x)) for _ in range(2))
+    c = torch.randn_like(x)
+    fast.egrad2rgrad_gram_((u, c.clone(), u), 1)
+    rgrad, gram = fast.egrad2rgrad_gram_((v, c.clone(), u), 1)
+    expected_rgrad = reference.egrad2rgrad(c)
+    close(rgrad, expected_rgrad, torch.float64, float(expected_rgrad.abs().max()))
+    expected = reference.gram([v, expected_rgrad, u])
+    close(gram, expected, torch.float64, float(expected.abs().max()))
+    # the negative: the plain GL(h) quotient's gradient is not horizontal here
+    _, generic = gq.GLQuotient(4, 8, metric).tangent_space(x).egrad2rgrad_gram_((v, c, u), 1)
+    assert not torch.allclose(generic, expected, rtol=1e-6, atol=0)
+
+
+class _FactorProducts(TorchDispatchMode):
+    """The work of the batched products with an operand of ``rows`` rows or more, in
+    multiply-adds over ``unit`` (those of one product of every factor with an ``h x h``
+    matrix)."""
+
+    def __init__(self, rows: int, unit: int):
+        super().__init__()
+        self.rows, self.unit, self.work = rows, unit, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packets = (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.baddbmm_)
+        if func.overloadpacket in packets:
+            left, right = args[-2:] if func.overloadpacket is torch.ops.aten.bmm else args[1:3]
+            if max(*left.shape[-2:], *right.shape[-2:]) >= self.rows:
+                self.work += left.numel() * right.shape[-1] / self.unit
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_an_auto_pgd_iteration_makes_twelve_products_with_the_factors(metric):
+    """The retraction 4, its pullback 5, the Riemannian gradient 2 (its product with the
+    point read from the pullback's), the Gram matrix 1 (the gradient's row Euclidean, the
+    previous iterate's norm kept): the work of 12 products of the ``n x h`` factors with
+    ``h x h`` matrices; the generic path (a conversion and a Gram matrix of their own)
+    does 15 and the Gram matrix's pairs."""
+    n, rank, batch = 32, 8, 3
+    manifold = gq.GLQuotient(n, n, metric)
+    x, fast, _, u, c = case(manifold, (batch,), rank, 0)
+    previous = 0.5 * u
+    fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+    unit = 2 * batch * n * rank * rank
+    with _FactorProducts(n, unit) as counter:
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        fast.egrad2rgrad_gram_((u, pullback(c.clone()), previous), 1)
+    assert counter.work == 12
+    with _FactorProducts(n, unit) as counter:  # the negative: no products known
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        grad = pullback(c.clone()).clone()
+        fast.egrad2rgrad_(grad)
+        fast.gram([u, grad, previous])
+    assert counter.work == 15 + 9 / rank

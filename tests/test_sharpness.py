@@ -142,7 +142,7 @@ def test_maximiser_perturbation_is_horizontal_and_in_the_ball():
     assert float(m.inner(x, xi).sum().sqrt()) <= 0.5 + 1e-12
 
 
-def formula_update(ball, xi, xi_prev, rgrads, step, alpha):
+def formula_update(ball, xi, xi_prev, rgrads, step, alpha, gram=None):
     """Auto-PGD's update as its formulas read, one operation after the other."""
     norm = ball.norm(rgrads).clamp_min(1e-300)
     direction = [r / norm.to(r.dtype) for r in rgrads]
@@ -152,9 +152,11 @@ def formula_update(ball, xi, xi_prev, rgrads, step, alpha):
     )
 
 
-def gram_update(ball, xi, xi_prev, rgrads, step, alpha):
-    """The same update as one combination, out of place, in the engine's arithmetic."""
-    weights, _ = _update_weights(ball.gram((xi, rgrads, xi_prev)), step, alpha, ball.rho)
+def gram_update(ball, xi, xi_prev, rgrads, step, alpha, gram=None):
+    """The same update as one combination, out of place, in the engine's arithmetic
+    (``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)`` where known)."""
+    gram = ball.gram((xi, rgrads, xi_prev)) if gram is None else gram
+    weights, _ = _update_weights(gram, step, alpha, ball.rho)
     wa, wb, wc = weights.unbind()
     return [
         (c * wc.to(c.dtype)).addcmul(a, wa.to(a.dtype)).addcmul(g, wb.to(g.dtype))
@@ -178,12 +180,19 @@ def textbook_apgd(
     value = best_value = float(value_t)
     best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
+    restarted = False
     for k in range(iters):
         # the engine's conversion (batched for the quotients; equal to egrad2rgrad to
-        # rounding, tests/test_gl_tangent.py), on a copy
-        rgrads = [space.egrad2rgrad_(g.clone()) for space, g in zip(ball.spaces, grads)]
+        # rounding, tests/test_gl_tangent.py), in place, with the Gram matrix of the
+        # update where the engine has it: not after a restart, whose gradient was
+        # converted when it was computed (the list is the best one's)
+        if restarted:
+            rgrads, gram = grads, None
+        else:
+            rgrads, gram = ball.riemannian_gradient_gram_(grads, xi, xi_prev)
+        restarted = False
         alpha = 1.0 if k == 0 else momentum
-        xi_next = update(ball, xi, xi_prev, rgrads, step, alpha)
+        xi_next = update(ball, xi, xi_prev, rgrads, step, alpha, gram)
         need_grad = k + 1 < iters
         value_t, new_grads = _evaluate(ball, paths, objective, xi_next, need_grad, autocast)
         new_value = float(value_t)
@@ -197,6 +206,7 @@ def textbook_apgd(
             halved = too_few or ((not halved) and best_value <= best_at_last_mark)
             if halved:
                 step /= 2.0
+                restarted = best_xi is not xi
                 xi, grads, value = best_xi, best_grads, best_value
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
     return best_value, best_xi, history

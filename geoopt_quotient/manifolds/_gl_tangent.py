@@ -24,6 +24,18 @@ is linear algebra on the tangent vectors alone:
   point (below), and the gradient is :math:`\nabla_F K_F + F\,O_F` with
   :math:`O = [T^\top; -T]`: one batched product and one batched multiply-add.
 
+Across the operations of one Auto-PGD iteration, products are shared:
+
+- the pullback of the retraction returns :math:`F^\top` of the gradient it writes, from
+  :math:`h \times h` products of the retraction's and its own (:func:`_pull_back_`),
+  and the Riemannian gradient of that gradient reads it instead of a product with the
+  factors (:attr:`GLTangentSpace._crosses`);
+- the conversion is the inverse of the metric's weights (:math:`K_F = W_F^{-1}`) and
+  the projection is metric-orthogonal, so the Gram matrix of the update takes the
+  gradient's row from Euclidean dot products, and only the iterates' rows from the
+  metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
+  the Gram matrix that computed it (:attr:`GLTangentSpace._norms`).
+
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.
 """
@@ -31,6 +43,7 @@ tests compare both in float64.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -154,6 +167,12 @@ class GLTangentSpace(CachedTangentSpace):
         self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
         self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
+        #: :math:`F^\top c_F` of the gradients written by the pullback of :meth:`retr_vjp`
+        self._crosses = _Derived()
+        #: :math:`\langle v, v \rangle` of the vectors of the last Gram matrices, as
+        #: ``(values, position)`` (the values private to this space)
+        self._norms = _Derived()
+        self._orders: dict = {}  # the index tensors of egrad2rgrad_gram_
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
         return self.manifold._can_fuse(self.state, *tensors)
@@ -209,9 +228,83 @@ class GLTangentSpace(CachedTangentSpace):
         if self._own_projection:
             converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
             return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
+        cross, start = self._crosses.get(u), 0
         for kernel, (piece,) in self._parts(u):
-            piece.copy_(_riemannian_gradient(kernel, self._split, piece))
+            stop = start + piece.shape[0]
+            known = _rows(cross, start, stop)
+            piece.copy_(_riemannian_gradient(kernel, self._split, piece, known))
+            start = stop
         return u
+
+    def egrad2rgrad_gram_(
+        self, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        r""":meth:`egrad2rgrad_` of ``vectors[index]`` and the :meth:`gram` of ``vectors``
+        with the Riemannian gradient :math:`g` in its place; the other vectors must be
+        horizontal (Auto-PGD's iterates are).
+
+        The metric converts by the inverse of its own weights (:math:`K_F = W_F^{-1}`)
+        and the horizontal projection is metric-orthogonal, so for a horizontal
+        :math:`v` the row of :math:`g` is Euclidean: :math:`\langle g, v \rangle =
+        \langle K\nabla, v \rangle = \langle \nabla, v \rangle_F`, and
+        :math:`\langle g, g \rangle = \langle \nabla, g \rangle_F`. Only the
+        other vectors' rows need the metric's products :math:`v_F W_F`, and a
+        vector's own norm is kept from an earlier Gram matrix while it is unchanged
+        (the previous iterate's, in Auto-PGD)."""
+        if self._own_projection or not self._applies(*vectors):
+            return super().egrad2rgrad_gram_(vectors, index)
+        grad = vectors[index]
+        unique: List[torch.Tensor] = []  # the other vectors, each once
+        for v in vectors:
+            if v is not grad and all(v is not w for w in unique):
+                unique.append(v)
+        kept = [self._norms.get(v) for v in unique]
+        skip = max((i for i, k in enumerate(kept) if k is not None), default=-1)
+        weighted = [i for i in range(len(unique)) if i != skip]
+        # the entries computed, in this order: (i, j) for i weighted and every j, then
+        # (gradient, j) for every j, then (gradient, gradient)
+        pairs = [(i, j) for i in weighted for j in range(len(unique))]
+        pairs += [(-1, j) for j in range(len(unique))] + [(-1, -1)]
+        cross, start, total = self._crosses.get(grad), 0, None
+        for kernel, pieces in self._parts(grad, *unique):
+            stop = start + pieces[0].shape[0]
+            known = _rows(cross, start, stop)
+            flats = [p.view(-1) for p in pieces[1:]]
+            euclidean = pieces[0].view(-1)
+            dots = []
+            for i in weighted:
+                products = self._split.times(pieces[i + 1], kernel.metric).view(-1)
+                dots += [torch.dot(products, f) for f in flats]
+            dots += [torch.dot(euclidean, f) for f in flats]
+            rgrad = _riemannian_gradient(kernel, self._split, pieces[0], known)
+            dots.append(torch.dot(euclidean, rgrad.view(-1)))
+            pieces[0].copy_(rgrad)
+            part = torch.stack(dots).double()
+            total = part if total is None else total + part
+            start = stop
+        if skip >= 0:
+            pairs.append((skip, skip))
+            values, position = kept[skip]
+            total = torch.cat((total, values[position : position + 1]))
+        entry = {pair: n for n, pair in enumerate(pairs)}
+        entry.update({(j, i): n for (i, j), n in entry.items() if (j, i) not in entry})
+        for i in weighted:  # the diagonal is the same after the symmetrisation below
+            self._norms.put(unique[i], (total, entry[i, i]))
+        where = [
+            -1 if v is grad else next(i for i, w in enumerate(unique) if w is v) for v in vectors
+        ]
+        gram = total[self._order([entry[i, j] for i in where for j in where])]
+        gram = gram.view(len(vectors), -1)
+        if len(weighted) > 1:  # both (i, j) and (j, i) computed
+            gram = (gram + gram.mT) / 2
+        return grad, gram
+
+    def _order(self, order: List[int]) -> torch.Tensor:
+        """``order`` as an index tensor on the point's device, kept."""
+        key = tuple(order)
+        if key not in self._orders:
+            self._orders[key] = torch.tensor(order, device=self.x.device)
+        return self._orders[key]
 
     # ------------------------------------------------------------------ geodesic
     def expmap(self, u: torch.Tensor) -> torch.Tensor:
@@ -264,19 +357,63 @@ class GLTangentSpace(CachedTangentSpace):
         manifold, split = self.manifold, self._split
         if manifold.retraction == "first_order" or not self._applies(u, out):
             return super().retr_vjp(u, out)
-        saved: List[torch.Tensor] = []
+        saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         mix = manifold.metric == "mix"
         for kernel, (u_, o_) in self._parts(u, out):
             saved.append(_retract(kernel, split, u_, o_, mix))
+        grams = self._point_grams()
 
         def pullback(c: torch.Tensor) -> torch.Tensor:
             if not self._applies(c):
                 raise ValueError("the cotangent must be a contiguous tensor like the point")
-            for (kernel, (u_, c_)), step in zip(self._parts(u, c), saved):
-                _pull_back_(kernel, split, u_, c_, step, mix)
+            crosses, start = [], 0
+            for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c), saved):
+                stop = start + u_.shape[0]
+                s = _rows(grams, start, stop)
+                crosses.append(_pull_back_(kernel, split, u_, c_, e, k, s, mix))
+                start = stop
+            self._crosses.put(c, torch.cat(crosses) if len(crosses) > 1 else crosses[0])
             return c
 
         return out, pullback
+
+    def _point_grams(self) -> torch.Tensor:
+        r""":math:`F^\top F` of both factors of each point (unrelaxed), ``(2 B, h, h)``
+        in the working dtype, kept."""
+        grams = self.__dict__.get("_grams")
+        if grams is None:
+            pair = _stack(*self.state.grams_unrelaxed).to(self.state.dtype)
+            grams = self._grams = pair.reshape(-1, *pair.shape[-2:])
+        return grams
+
+
+def _rows(pairs: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """The ``(2 B, h, h)`` matrices of the points ``start:stop`` (all: no slicing)."""
+    if pairs is None or (start == 0 and 2 * stop == pairs.shape[0]):
+        return pairs
+    return pairs[2 * start : 2 * stop]
+
+
+class _Derived:
+    """Values derived from tensors, each kept while its tensor is the same object and
+    unchanged (its version counter, shared with its views, as it was): a few, held by
+    weak references, so that nothing here keeps a vector alive."""
+
+    SIZE = 4
+
+    def __init__(self):
+        self._entries: list = []  # (weak reference, version, value)
+
+    def get(self, tensor: torch.Tensor):
+        for ref, version, value in self._entries:
+            if ref() is tensor and tensor._version == version:
+                return value
+        return None
+
+    def put(self, tensor: torch.Tensor, value) -> None:
+        self._entries = [e for e in self._entries if e[0]() is not tensor and e[0]() is not None]
+        self._entries.append((weakref.ref(tensor), tensor._version, value))
+        del self._entries[: -self.SIZE]
 
 
 class _Split:
@@ -411,9 +548,13 @@ class _Split:
             torch.baddbmm(b, p, w, out=o)
 
 
-def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> torch.Tensor:
-    r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor."""
-    cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
+def _riemannian_gradient(
+    kernel: _Kernel, split: _Split, grad: torch.Tensor, cross: torch.Tensor | None = None
+) -> torch.Tensor:
+    r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor; ``cross``:
+    :math:`F^\top \nabla_F` where known (:func:`_pull_back_`)."""
+    if cross is None:
+        cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
     if kernel.rotary is not None:  # B(grad_F K_F) = D^T
         t = kernel.rotary.omega_of_transposed(d.to(kernel.rotary.basis.dtype)).mT
@@ -430,14 +571,16 @@ def _riemannian_gradient(kernel: _Kernel, split: _Split, grad: torch.Tensor) -> 
 
 
 def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
-    r"""``(E, Y)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
+    r"""``(E, Y, K)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
     retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
     \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F =
     \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
     -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
-    :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged)."""
-    k = split.inner(kernel.x, u, swapped=mix)
-    m, b = k + k.mT, split.inner(u, u, swapped=mix)  # mix: the other factor's
+    :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
+    F^\top \xi_F`."""
+    k = split.inner(kernel.x, u)
+    swapped = _exchanged(k) if mix else k  # mix: the other factor's
+    m, b = swapped + swapped.mT, split.inner(u, u, swapped=mix)
     eye = split.eye(u)
     if mix:
         swapped = split.flat(kernel.swapped)
@@ -446,20 +589,28 @@ def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
     else:
         inverses = split.flat(kernel.inverses)
         e, y = torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
-    return e, y
+    return e, y, k
 
 
 def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor, mix: bool):
-    """The retraction written into ``out``; returns ``E`` for the pullback."""
-    e, y = _coefficients(kernel, split, u, mix)
+    """The retraction written into ``out``; returns ``(E, K)`` (:func:`_coefficients`)
+    for the pullback."""
+    e, y, k = _coefficients(kernel, split, u, mix)
     split.sum_into(out, kernel.x, u, e)
     split.add_times_(out, kernel.x, y, -0.5)
-    return e
+    return e, k
 
 
 def _pull_back_(
-    kernel: _Kernel, split: _Split, u: torch.Tensor, c: torch.Tensor, e: torch.Tensor, mix: bool
-):
+    kernel: _Kernel,
+    split: _Split,
+    u: torch.Tensor,
+    c: torch.Tensor,
+    e: torch.Tensor,
+    k: torch.Tensor,
+    grams: torch.Tensor,
+    mix: bool,
+) -> torch.Tensor:
     r""":math:`(D_\xi R_X)^\top c`, written into ``c``: with :math:`\bar X_F = \xi_F^\top
     c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F =
     -S_F^{-1} \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar
@@ -471,8 +622,15 @@ def _pull_back_(
         - \tfrac12 \xi_F (\bar B_F + \bar B_F^\top).
 
     The signs of :math:`\bar M, \bar B` are carried by the products' ``alpha``.
+
+    Returns :math:`F^\top` of the result, which the Riemannian gradient reads next
+    (:func:`_riemannian_gradient`), from :math:`h \times h` products alone: with
+    ``k`` :math:`= F^\top \xi_F` (:func:`_coefficients`) and
+    ``grams`` :math:`= F^\top F`, it is :math:`\bar Y_F E_F^\top - \tfrac12 F^\top F
+    (\bar M_F + \bar M_F^\top) - \tfrac12 F^\top \xi_F (\bar B_F + \bar B_F^\top)`.
     """
-    x_bar, y_bar = split.inner(u, c, swapped=mix), split.inner(kernel.x, c, swapped=mix)
+    x_bar, y = split.inner(u, c, swapped=mix), split.inner(kernel.x, c)
+    y_bar = _exchanged(y) if mix else y
     inverses = split.flat(kernel.inverses)
     if mix:
         m_bar, b_bar = torch.bmm(x_bar, inverses), torch.bmm(y_bar, inverses)
@@ -480,7 +638,17 @@ def _pull_back_(
     else:
         m_bar, b_bar = torch.bmm(inverses, x_bar), torch.bmm(inverses, y_bar)
         m_alpha, b_alpha = 0.5, -0.5
+    m_sym, b_sym = m_bar + m_bar.mT, b_bar + b_bar.mT
     result = split.times(c, e, transposed=True)
-    split.add_times_(result, kernel.x, m_bar + m_bar.mT, m_alpha)
-    split.add_times_(result, u, b_bar + b_bar.mT, b_alpha)
+    split.add_times_(result, kernel.x, m_sym, m_alpha)
+    split.add_times_(result, u, b_sym, b_alpha)
     c.copy_(result)
+    cross = torch.bmm(y, e.mT)
+    cross.baddbmm_(grams, m_sym, alpha=m_alpha)
+    return cross.baddbmm_(k, b_sym, alpha=b_alpha)
+
+
+def _exchanged(pairs: torch.Tensor) -> torch.Tensor:
+    """``(2 B, h, h)`` with the two factors of each point exchanged."""
+    rank = pairs.shape[-1]
+    return pairs.view(-1, 2, rank, rank).flip(1).view(-1, rank, rank)

@@ -219,6 +219,11 @@ class _Ball:
             grams.append(gram)
         return egrads, self._summed(grams)
 
+    def riemannian_gradients_(self, egrads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The Riemannian gradients of ``egrads``, written into their buffers where the
+        manifold can (the buffers must belong to the caller alone)."""
+        return [space.egrad2rgrad_(g) for space, g in zip(self.spaces, egrads)]
+
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
         same at every call: the straight paths write into it instead of allocating anew."""
@@ -663,8 +668,9 @@ def _maximize(
                     xi, value, grads = best_xi, best_value, None
                     if keep:
                         rgrads = best_rgrads
-                    else:
-                        grads = evaluate(xi, grad=True)[1]
+                    else:  # converted alone, as the kept one: the update computes the Gram
+                        # matrix, in the same arithmetic whether the gradient is kept or not
+                        rgrads = ball.riemannian_gradients_(evaluate(xi, grad=True)[1])
                         evaluations, gradients = evaluations + 1, gradients + 1
             last_mark, increases, best_at_last_mark = k + 1, 0, best_value
         if grads is not None:
