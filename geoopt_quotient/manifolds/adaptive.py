@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 from geoopt.tensor import ManifoldTensor
@@ -419,21 +419,19 @@ class _ScaleState:
         step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
         step = block_length(flat_x.numel(), step, flat_x.device)
         grad = vectors[index].view(-1).split(step)
-        others = [u.view(-1).split(step) for i, u in enumerate(vectors) if i != index]
+        blocks = [u.view(-1).split(step) for u in vectors]
         # two block-sized buffers, written in place: a new one per block would be
         # mapped and faulted in anew at every block by the allocator
         rows = torch.empty(2, min(step, flat_x.numel()), dtype=self.dtype, device=flat_x.device)
-        sums = []
+        sums: List[torch.Tensor] = []
         for block, (x, g) in enumerate(zip(flat_x.split(step), grad)):
             c2 = self._scale_squared_into(x, rows[0, : g.numel()])
-            sums += [torch.dot(u[block], g) for u in others]
+            column = [torch.dot(u[block], g) if i != index else g for i, u in enumerate(blocks)]
             rescaled = torch.mul(g, c2, out=rows[1, : g.numel()])
-            sums.append(torch.dot(rescaled, g))
+            column[index] = torch.dot(rescaled, g)  # after the others: g is then rescaled
             g.copy_(rescaled)
-        parts = torch.stack(sums).view(-1, len(vectors)).double().sum(0)
-        order = list(range(len(vectors)))
-        order.insert(index, order.pop())  # g's own entry was summed last in each block
-        return parts[order]
+            sums += column
+        return torch.stack(sums).view(-1, len(vectors)).double().sum(0)
 
     @property
     def frozen(self) -> torch.Tensor:
