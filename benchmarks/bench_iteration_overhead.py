@@ -263,7 +263,10 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
 
     As the engine runs them on the CPU: ``riemannian gradient and gram``: c² ⊙ g written
     into g and the 3 × 3 Gram matrix of (ξ, g, ξ_prev), in one sweep (at a point of ones,
-    where repeated calls keep the values; the work is the same at any point);
+    where repeated calls keep the values; the work is the same at any point), as after a
+    restart or every ``MAX_DERIVED_RUN`` iterations; ``riemannian gradient and gram
+    column``: the same with only the gradient's column of the Gram matrix summed (the
+    iterates' entries derived from the previous update's), as in the other iterations;
     ``combination and perturbed point``: ξ_next = w₁ξ + w₂g + w₃ξ_prev into ξ_prev's
     buffer and θ + ξ_next into the perturbed point's buffer, in one sweep; ``copy``: one
     vector copied, the yardstick.
@@ -280,6 +283,10 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
     copies = [torch.empty_like(p) for p in points]
     steps: Dict[str, Callable[[], Any]] = {
         "riemannian gradient and gram": lambda: unit.riemannian_gradient_gram_(grads, xi, xi_prev),
+        "riemannian gradient and gram column": lambda: [
+            space.egrad2rgrad_column_((a, g, p), 1)
+            for space, a, g, p in zip(unit.spaces, xi, grads, xi_prev)
+        ],
         "combination and perturbed point": lambda: [
             apgd._combine_(p, (a, g, p), weights, (x, ball.perturbed_buffer(i)))
             for i, (x, a, g, p) in enumerate(zip(points, xi, grads, xi_prev))

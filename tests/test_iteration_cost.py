@@ -500,6 +500,95 @@ def test_adaptive_gradient_and_gram_in_one_sweep_are_those_of_two(
     assert torch.allclose(gram, formula, rtol=0, atol=8 * (size + 8) * eps_dtype * scale)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(1, 700),
+    block=st.sampled_from([7, 64, 1 << 18]),
+    eps=st.sampled_from([0.0, 0.1]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    index=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_adaptive_gradient_and_its_gram_column_in_one_sweep(size, block, eps, dtype, index, seed):
+    """The column sweep writes c^2 * g into g, bit for bit egrad2rgrad_, and returns the
+    column of the Gram matrix of the vectors with that gradient in its place, to
+    rounding, without dividing by the scale; frozen entries add nothing."""
+    from geoopt_quotient.manifolds import adaptive
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=generator, dtype=dtype)
+    x[::5] = 0.0  # frozen where eps = 0
+    space = gq.AdaptiveEuclidean(eps=eps).tangent_space(x)
+    vectors = [space.random(generator) for _ in range(3)]
+    egrad = torch.randn(size, generator=generator, dtype=dtype) * 3
+    vectors[index] = egrad.clone()
+    old, adaptive.GRAM_BLOCK = adaptive.GRAM_BLOCK, block
+    try:
+        rgrad, column = space.egrad2rgrad_column_(vectors, index)
+        separate = space.egrad2rgrad_(egrad.clone())
+    finally:
+        adaptive.GRAM_BLOCK = old
+    assert rgrad is vectors[index] and torch.equal(rgrad, separate)
+    assert column.dtype == torch.float64 and column.shape == (3,)
+    c2 = (x.double().abs() + eps) ** 2
+    weight = torch.where(c2 > 0, 1 / c2, torch.zeros_like(c2))
+    doubles = [v.double() for v in vectors]
+    formula = torch.stack([(weight * u * doubles[index]).sum() for u in doubles])
+    scale = float(formula.abs().max()) + float(formula[index])
+    eps_dtype = torch.finfo(dtype).eps
+    assert torch.allclose(column, formula, rtol=0, atol=8 * (size + 8) * eps_dtype * scale)
+    if eps == 0 and size > 5:  # a gradient on frozen entries is dropped, not counted
+        grown = [v.clone() for v in vectors]
+        grown[index] = egrad.clone()
+        grown[index][::5] = 1e6
+        _, bigger = space.egrad2rgrad_column_(grown, index)
+        assert torch.allclose(bigger, column, rtol=0, atol=8 * (size + 8) * eps_dtype * scale)
+
+
+def test_adaptive_gram_column_declines_what_one_sweep_cannot():
+    """Another dtype than the working one, or a strided vector: ``None`` and nothing
+    changed; the tangent space then takes the whole matrix's column, the same values."""
+    x = torch.randn(40, 30)
+    space = gq.AdaptiveEuclidean().tangent_space(x)
+    xi, xi_prev = torch.randn(40, 30), torch.randn(40, 30)
+    for egrad in (torch.randn(40, 30).bfloat16(), torch.randn(30, 40).t()):
+        before = egrad.clone()
+        assert space.state.rescaled_column_((xi, egrad, xi_prev), 1) is None
+        assert torch.equal(egrad, before)
+        rgrad, column = space.egrad2rgrad_column_((xi, egrad, xi_prev), 1)
+        rgrad2, gram = space.egrad2rgrad_gram_((xi, before, xi_prev), 1)
+        assert torch.equal(rgrad, rgrad2) and torch.equal(column, gram[:, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_derived_gram_entries_are_those_summed_and_refreshed_every_few(dtype):
+    """Along an Auto-PGD run, every Gram matrix the loop uses equals the one summed over
+    the entries to the rounding of its dtype; at most ``MAX_DERIVED_RUN`` in a row have
+    derived entries, the first none."""
+    torch.manual_seed(0)
+    point = torch.randn(50, 40, dtype=dtype)
+    a = torch.randn(40, dtype=dtype)
+    runs, errors = [], []
+    original = apgd._Ball.riemannian_gradient_gram_
+
+    def checked(ball, egrads, xi, xi_prev):
+        rgrads, gram = original(ball, egrads, xi, xi_prev)
+        summed = ball.gram((xi, rgrads, xi_prev))
+        errors.append(float((gram - summed).abs().max() / summed.abs().max()))
+        runs.append(ball.derived_run)
+        return rgrads, gram
+
+    def objective(points):
+        return torch.sin(points[0] @ a).sum() + points[0].pow(3).sum()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(apgd._Ball, "riemannian_gradient_gram_", checked)
+        maximize_in_ball([(point, gq.AdaptiveEuclidean())], objective, rho=1.0, iters=30)
+    assert runs[0] == 0 and max(runs) == apgd.MAX_DERIVED_RUN
+    assert sum(r > 0 for r in runs) > len(runs) / 2  # derived most of the time
+    assert max(errors) <= 50 * torch.finfo(dtype).eps
+
+
 def test_adaptive_gradient_and_gram_fall_back_to_two_steps_where_one_sweep_cannot():
     """A gradient in another dtype than the working one, or a strided vector: nothing is
     fused (the sweep declines and changes nothing), and the values are those of the two
@@ -541,11 +630,13 @@ def shared_gradient_objective(points):
     return torch.sin(points[0] + points[1]).pow(2).sum()
 
 
-def test_gradients_autograd_shares_between_points_are_not_overwritten():
+def test_gradients_autograd_shares_between_points_are_not_overwritten(monkeypatch):
     """The Riemannian gradient is written into the gradient's buffer: where autograd
     gives two leaves one tensor, the second gets a copy, and the iterates are those of
-    the out-of-place loop."""
+    the out-of-place loop (bit for bit with every Gram matrix summed anew)."""
     from test_sharpness import gram_update, textbook_apgd
+
+    monkeypatch.setattr(apgd, "MAX_DERIVED_RUN", 0)
 
     torch.manual_seed(0)
     groups = [

@@ -63,6 +63,16 @@ class TangentSpace:
         vectors[index] = self.egrad2rgrad_(vectors[index])
         return vectors[index], self.gram(vectors)
 
+    def egrad2rgrad_column_(
+        self, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        r""":meth:`egrad2rgrad_` of ``vectors[index]`` and its inner products with all
+        ``vectors`` (its own with itself): ``(rgrad, column)``, the column ``index`` of
+        :meth:`egrad2rgrad_gram_`'s Gram matrix, in float64 (of shape ``(k,)``). Where
+        the manifold can, one sweep that skips the other entries of the matrix."""
+        rgrad, gram = self.egrad2rgrad_gram_(vectors, index)
+        return rgrad, gram[:, index]
+
     @property
     def straight_retraction(self) -> bool:
         """Whether :meth:`retr` is the straight line :math:`x + u`."""
@@ -130,9 +140,23 @@ class CachedTangentSpace(TangentSpace):
     def egrad2rgrad_gram_(
         self, vectors: Sequence[torch.Tensor], index: int
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        fused = getattr(self.manifold, "_egrad2rgrad_gram_", None)
+        fallback = super().egrad2rgrad_gram_
+        return self._fused_sweep("_egrad2rgrad_gram_", fallback, vectors, index)
+
+    def egrad2rgrad_column_(
+        self, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        fallback = super().egrad2rgrad_column_
+        return self._fused_sweep("_egrad2rgrad_column_", fallback, vectors, index)
+
+    def _fused_sweep(
+        self, name: str, fallback: Callable, vectors: Sequence[torch.Tensor], index: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The manifold's one-sweep method ``name`` where it has one that applies (it
+        returns ``None`` otherwise, changing nothing), else ``fallback``."""
+        fused = getattr(self.manifold, name, None)
         result = None if fused is None else fused(self.state, vectors, index)
-        return super().egrad2rgrad_gram_(vectors, index) if result is None else result
+        return fallback(vectors, index) if result is None else result
 
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         retract = getattr(self.manifold, "_retr", None)
