@@ -637,9 +637,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
             "passes per batch",
         ],
         rows,
-        "python benchmarks/bench_iteration_overhead.py "
-        "--json benchmarks/results/cpu/iteration_overhead.json",
+        "python benchmarks/bench_iteration_overhead.py --models tiny-vit,bert-11m "
+        "--repeats 3 --clock process --json benchmarks/results/cpu/iteration_overhead.json",
         [
+            "BERT-base, added to the same file: python benchmarks/bench_iteration_overhead.py "
+            "--models bert-base --bert-batch-size 4 --iters 8 --repeats 3 --clock process "
+            "--merge --json benchmarks/results/cpu/iteration_overhead.json.",
             "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
             "forward and backward pass of the same loss: the time of a run of n iterations "
             "minus that of a run of n/2, over n/2 (iterations: n vs n/2; interleaved, "
@@ -651,7 +654,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
                 "the process's CPU time (--clock process: the machine was shared)."
                 if dig(doc, "settings", "clock") == "process"
                 else "wall time."
-            )
+            ),
         ],
     )
 
