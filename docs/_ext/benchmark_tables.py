@@ -659,6 +659,35 @@ def cpu_iteration_overhead(results: Results) -> Table:
     )
 
 
+def cpu_path_gap_cost(results: Results) -> Table:
+    doc = results.json("cpu/path_gap_cost.json").data
+    labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M"}
+    rows = []
+    for model, label in labels.items():
+        for metric in ("inv", "mix"):
+            row = dig(doc, "models", model, metric)
+            rows.append(
+                [
+                    label,
+                    metric,
+                    fmt(dig(row, "path_gap_seconds"), ".3f", " s"),
+                    fmt(dig(row, "passes"), ".2f"),
+                    fmt(dig(row, "path_gap"), ".3g"),
+                ]
+            )
+    return Table(
+        ["model", "metric", "path gap per call", "in plain passes", "relative gap reported"],
+        rows,
+        "python benchmarks/bench_path_gap_cost.py --models tiny-vit,bert-11m --repeats 3 "
+        "--json benchmarks/results/cpu/path_gap_cost.json",
+        [
+            f"rho={dig(doc, 'settings', 'rho')}, {dig(doc, 'settings', 'iters')} Auto-PGD "
+            "iterations before the report; the process's CPU time of the report alone and of "
+            "a plain forward and backward pass, interleaved, medians."
+        ],
+    )
+
+
 def cpu_sharpness_iteration(results: Results) -> Table:
     doc = results.json("cpu/sharpness_iteration.json").data
     rows = []
@@ -1284,6 +1313,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "sam-calibration": sam_calibration,
     "cpu-iteration-overhead": cpu_iteration_overhead,
     "cpu-sharpness-iteration": cpu_sharpness_iteration,
+    "cpu-path-gap-cost": cpu_path_gap_cost,
     "cpu-memory": cpu_memory,
     "cpu-ball-memory": cpu_ball_memory,
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
