@@ -162,7 +162,7 @@ class _SpanChristoffel:
         top = torch.bmm(w[:, :rank], w.mT)  # P^T M = [F^T F, F^T xi]
         b = torch.bmm(w[:, rank:], w[:, rank:].mT)  # V^T V = xi^T xi
         if self.mix:  # each factor's coefficients from the other factor's blocks
-            top, b = _exchanged(top), _exchanged(b)
+            top, b = exchanged(top), exchanged(b)
         s, k = top[..., :rank], top[..., rank:]
         if self.eps:
             s = s + self.eps * torch.eye(rank, dtype=s.dtype, device=s.device)
@@ -178,6 +178,7 @@ class _SpanChristoffel:
         return torch.bmm(torch.cat((y_t, x_t), -1), w)  # Y^T P^T + X^T V^T
 
 
-def _exchanged(t: torch.Tensor) -> torch.Tensor:
-    """``(2 B, ...)`` matrices ``(G, H)`` of each point in the other order."""
+def exchanged(t: torch.Tensor) -> torch.Tensor:
+    """``(2 B, ...)`` matrices ``(G, H)`` of each point in the other order (a new
+    tensor): the other factor's, as the mix metric reads them."""
     return t.view(-1, 2, *t.shape[1:]).flip(1).reshape(t.shape)

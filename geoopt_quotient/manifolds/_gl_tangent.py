@@ -49,6 +49,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .._checks import check_positive_int
+from . import _gl_geodesic
 from ._linalg import capped
 from ._rotary_tangent import RotaryProjection, rotary_projection
 from ._validation import GeodesicDomainError
@@ -173,6 +174,7 @@ class GLTangentSpace(CachedTangentSpace):
         #: ``(values, position)`` (the values private to this space)
         self._norms = _Derived()
         self._orders: dict = {}  # the index tensors of egrad2rgrad_gram_
+        self._grams: torch.Tensor | None = None  # F^T F of both factors, kept
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
         return self.manifold._can_fuse(self.state, *tensors)
@@ -330,9 +332,7 @@ class GLTangentSpace(CachedTangentSpace):
 
         return ends
 
-    def _span(self, u: torch.Tensor):
-        from . import _gl_geodesic
-
+    def _span(self, u: torch.Tensor) -> _gl_geodesic.SpanGeodesic | None:
         if not _gl_geodesic.applies(self.manifold, self.x, u):
             return None
         return _gl_geodesic.SpanGeodesic(self.manifold, self.x, u)
@@ -380,11 +380,10 @@ class GLTangentSpace(CachedTangentSpace):
     def _point_grams(self) -> torch.Tensor:
         r""":math:`F^\top F` of both factors of each point (unrelaxed), ``(2 B, h, h)``
         in the working dtype, kept."""
-        grams = self.__dict__.get("_grams")
-        if grams is None:
+        if self._grams is None:
             pair = _stack(*self.state.grams_unrelaxed).to(self.state.dtype)
-            grams = self._grams = pair.reshape(-1, *pair.shape[-2:])
-        return grams
+            self._grams = pair.reshape(-1, *pair.shape[-2:])
+        return self._grams
 
 
 def _rows(pairs: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
@@ -579,7 +578,7 @@ def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
     :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
     F^\top \xi_F`."""
     k = split.inner(kernel.x, u)
-    swapped = _exchanged(k) if mix else k  # mix: the other factor's
+    swapped = _gl_geodesic.exchanged(k) if mix else k  # mix: the other factor's
     m, b = swapped + swapped.mT, split.inner(u, u, swapped=mix)
     eye = split.eye(u)
     if mix:
@@ -630,7 +629,7 @@ def _pull_back_(
     (\bar M_F + \bar M_F^\top) - \tfrac12 F^\top \xi_F (\bar B_F + \bar B_F^\top)`.
     """
     x_bar, y = split.inner(u, c, swapped=mix), split.inner(kernel.x, c)
-    y_bar = _exchanged(y) if mix else y
+    y_bar = _gl_geodesic.exchanged(y) if mix else y
     inverses = split.flat(kernel.inverses)
     if mix:
         m_bar, b_bar = torch.bmm(x_bar, inverses), torch.bmm(y_bar, inverses)
@@ -646,9 +645,3 @@ def _pull_back_(
     cross = torch.bmm(y, e.mT)
     cross.baddbmm_(grams, m_sym, alpha=m_alpha)
     return cross.baddbmm_(k, b_sym, alpha=b_alpha)
-
-
-def _exchanged(pairs: torch.Tensor) -> torch.Tensor:
-    """``(2 B, h, h)`` with the two factors of each point exchanged."""
-    rank = pairs.shape[-1]
-    return pairs.view(-1, 2, rank, rank).flip(1).view(-1, rank, rank)

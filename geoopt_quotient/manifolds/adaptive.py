@@ -88,9 +88,11 @@ class AdaptiveEuclidean(QuotientManifold):
     def extra_repr(self) -> str:
         return f"eps={self.eps}, ndim={self.ndim}"
 
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The per-entry scale :math:`c = |w| + \\varepsilon`, a new tensor."""
-        return x.abs().add_(self.eps) if self.eps else x.abs()
+    def scale(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-entry scale :math:`c = |w| + \\varepsilon`, a new tensor or written into
+        ``out``."""
+        c = torch.abs(x, out=out)
+        return c.add_(self.eps) if self.eps else c
 
     def tangent_space(self, x: torch.Tensor):
         r"""The tangent space at ``x``; its weights :math:`c^{\pm 2}` are recomputed block by
@@ -250,17 +252,10 @@ class _ScaleState:
         self.manifold = manifold
         self.dtype = compute_dtype(x.dtype)
 
-    def scale_squared(self, x: torch.Tensor) -> torch.Tensor:
-        """:math:`c^2` (zero where frozen) of the point's entries ``x``, a new tensor."""
-        return self.manifold.scale(x.to(self.dtype)).pow_(2)
-
-    def _scale_squared_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`scale_squared` of ``x`` (in the working dtype) written into ``out``,
-        the same values."""
-        torch.abs(x.to(self.dtype), out=out)
-        if self.manifold.eps:
-            out.add_(self.manifold.eps)
-        return out.pow_(2)
+    def scale_squared(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:math:`c^2` (zero where frozen) of the point's entries ``x``, a new tensor or
+        written into ``out`` (of the working dtype)."""
+        return self.manifold.scale(x.to(self.dtype), out=out).pow_(2)
 
     def weight(self, x: torch.Tensor) -> torch.Tensor:
         """:math:`1 / c^2` of the entries ``x``, with frozen entries mapped to 0 instead of inf."""
@@ -377,9 +372,7 @@ class _ScaleState:
         for start in range(0, flat_x.numel(), step):
             block = slice(start, start + step)
             x = flat_x[block].to(self.dtype)
-            scale = torch.abs(x, out=scratch[0, : x.numel()])  # c, in a reused buffer
-            if self.manifold.eps:
-                scale.add_(self.manifold.eps)
+            scale = self.manifold.scale(x, out=scratch[0, : x.numel()])  # a reused buffer
             if rescale is not None:  # as rescaled_: c^2 unclamped (zero where frozen)
                 flats[rescale][block].mul_(torch.pow(scale, 2, out=scratch[1, : x.numel()]))
             scale.clamp_min_(tiny)
@@ -425,7 +418,7 @@ class _ScaleState:
         rows = torch.empty(2, min(step, flat_x.numel()), dtype=self.dtype, device=flat_x.device)
         sums: List[torch.Tensor] = []
         for block, (x, g) in enumerate(zip(flat_x.split(step), grad)):
-            c2 = self._scale_squared_into(x, rows[0, : g.numel()])
+            c2 = self.scale_squared(x, out=rows[0, : g.numel()])
             column = [torch.dot(u[block], g) if i != index else g for i, u in enumerate(blocks)]
             rescaled = torch.mul(g, c2, out=rows[1, : g.numel()])
             column[index] = torch.dot(rescaled, g)  # after the others: g is then rescaled
