@@ -5,7 +5,8 @@ and as many plain forward+backward passes of the same loss, on BERT-base (batch
 ``--batch-size`` x 128 tokens), in float32 and under bfloat16 autocast, after a warm-up.
 Reported per iteration (per pass for the plain one): wall time, the GPU's busy time (sum
 of kernel times), the number of kernel launches and of operators dispatched on the
-host. A wall time far above the busy time with many launches means the host's Python
+host; the operators with the most host time and the kernels with the most GPU time. A
+wall time far above the busy time with many launches means the host's Python
 and dispatch, not the GPU, set the pace.
 
     python benchmarks/profile_cuda_iteration.py --json benchmarks/results/gpu/profile.json
@@ -59,6 +60,8 @@ def profiled(fn, iters: int) -> dict:
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
     operators = sum(e.count for e in events if e.key.startswith("aten::"))
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    device_events = [e for e in events if e.device_type.name == "CUDA"]
+    busiest = sorted(device_events, key=lambda e: e.device_time_total, reverse=True)[:12]
     return {
         "wall_seconds_per_iteration": wall / iters,
         "gpu_busy_seconds_per_iteration": kernels / 1e6 / iters,
@@ -67,6 +70,10 @@ def profiled(fn, iters: int) -> dict:
         "top_host_operators": [
             {"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
             for e in top
+        ],
+        "top_kernels": [
+            {"name": e.key[:120], "count": e.count, "gpu_ms": e.device_time_total / 1e3}
+            for e in busiest
         ],
     }
 

@@ -430,10 +430,14 @@ def test_combination_writes_the_perturbed_point_in_the_same_sweep(size, block, i
     block=st.sampled_from([7, 64, 1 << 16]),
     eps=st.sampled_from([0.0, 0.1]),
     dtype=st.sampled_from([torch.float64, torch.float32]),
+    capped=st.booleans(),
+    part=st.sampled_from([1, 5, 64, 1 << 14]),
     seed=st.integers(0, 2**16),
 )
-def test_adaptive_gram_is_the_matrix_of_inner_products(size, block, eps, dtype, seed):
-    from geoopt_quotient.manifolds import adaptive
+def test_adaptive_gram_is_the_matrix_of_inner_products(size, block, eps, dtype, capped, part, seed):
+    """On the CPU's cache-sized blocks (dot products) and on an accelerator's capped ones,
+    whose product is batched over parts of the rows (with a shorter last part or none)."""
+    from geoopt_quotient.manifolds import _linalg, adaptive
 
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(size, generator=generator, dtype=dtype)
@@ -441,11 +445,12 @@ def test_adaptive_gram_is_the_matrix_of_inner_products(size, block, eps, dtype, 
     manifold = gq.AdaptiveEuclidean(eps=eps)
     space = manifold.tangent_space(x)
     vectors = [space.random(generator) for _ in range(3)]
-    old_block, adaptive.GRAM_BLOCK = adaptive.GRAM_BLOCK, block
+    old = adaptive.GRAM_BLOCK, adaptive.GRAM_PART, _linalg.CAP_ON_CPU
+    adaptive.GRAM_BLOCK, adaptive.GRAM_PART, _linalg.CAP_ON_CPU = block, part, capped
     try:
         gram = space.gram(vectors)
     finally:
-        adaptive.GRAM_BLOCK = old_block
+        adaptive.GRAM_BLOCK, adaptive.GRAM_PART, _linalg.CAP_ON_CPU = old
     assert gram.dtype == torch.float64 and gram.shape == (3, 3)
     expected = torch.tensor(
         [[float(manifold.inner(x, u, v).sum()) for v in vectors] for u in vectors],

@@ -389,6 +389,53 @@ def gpu_profile(results: Results) -> Table:
     )
 
 
+def gpu_profile_flat_ball(results: Results) -> Table:
+    doc = results.json("gpu/profile_flat_ball.json").data
+    runs, rows = dig(doc, "runs") or {}, []
+    for precision in ("float32", "bf16-autocast"):
+        for measure in ("forward-backward", "adaptive", "geodesic-inv", "geodesic-mix"):
+            name = f"{precision} {measure}"
+            r = runs.get(name)
+            if not isinstance(r, dict):
+                rows.append([name, *[NOT_MEASURED] * 5])
+                continue
+            kernels = r.get("top_kernels") or []
+            top = "; ".join(
+                f"{k['count']} {kernel_name(k['name'])} {k['gpu_ms']:.1f} ms" for k in kernels[:2]
+            )
+            rows.append(
+                [
+                    name,
+                    fmt(1e3 * r["wall_seconds_per_iteration"], ".1f", " ms"),
+                    fmt(1e3 * r["gpu_busy_seconds_per_iteration"], ".1f", " ms"),
+                    fmt(r.get("kernel_launches_per_iteration"), ",.0f"),
+                    fmt(r.get("aten_operators_per_iteration"), ",.0f"),
+                    top or NOT_MEASURED,
+                ]
+            )
+    device = dig(doc, "gpu")
+    return Table(
+        [
+            f"BERT-base, 32 x 128 tokens ({device or 'GPU not named'})",
+            "wall",
+            "GPU busy",
+            "kernel launches",
+            "operators",
+            "kernels with the most GPU time (whole run)",
+        ],
+        rows,
+        "python benchmarks/profile_cuda_iteration.py --iters 8 --batch-size 32 "
+        "--json benchmarks/results/gpu/profile_flat_ball.json",
+        [
+            "A whole call of 8 iterations under torch.profiler (its fixed work included: the "
+            "clean loss, the base point's geometry, the path gap), over 8; the plain run makes 8 "
+            "forward and backward passes. Wall time is inflated by the profiler's own host "
+            "work. Measured on the engine of the commit in the JSON's 'engine' field; the bf16 "
+            "geodesic rows were not reached within that call's time limit."
+        ],
+    )
+
+
 PRECISION_LINE = re.compile(
     r"^\s+(?P<measure>\S+)\s+rho (?P<rho>\S+)\s+(?P<mode>\S+)\s+value (?P<value>\S+)"
     r"\s+rel\.err (?P<rel>\S+)"
@@ -1303,6 +1350,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-host-syncs": gpu_host_syncs,
     "gpu-compile": gpu_compile,
     "gpu-profile": gpu_profile,
+    "gpu-profile-flat-ball": gpu_profile_flat_ball,
     "gpu-flat-ball": gpu_flat_ball,
     "gpu-iteration-counts": gpu_iteration_counts,
     "geometry-projection": geometry_projection,
