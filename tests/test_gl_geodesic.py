@@ -108,3 +108,42 @@ def test_the_zero_vector_stays_at_the_point():
     x, u, fast, _ = case(manifold, (2,), 2, 1, 0.0)
     assert not u.any() and _gl_geodesic.applies(manifold, x, u)
     assert torch.equal(fast.expmap(u), x)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("kind", ["full", "low_rank", "zero_at_a_point"])
+def test_the_span_coordinates_come_from_a_cholesky_factor_whatever_the_span_rank(
+    metric, kind, monkeypatch
+):
+    manifold = gq.GLQuotient(8, 8, metric)
+    x, u, fast, reference = case(manifold, (4,), 3, 7, 0.2)
+    generator = torch.Generator().manual_seed(3)
+    if kind == "low_rank":  # as the gradient of a one-token batch: each span of rank h + 1
+        column, row = (
+            torch.randn(4, *s, generator=generator, dtype=x.dtype) for s in [(16, 1), (1, 3)]
+        )
+        u = manifold.proju(x, column @ row)
+        u = 0.2 * u / manifold.norm(x, u, keepdim=True)
+    elif kind == "zero_at_a_point":
+        u[1] = 0
+    spans = _gl_geodesic._spans(manifold, x.reshape(-1, 16, 3), u.reshape(-1, 16, 3))
+    grams = _gl_geodesic._stacked([s.mT @ s for s in spans], 4)
+    singular = bool(torch.linalg.cholesky_ex(grams)[1].any())
+    assert singular == (kind != "full")  # the negative: the plain factorisation fails
+    monkeypatch.setattr(torch.linalg, "qr", None)  # no Householder factorisation
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u).lower is not None
+    end, expected = fast.expmap(u), reference.expmap(u)
+    tolerance = 1e3 * torch.finfo(torch.float64).eps * (1 + float(x.abs().max()))
+    assert torch.allclose(end, expected, rtol=0, atol=tolerance)
+    assert float((expected - x).abs().max()) > 1e3 * tolerance
+    if kind == "zero_at_a_point":
+        assert torch.equal(end[1], x[1])
+
+
+def test_a_span_whose_gram_matrix_cannot_be_factorised_takes_householder():
+    manifold = gq.GLQuotient(8, 8, "inv")
+    x, u, _, _ = case(manifold, (2,), 3, 1, 0.2)
+    u[0, 0, 0] = float("nan")
+    span = _gl_geodesic.SpanGeodesic(manifold, x, u)
+    assert span.lower is None and span.spans[0].shape == (4, 8, 6)  # the orthonormal frames
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None

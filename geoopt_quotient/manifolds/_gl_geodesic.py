@@ -87,21 +87,38 @@ def geodesic(
 
 
 class SpanGeodesic:
-    """:func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
-    (at construction), integrated for any ``t`` and ``steps`` by calling it."""
+    r""":func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
+    (at construction), integrated for any ``t`` and ``steps`` by calling it.
+
+    The span's orthonormal coordinates come from the Cholesky factor :math:`L_F` of its
+    Gram matrix :math:`[F_0, \xi_{F,0}]^\top [F_0, \xi_{F,0}] = L_F L_F^\top` (one
+    product per batch and a batched factorisation, :func:`_cholesky_coordinates`): the
+    basis :math:`Q_F = [F_0, \xi_{F,0}] L_F^{-\top}` is never formed, the start is
+    :math:`M_F = L_F^\top`, and the end :math:`Q_F (M_F - L_F^\top)` is
+    :math:`[F_0, \xi_{F,0}]\, L_F^{-\top} (M_F - L_F^\top)`, one triangular solve of
+    :math:`2h \times 2h` matrices. Where the Gram matrix is singular (the span has lower
+    rank, e.g. :math:`\xi_F = 0`) or so ill-conditioned that the basis would be
+    orthonormal to less than :data:`BASIS_ORTHOGONALITY`, the thin QR factorisation
+    (Householder) gives :math:`Q_F` instead."""
 
     def __init__(self, manifold, x: torch.Tensor, u: torch.Tensor):
         self.manifold, self.shape = manifold, x.shape
         rows, rank = x.shape[-2:]
         flat = (-1, rows, rank)
         self.x, self.u = x.reshape(flat), u.reshape(flat)
-        count, width = self.x.shape[0], 2 * rank
-        frames, start = [], x.new_empty(count, 2, width, width)
-        for index, (x_f, u_f) in enumerate(zip(manifold.factors(self.x), manifold.factors(self.u))):
-            frame, coordinates = torch.linalg.qr(torch.cat((x_f, u_f), -1))
-            frames.append(frame)
-            start[:, index] = coordinates.mT
-        self.frames, self.start = frames, start.view(2 * count, width, width)
+        count = self.x.shape[0]
+        self.spans = _spans(manifold, self.x, self.u)
+        grams = _stacked([torch.bmm(span.mT, span) for span in self.spans], count)
+        self.lower = _cholesky_coordinates(grams, self.spans[0].shape[-2])
+        if self.lower is None:  # Householder: the spans become their orthonormal frames
+            factors = [torch.linalg.qr(span) for span in self.spans]
+            self.spans = [frame for frame, _ in factors]
+            self.start = _stacked([r.mT for _, r in factors], count)
+        else:  # M_0^T = L - Pi
+            self.start = self.lower.clone()
+            self.start.diagonal(dim1=-2, dim2=-1).masked_fill_(
+                grams.diagonal(dim1=-2, dim2=-1) == 0, 0.0
+            )
         self._first: Tuple[torch.Tensor, torch.Tensor] | None = None  # Gamma^T at the start
 
     def _first_stage(self, gamma: _SpanChristoffel, failures: List[torch.Tensor]):
@@ -120,7 +137,6 @@ class SpanGeodesic:
         """``(position, velocity, failures)`` as :func:`geodesic`'s; the velocity
         ``None`` unless asked for."""
         start, rank = self.start, self.x.shape[-1]
-        count, width = self.x.shape[0], 2 * rank
         state = start.clone()
         failures: List[torch.Tensor] = []
         gamma = _SpanChristoffel(self.manifold, rank, failures)
@@ -139,19 +155,73 @@ class SpanGeodesic:
                 stage, spare = spare, stage
             state[:, :rank].add_(sum_p, alpha=dt / 6)
             state[:, rank:].add_(sum_g, alpha=-dt / 6)
-        change = (state - start).view(count, 2, width, width)  # from (x, u): small
+        kept = slice(None) if with_velocity else slice(0, rank)  # P^T (and V^T)
+        change = state[:, kept] - start[:, kept]  # small
+        ends = self._moved(change)
+        return ends[0], (ends[1] if with_velocity else None), failures
+
+    def _moved(self, change: torch.Tensor) -> List[torch.Tensor]:
+        r"""The end points ``[x + Q M_x, u + Q M_u]`` (as many as ``change`` has blocks of
+        :math:`h` rows) of the transposed change :math:`(M - M_0)^\top` of the state."""
+        count, rank = self.x.shape[0], self.x.shape[-1]
+        coefficients = change.mT  # coordinates in the basis spans[f]
+        if self.lower is not None:  # in [F_0, xi_F0]: L^-T (M - M_0)
+            coefficients = torch.linalg.solve_triangular(self.lower.mT, coefficients, upper=True)
+        if len(self.spans) == 2:
+            coefficients = coefficients.view(count, 2, *coefficients.shape[1:])
         ends = []
-        for base, part in ((self.x, slice(0, rank)), (self.u, slice(rank, None))):
-            moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(self.frames)]
-            ends.append(torch.cat(moved, -2).add_(base).view(self.shape))
-            if not with_velocity:
-                return ends[0], None, failures
-        return ends[0], ends[1], failures
+        for index, base in enumerate((self.x, self.u)[: change.shape[1] // rank]):
+            part = slice(index * rank, (index + 1) * rank)
+            if len(self.spans) == 1:
+                moved = torch.bmm(self.spans[0], coefficients[..., part]).view(base.shape)
+            else:
+                moved = torch.cat(
+                    [torch.bmm(s, coefficients[:, f, :, part]) for f, s in enumerate(self.spans)],
+                    -2,
+                )
+            ends.append(moved.add_(base).view(self.shape))
+        return ends
+
+
+def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[torch.Tensor]:
+    r""":math:`[F_0, \xi_{F,0}]` of both factors of each point: one batch ``(2 B, n, 2h)``
+    (the factors :math:`G, H` of each point in turn) where both have :math:`n` rows,
+    else one ``(B, n_F, 2h)`` per factor."""
+    count, rows, rank = x.shape
+    if 2 * manifold.n == rows:
+        return [torch.cat((x.view(2 * count, -1, rank), u.view(2 * count, -1, rank)), -1)]
+    return [torch.cat(f, -1) for f in zip(manifold.factors(x), manifold.factors(u))]
+
+
+def _stacked(matrices: List[torch.Tensor], count: int) -> torch.Tensor:
+    """The ``(2 B, ...)`` batch of both factors' matrices (a list as :func:`_spans`)."""
+    if len(matrices) == 1:
+        return matrices[0]
+    return torch.stack(matrices, 1).view(2 * count, *matrices[0].shape[1:])
+
+
+def _cholesky_coordinates(grams: torch.Tensor, rows: int) -> torch.Tensor | None:
+    r"""The transposed start :math:`M_0^\top = L` of the span's coordinates from the
+    Cholesky factor of its Gram matrix :math:`G` with the diagonal raised
+    (:class:`SpanGeodesic`): :math:`L L^\top = G + \tau D + \Pi`, :math:`D` the
+    diagonal of :math:`G`, :math:`\tau = n \epsilon` (``rows`` :math:`= n`), :math:`\Pi`
+    a unit diagonal entry for each zero column of the span, whose diagonal entry of
+    :math:`L` is then taken out of the start. ``None`` where a factorisation fails all
+    the same (non-finite entries): one host synchronisation."""
+    diagonal = grams.diagonal(dim1=-2, dim2=-1)
+    empty = diagonal == 0
+    shift = torch.where(empty, 1.0, diagonal * (rows * torch.finfo(grams.dtype).eps))
+    lower, info = torch.linalg.cholesky_ex(grams + torch.diag_embed(shift))
+    if not bool((info == 0).all()):
+        return None
+    return lower
 
 
 class _SpanChristoffel:
     r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state in the orthonormal
-    coordinates (a new tensor ``(2 B, h, 2h)``)."""
+    coordinates (a new tensor ``(2 B, h, 2h)``). The coefficients' :math:`S^{-1}` as
+    two batched triangular solves with the Cholesky factor (no explicit inverse: a
+    batched inverse loops over its matrices on some devices)."""
 
     def __init__(self, manifold, rank: int, failures: List[torch.Tensor]):
         self.mix, self.eps, self.rank = manifold.metric == "mix", manifold.eps, rank
@@ -168,14 +238,17 @@ class _SpanChristoffel:
             s = s + self.eps * torch.eye(rank, dtype=s.dtype, device=s.device)
         chol, info = torch.linalg.cholesky_ex(s)
         self.failures.append(info)
-        inverses = torch.cholesky_inverse(chol)
-        sym_k = k + k.mT
+        # S^-1 [B, M], M = K + K^T (both symmetric, as S)
+        solved = torch.cat((b, k), -1)
+        solved[..., rank:].add_(k.mT)
+        solved = torch.linalg.solve_triangular(chol, solved, upper=False)
+        solved = torch.linalg.solve_triangular(chol.mT, solved, upper=True)
         # transposed coefficients: inv X = -S^-1 M, Y = S^-1 B; mix X = M S^-1, Y = -B S^-1
-        if self.mix:
-            x_t, y_t = torch.bmm(inverses, sym_k), torch.bmm(inverses, b).neg_()
-        else:
-            x_t, y_t = torch.bmm(sym_k, inverses).neg_(), torch.bmm(b, inverses)
-        return torch.bmm(torch.cat((y_t, x_t), -1), w)  # Y^T P^T + X^T V^T
+        if self.mix:  # [Y^T, X^T] = [-S^-1 B, S^-1 M]
+            solved[..., :rank].neg_()
+        else:  # [Y^T, X^T] = [B S^-1, -M S^-1] = [(S^-1 B)^T, -(S^-1 M)^T]
+            solved = torch.cat((solved[..., :rank].mT, solved[..., rank:].mT.neg()), -1)
+        return torch.bmm(solved, w)  # Y^T P^T + X^T V^T
 
 
 def exchanged(t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from ..manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
 from ..manifolds._gl_tangent import GLTangentSpace
-from ..manifolds._linalg import block_length, compute_dtype
+from ..manifolds._linalg import block_length, capped, compute_dtype
 from .apgd import BallGroup, _prepare, _straight, as_scalar
 from .precision import AutocastState
 
@@ -139,6 +139,10 @@ def _path_gap(groups, exact, objective, xi) -> Tuple[float, float]:
 
 #: Entries of a group handled at once by :func:`_group_gap` (its float64 copies stay small).
 SLICE_ENTRIES = 1 << 22
+#: ... on an accelerator (where blocks are :func:`~geoopt_quotient.manifolds._linalg.capped`):
+#: each slice's integration costs the same kernel launches whatever its size, so the
+#: slices are larger there (256 MiB per float64 copy; BERT-base's GL(h) groups in one).
+SLICE_ENTRIES_CAPPED = 1 << 25
 
 
 def _group_gap(
@@ -148,7 +152,8 @@ def _group_gap(
     of one group, the first two in float64: the two points differ by :math:`O(|v|^3)`, which
     float32 rounding of each (relative :math:`10^{-7}` of the weights) would swamp at small
     radii. A large group is taken a slice at a time (:func:`_slices`), so that its float64
-    copies take at most :data:`SLICE_ENTRIES` entries each; the end point is in the point's
+    copies take at most :data:`SLICE_ENTRIES` entries each (:data:`SLICE_ENTRIES_CAPPED` on an
+    accelerator); the end point is in the point's
     dtype."""
     x = group.point.detach()
     if _closed_form_applies(group, exact):
@@ -167,16 +172,16 @@ def _slices(group: BallGroup, exact: BallGroup) -> List[Any]:
     flat pieces of an element-wise adaptive group, slices along the batch dimension of a
     batch of quotient points (this package's GL quotients, whose paths act per point)."""
     x = group.point
-    size = x.numel()
-    if size <= SLICE_ENTRIES:
+    size, entries = x.numel(), SLICE_ENTRIES_CAPPED if capped(x.device) else SLICE_ENTRIES
+    if size <= entries:
         return [Ellipsis]
     owners = [group.manifold, exact.manifold]
     owners += [getattr(p, "__self__", None) for p in (group.path, exact.path) if p is not None]
     elementwise = type(group.manifold) is AdaptiveEuclidean and group.manifold.ndim == 0
     if elementwise and len(owners) == 2 and x.dim() == 1:
-        return [slice(i, i + SLICE_ENTRIES) for i in range(0, size, SLICE_ENTRIES)]
+        return [slice(i, i + entries) for i in range(0, size, entries)]
     if x.dim() > 2 and all(isinstance(m, (GLQuotient, AdaptiveEuclidean)) for m in owners):
-        rows = max(1, SLICE_ENTRIES // (size // x.shape[0]))
+        rows = max(1, entries // (size // x.shape[0]))
         return [slice(i, i + rows) for i in range(0, x.shape[0], rows)]
     return [Ellipsis]
 
