@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic
+from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic, _linalg
 from geoopt_quotient.manifolds.tangent import TangentSpace
 
 pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
@@ -110,11 +110,15 @@ def test_the_zero_vector_stays_at_the_point():
     assert torch.equal(fast.expmap(u), x)
 
 
+@pytest.mark.parametrize("capped", [False, True], ids=["cpu", "capped"])
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 @pytest.mark.parametrize("kind", ["full", "low_rank", "zero_at_a_point"])
 def test_the_span_coordinates_come_from_a_cholesky_factor_whatever_the_span_rank(
-    metric, kind, monkeypatch
+    metric, kind, capped, monkeypatch
 ):
+    """Both forms of the Christoffel coefficients: the inverse (CPU) and the triangular
+    solves (where blocks are capped, as on an accelerator)."""
+    monkeypatch.setattr(_linalg, "CAP_ON_CPU", capped)
     manifold = gq.GLQuotient(8, 8, metric)
     x, u, fast, reference = case(manifold, (4,), 3, 7, 0.2)
     generator = torch.Generator().manual_seed(3)

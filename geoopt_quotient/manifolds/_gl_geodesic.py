@@ -39,6 +39,8 @@ from typing import List, Tuple
 
 import torch
 
+from ._linalg import capped
+
 
 def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether :func:`geodesic` integrates ``manifold``'s geodesic from ``x`` along ``u``:
@@ -139,7 +141,7 @@ class SpanGeodesic:
         start, rank = self.start, self.x.shape[-1]
         state = start.clone()
         failures: List[torch.Tensor] = []
-        gamma = _SpanChristoffel(self.manifold, rank, failures)
+        gamma = _SpanChristoffel(self.manifold, rank, failures, state.device)
         stage, spare = torch.empty_like(state), torch.empty_like(state)
         dt = t / steps
         for step in range(steps):
@@ -219,13 +221,15 @@ def _cholesky_coordinates(grams: torch.Tensor, rows: int) -> torch.Tensor | None
 
 class _SpanChristoffel:
     r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state in the orthonormal
-    coordinates (a new tensor ``(2 B, h, 2h)``). The coefficients' :math:`S^{-1}` as
-    two batched triangular solves with the Cholesky factor (no explicit inverse: a
-    batched inverse loops over its matrices on some devices)."""
+    coordinates (a new tensor ``(2 B, h, 2h)``). Where blocks are
+    :func:`~geoopt_quotient.manifolds._linalg.capped` (an accelerator), the coefficients'
+    :math:`S^{-1}` as two batched triangular solves with the Cholesky factor: a batched
+    ``cholesky_inverse`` loops over its matrices there (one solver call each). On the CPU
+    the explicit inverse, the faster."""
 
-    def __init__(self, manifold, rank: int, failures: List[torch.Tensor]):
+    def __init__(self, manifold, rank: int, failures: List[torch.Tensor], device: torch.device):
         self.mix, self.eps, self.rank = manifold.metric == "mix", manifold.eps, rank
-        self.failures = failures
+        self.failures, self.solves = failures, capped(device)
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         rank = self.rank
@@ -238,17 +242,34 @@ class _SpanChristoffel:
             s = s + self.eps * torch.eye(rank, dtype=s.dtype, device=s.device)
         chol, info = torch.linalg.cholesky_ex(s)
         self.failures.append(info)
-        # S^-1 [B, M], M = K + K^T (both symmetric, as S)
+        coefficients = self._solved if self.solves else self._inverted
+        return torch.bmm(coefficients(chol, k, b), w)  # Y^T P^T + X^T V^T
+
+    def _inverted(self, chol: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r"""The transposed coefficients :math:`[Y^\top, X^\top]` (inv :math:`X = -S^{-1}
+        M`, :math:`Y = S^{-1} B`; mix :math:`X = M S^{-1}`, :math:`Y = -B S^{-1}`;
+        :math:`M = K + K^\top`) from the explicit inverse."""
+        inverses = torch.cholesky_inverse(chol)
+        sym_k = k + k.mT
+        if self.mix:
+            x_t, y_t = torch.bmm(inverses, sym_k), torch.bmm(inverses, b).neg_()
+        else:
+            x_t, y_t = torch.bmm(sym_k, inverses).neg_(), torch.bmm(b, inverses)
+        return torch.cat((y_t, x_t), -1)
+
+    def _solved(self, chol: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """:meth:`_inverted` by triangular solves: :math:`S^{-1} [B, M]`, transposed
+        for inv (:math:`B, M, S` symmetric)."""
+        rank = self.rank
         solved = torch.cat((b, k), -1)
         solved[..., rank:].add_(k.mT)
         solved = torch.linalg.solve_triangular(chol, solved, upper=False)
         solved = torch.linalg.solve_triangular(chol.mT, solved, upper=True)
-        # transposed coefficients: inv X = -S^-1 M, Y = S^-1 B; mix X = M S^-1, Y = -B S^-1
         if self.mix:  # [Y^T, X^T] = [-S^-1 B, S^-1 M]
             solved[..., :rank].neg_()
-        else:  # [Y^T, X^T] = [B S^-1, -M S^-1] = [(S^-1 B)^T, -(S^-1 M)^T]
-            solved = torch.cat((solved[..., :rank].mT, solved[..., rank:].mT.neg()), -1)
-        return torch.bmm(solved, w)  # Y^T P^T + X^T V^T
+            return solved
+        # inv: [Y^T, X^T] = [B S^-1, -M S^-1] = [(S^-1 B)^T, -(S^-1 M)^T]
+        return torch.cat((solved[..., :rank].mT, solved[..., rank:].mT.neg()), -1)
 
 
 def exchanged(t: torch.Tensor) -> torch.Tensor:

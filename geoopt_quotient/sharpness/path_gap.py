@@ -234,30 +234,44 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
     :math:`E_N`, the exponential map (``expmap``) itself.
     """
     x, largest = space.x, space.manifold.expmap_steps
-
-    def norm(u: torch.Tensor) -> float:
-        return math.sqrt(max(float(space.inner(u, u)), 0.0))
-
-    step_sq = float(space.inner(v, v))
-    floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * norm(x)
+    step_sq, x_sq = _squared_norms(space, v, x)
+    floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * math.sqrt(max(x_sq, 0.0))
     ends = space.expmaps(v)
     steps = 1
     coarse = ends(steps, checked=False) if 2 * steps < largest else None
+    differences = None
     while coarse is not None and 2 * steps < largest:
         fine = ends(2 * steps)
         if fine is None:
             break
-        gap, error = norm(retracted - fine), norm(fine - coarse) / 15
+        if differences is None:
+            differences = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
+        torch.sub(retracted, fine, out=differences[0])
+        torch.sub(fine, coarse, out=differences[1])
+        gap_sq, change_sq = _squared_norms(space, differences)
+        gap, error = math.sqrt(max(gap_sq, 0.0)), math.sqrt(max(change_sq, 0.0)) / 15
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
             return gap**2, step_sq, fine
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
         steps, coarse = 2 * steps, fine
+    del differences
     end = ends(largest)  # the exponential map's own integration, bit for bit
     if end is None:
         raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
     difference = retracted - end
     return float(space.inner(difference, difference)), step_sq, end
+
+
+def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
+    r""":math:`|u|_w^2` of each vector (or of each of a stacked tensor's first dimension),
+    in one sum over the batch and one host synchronisation."""
+    if len(vectors) == 1:
+        (stacked,) = vectors
+        squares = space.manifold._inner(space.state, stacked, None, False)
+    else:
+        squares = torch.stack([space.manifold._inner(space.state, u, None, False) for u in vectors])
+    return squares.reshape(squares.shape[0], -1).sum(1).tolist()
 
 
 def _closed_form_applies(group: BallGroup, exact: BallGroup) -> bool:
