@@ -31,7 +31,7 @@ import json
 import math
 import statistics
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
@@ -45,18 +45,20 @@ MODELS = ("tiny-vit", "bert-11m")
 METRICS = ("inv", "mix")
 
 
-class PathGapTimer:
-    """Wraps the engine's path gap, recording each call's CPU time and result."""
+class PathGapWrapper:
+    """Wraps the engine's path gap while active, recording each call's result and the
+    object that ``probe()`` (a context manager around the call) gives."""
 
-    def __init__(self):
-        self.seconds: List[float] = []
+    def __init__(self, probe: Callable[[], Any]):
+        self.probe = probe
+        self.records: List[Any] = []
         self.reports: List[Any] = []
         self.original = measure.path_gap
 
     def __call__(self, *args):
-        start = time.process_time()
-        out = self.original(*args)
-        self.seconds.append(time.process_time() - start)
+        with self.probe() as record:
+            out = self.original(*args)
+        self.records.append(record)
         self.reports.append(out)
         return out
 
@@ -66,6 +68,17 @@ class PathGapTimer:
 
     def __exit__(self, *exc):
         measure.path_gap = self.original
+
+
+class ProcessTime:
+    """The process's CPU time of a ``with`` block (``seconds``)."""
+
+    def __enter__(self):
+        self.start = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.process_time() - self.start
 
 
 def bench_model(name: str, args) -> Dict[str, Any]:
@@ -79,12 +92,12 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     for metric in METRICS:
         plan = gq.find_symmetries(model, metric=metric).bind(model)
         plain, gap = [], []
-        with PathGapTimer() as timer:
+        with PathGapWrapper(ProcessTime) as timer:
             for _ in range(args.repeats):
                 start = time.process_time()
                 plain_pass(model, batches, loss_fn)
                 plain.append(time.process_time() - start)
-                timer.seconds.clear()
+                timer.records.clear()
                 gq.geodesic_sharpness(
                     model,
                     loss_fn,
@@ -95,7 +108,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
                     iters=args.iters,
                     progress=False,
                 )
-                gap.extend(timer.seconds)
+                gap.extend(record.seconds for record in timer.records)
         path_gap, exact_loss = timer.reports[-1]
         row[metric] = {
             "plain_seconds": statistics.median(plain),
@@ -151,29 +164,6 @@ class OperatorCount(TorchDispatchMode):
         }
 
 
-class PathGapCounter:
-    """Wraps the engine's path gap, counting each call's operators."""
-
-    def __init__(self):
-        self.counts: List[OperatorCount] = []
-        self.reports: List[Any] = []
-        self.original = measure.path_gap
-
-    def __call__(self, *args):
-        with OperatorCount() as count:
-            out = self.original(*args)
-        self.counts.append(count)
-        self.reports.append(out)
-        return out
-
-    def __enter__(self):
-        measure.path_gap = self
-        return self
-
-    def __exit__(self, *exc):
-        measure.path_gap = self.original
-
-
 def counted_bert(layers: int, width: int, heads: int):
     """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -199,11 +189,11 @@ def counted_bert(layers: int, width: int, heads: int):
 
 def path_gap_operators(model, batch, loss_fn, metric: str, rho: float) -> Dict[str, Any]:
     """The counts of one ``geodesic_sharpness`` call's path gap (3 iterations)."""
-    with PathGapCounter() as counter:
+    with PathGapWrapper(OperatorCount) as counter:
         gq.geodesic_sharpness(
             model, loss_fn, [batch], metric=metric, rho=rho, iters=3, progress=False
         )
-    (count,), ((gap, exact_loss),) = counter.counts, counter.reports
+    (count,), ((gap, exact_loss),) = counter.records, counter.reports
     return {**count.report(), "path_gap": gap, "exact_loss": exact_loss}
 
 
@@ -241,6 +231,8 @@ def main(argv=None) -> Dict[str, Any]:
             args.rho = 0.01
     if args.quick:
         args.models, args.repeats, args.iters = "tiny-vit", 1, 2
+        if args.operators:
+            args.models = "bert-4x256"
     torch.set_num_threads(args.threads)
     report = {
         "benchmark": "path_gap_operators" if args.operators else "path_gap_cost",
