@@ -12,10 +12,11 @@ term :math:`\Gamma_F = \xi_F X_F + F Y_F` (:math:`h \times h` coefficients
 
 Both :math:`\dot F = \xi_F` and :math:`\dot \xi_F = -\xi_F X_F - F Y_F` multiply
 :math:`[F, \xi_F]` from the right, so position and velocity stay in the column span of
-the start: with the thin QR factorisation :math:`[F_0, \xi_{F,0}] = Q_F R_F`
-(:math:`Q_F` of orthonormal columns, :math:`n \times 2h`), :math:`[F, \xi_F] = Q_F M_F`
-with :math:`M_F = [P, V]` (:math:`2h \times 2h`, :math:`R_F` at the start), and RK4's
-stages, linear combinations of states, keep that form:
+the start: with an orthonormal basis :math:`Q_F = A_F L_F^{-\top}` of the span of
+:math:`A_F = [F_0, \xi_{F,0}]` (:math:`n \times 2h`; :math:`L_F` the Cholesky factor of
+its Gram matrix, :math:`A_F^\top A_F = L_F L_F^\top`), :math:`[F, \xi_F] = Q_F M_F`
+with :math:`M_F = [P, V]` (:math:`2h \times 2h`, :math:`L_F^\top` at the start), and
+RK4's stages, linear combinations of states, keep that form:
 
 .. math::
 
@@ -24,9 +25,27 @@ stages, linear combinations of states, keep that form:
 with the coefficients from :math:`F^\top F = P^\top P`, :math:`F^\top \xi_F = P^\top V`,
 :math:`\xi_F^\top \xi_F = V^\top V` (:math:`Q_F^\top Q_F = I`): per stage and factor
 :math:`10 h^3` multiply-adds in place of :math:`5 n h^2`, and the point's rows are read
-once at the start (the QR factorisation) and once at the end (:math:`Q_F (M_F - R_F)`
-added to the start). Both factors of a batch of points are one batch of such matrices;
-the Cholesky factorisations and inverses are one batched call each.
+once at the start (the Gram matrix) and once at the end (:math:`Q_F (M_F - L_F^\top) =
+A_F L_F^{-\top} (M_F - L_F^\top)`, a triangular solve of :math:`2h \times 2h` matrices
+and a product, added to the start); :math:`Q_F` is never formed. Both factors of a batch
+of points are one batch of such matrices; the Cholesky factorisations and the solves
+are one batched call each, as are the coefficients' (batched triangular solves where
+blocks are capped: on a GPU a batched QR of many rows or a batched ``cholesky_inverse``
+runs one solver call per matrix).
+
+A span of lower rank (:math:`\xi_F` of rank below :math:`h`, such as the gradient of a
+batch of fewer tokens than the head dimension, or :math:`\xi_F = 0`) has a singular Gram
+matrix. Its diagonal :math:`D` is raised, :math:`L L^\top = A^\top A + \tau D + \Pi`
+with :math:`\tau = n \epsilon` and :math:`\Pi` a unit entry for each zero column of
+:math:`A` (taken out of the start :math:`M_0 = L^\top - \Pi`). Then :math:`Q = A
+L^{-\top}` has :math:`Q^\top Q = I - L^{-1} (\tau D + \Pi) L^{-\top}`, and since every
+state is :math:`M_0 \Phi` (the flow multiplies from the right), the integration's Gram
+matrices :math:`\Phi^\top M_0^\top M_0 \Phi` are the true ones plus :math:`\tau\,
+\Phi^\top D \Phi`: a relative change of :math:`\tau` of their diagonals (at the start
+exactly), below the rounding of the Gram matrix itself (up to :math:`n \epsilon`). The
+end :math:`A L^{-\top} (M - M_0)` stays accurate however ill-conditioned :math:`L`:
+:math:`\|A L^{-\top}\| \le 1`. Only a non-finite Gram matrix falls back to the thin QR
+factorisation.
 
 The discretisation is the reference's; the values are its own up to float rounding
 (the order of sums), and the integration's checks (speed kept, every factorisation
@@ -92,16 +111,10 @@ class SpanGeodesic:
     r""":func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
     (at construction), integrated for any ``t`` and ``steps`` by calling it.
 
-    The span's orthonormal coordinates come from the Cholesky factor :math:`L_F` of its
-    Gram matrix :math:`[F_0, \xi_{F,0}]^\top [F_0, \xi_{F,0}] = L_F L_F^\top` (one
-    product per batch and a batched factorisation, :func:`_cholesky_coordinates`): the
-    basis :math:`Q_F = [F_0, \xi_{F,0}] L_F^{-\top}` is never formed, the start is
-    :math:`M_F = L_F^\top`, and the end :math:`Q_F (M_F - L_F^\top)` is
-    :math:`[F_0, \xi_{F,0}]\, L_F^{-\top} (M_F - L_F^\top)`, one triangular solve of
-    :math:`2h \times 2h` matrices. Where the Gram matrix is singular (the span has lower
-    rank, e.g. :math:`\xi_F = 0`) or so ill-conditioned that the basis would be
-    orthonormal to less than :data:`BASIS_ORTHOGONALITY`, the thin QR factorisation
-    (Householder) gives :math:`Q_F` instead."""
+    The span's orthonormal coordinates come from the Cholesky factor of its Gram matrix
+    (:func:`_cholesky_coordinates`, the module docstring); where that fails (non-finite
+    entries), from the thin QR factorisation (Householder), the spans then replaced by
+    their orthonormal frames."""
 
     def __init__(self, manifold, x: torch.Tensor, u: torch.Tensor):
         self.manifold, self.shape = manifold, x.shape
@@ -111,7 +124,7 @@ class SpanGeodesic:
         count = self.x.shape[0]
         self.spans = _spans(manifold, self.x, self.u)
         grams = _stacked([torch.bmm(span.mT, span) for span in self.spans], count)
-        self.lower = _cholesky_coordinates(grams, self.spans[0].shape[-2])
+        self.lower = _cholesky_coordinates(grams, max(s.shape[-2] for s in self.spans))
         if self.lower is None:  # Householder: the spans become their orthonormal frames
             factors = [torch.linalg.qr(span) for span in self.spans]
             self.spans = [frame for frame, _ in factors]
