@@ -152,9 +152,8 @@ def _group_gap(
     of one group, the first two in float64: the two points differ by :math:`O(|v|^3)`, which
     float32 rounding of each (relative :math:`10^{-7}` of the weights) would swamp at small
     radii. A large group is taken a slice at a time (:func:`_slices`), so that its float64
-    copies take at most :data:`SLICE_ENTRIES` entries each (:data:`SLICE_ENTRIES_CAPPED` on an
-    accelerator); the end point is in the point's
-    dtype."""
+    copies take at most :data:`SLICE_ENTRIES` entries each (:data:`SLICE_ENTRIES_CAPPED`
+    on an accelerator); the end point is in the point's dtype."""
     x = group.point.detach()
     if _closed_form_applies(group, exact):
         return elementwise_gap(x, v.detach())
