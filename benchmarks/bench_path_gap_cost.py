@@ -9,38 +9,56 @@ batch, and reports per model and metric the medians over ``--repeats`` and their
 
     python benchmarks/bench_path_gap_cost.py --models bert-11m --repeats 3
     python benchmarks/bench_path_gap_cost.py --quick      # seconds, for CI
+
+``--operators`` counts instead of timing: the operators one call's path gap dispatches
+(a ``TorchDispatchMode`` counter, on the CPU, blocks capped as on an accelerator, as
+``tests/test_operator_count.py`` does), those that are not views, its host
+synchronisations (``.item()`` and the like) and, per linear-algebra operator, the
+matrices it factorises: on a GPU several of them loop over their batch, one cuSOLVER
+call (a few kernels) per matrix. Counts do not depend on the machine's load. Models:
+the 4-layer BERT of width 256 of the operator-count tests and a BERT-base-shaped one
+(12 layers, width 768, 12 heads), random weights, a batch of 2 x 8 tokens, ``rho=0.01``.
+
+    python benchmarks/bench_path_gap_cost.py --operators \\
+        --json benchmarks/results/cpu/path_gap_operators.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import math
 import statistics
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
+from geoopt_quotient.manifolds import _linalg
 from geoopt_quotient.sharpness import measure
 
 MODELS = ("tiny-vit", "bert-11m")
 METRICS = ("inv", "mix")
 
 
-class PathGapTimer:
-    """Wraps the engine's path gap, recording each call's CPU time and result."""
+class PathGapWrapper:
+    """Wraps the engine's path gap while active, recording each call's result and the
+    object that ``probe()`` (a context manager around the call) gives."""
 
-    def __init__(self):
-        self.seconds: List[float] = []
+    def __init__(self, probe: Callable[[], Any]):
+        self.probe = probe
+        self.records: List[Any] = []
         self.reports: List[Any] = []
         self.original = measure.path_gap
 
     def __call__(self, *args):
-        start = time.process_time()
-        out = self.original(*args)
-        self.seconds.append(time.process_time() - start)
+        with self.probe() as record:
+            out = self.original(*args)
+        self.records.append(record)
         self.reports.append(out)
         return out
 
@@ -50,6 +68,17 @@ class PathGapTimer:
 
     def __exit__(self, *exc):
         measure.path_gap = self.original
+
+
+class ProcessTime:
+    """The process's CPU time of a ``with`` block (``seconds``)."""
+
+    def __enter__(self):
+        self.start = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.process_time() - self.start
 
 
 def bench_model(name: str, args) -> Dict[str, Any]:
@@ -63,12 +92,12 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     for metric in METRICS:
         plan = gq.find_symmetries(model, metric=metric).bind(model)
         plain, gap = [], []
-        with PathGapTimer() as timer:
+        with PathGapWrapper(ProcessTime) as timer:
             for _ in range(args.repeats):
                 start = time.process_time()
                 plain_pass(model, batches, loss_fn)
                 plain.append(time.process_time() - start)
-                timer.seconds.clear()
+                timer.records.clear()
                 gq.geodesic_sharpness(
                     model,
                     loss_fn,
@@ -79,7 +108,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
                     iters=args.iters,
                     progress=False,
                 )
-                gap.extend(timer.seconds)
+                gap.extend(record.seconds for record in timer.records)
         path_gap, exact_loss = timer.reports[-1]
         row[metric] = {
             "plain_seconds": statistics.median(plain),
@@ -91,6 +120,97 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     return row
 
 
+#: Operators that only make views (no kernel on a GPU).
+VIEWS = frozenset(
+    "view _unsafe_view slice select transpose t expand split split_with_sizes unbind "
+    "unsqueeze squeeze alias diagonal permute as_strided detach narrow unflatten".split()
+)
+#: Linear-algebra operators, counted by the matrices they factorise.
+LINALG = frozenset(
+    "linalg_qr linalg_eigh _linalg_eigh linalg_cholesky_ex cholesky_inverse cholesky_solve "
+    "linalg_solve_triangular _linalg_solve_ex linalg_lu_factor_ex linalg_inv_ex geqrf "
+    "linalg_householder_product _linalg_svd".split()
+)
+#: ``(layers, width, heads)`` of the counted models.
+COUNTED = {"bert-4x256": (4, 256, 4), "bert-base-shaped": (12, 768, 12)}
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators dispatched while active: all, those that are not views,
+    host synchronisations, and the matrices of each linear-algebra operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.operators = self.kernels = self.host_syncs = 0
+        self.matrices: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.operators += 1
+        self.kernels += name not in VIEWS
+        self.host_syncs += name == "_local_scalar_dense"
+        if name in LINALG:
+            shape = args[0].shape
+            key = f"{name} {'x'.join(map(str, shape[-2:]))} {str(args[0].dtype)[6:]}"
+            self.matrices[key] += math.prod(shape[:-2])
+        return func(*args, **(kwargs or {}))
+
+    def report(self) -> Dict[str, Any]:
+        return {
+            "operators": self.operators,
+            "non_view_operators": self.kernels,
+            "host_syncs": self.host_syncs,
+            "linalg_matrices": dict(sorted(self.matrices.items())),
+        }
+
+
+def counted_bert(layers: int, width: int, heads: int):
+    """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    batch = (torch.randint(0, 100, (2, 8)), torch.randint(0, 3, (2,)))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(input_ids=b[0]).logits, b[1])
+
+    return model, batch, loss_fn
+
+
+def path_gap_operators(model, batch, loss_fn, metric: str, rho: float) -> Dict[str, Any]:
+    """The counts of one ``geodesic_sharpness`` call's path gap (3 iterations)."""
+    with PathGapWrapper(OperatorCount) as counter:
+        gq.geodesic_sharpness(
+            model, loss_fn, [batch], metric=metric, rho=rho, iters=3, progress=False
+        )
+    (count,), ((gap, exact_loss),) = counter.records, counter.reports
+    return {**count.report(), "path_gap": gap, "exact_loss": exact_loss}
+
+
+def count_operators(args) -> Dict[str, Any]:
+    capped, _linalg.CAP_ON_CPU = _linalg.CAP_ON_CPU, True
+    try:
+        models = {}
+        for name in args.models.split(","):
+            model, batch, loss_fn = counted_bert(*COUNTED[name])
+            models[name] = {
+                m: path_gap_operators(model, batch, loss_fn, m, args.rho) for m in METRICS
+            }
+        return models
+    finally:
+        _linalg.CAP_ON_CPU = capped
+
+
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -99,18 +219,31 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (CI)")
+    parser.add_argument(
+        "--operators", action="store_true", help="count operators instead (module docstring)"
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
+    if args.operators:
+        if args.models == parser.get_default("models"):
+            args.models = ",".join(COUNTED)
+        if args.rho == parser.get_default("rho"):
+            args.rho = 0.01
     if args.quick:
         args.models, args.repeats, args.iters = "tiny-vit", 1, 2
+        if args.operators:
+            args.models = "bert-4x256"
     torch.set_num_threads(args.threads)
     report = {
-        "benchmark": "path_gap_cost",
+        "benchmark": "path_gap_operators" if args.operators else "path_gap_cost",
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "models": {name: bench_model(name, args) for name in args.models.split(",")},
     }
+    if args.operators:
+        report["models"] = count_operators(args)
+    else:
+        report["models"] = {name: bench_model(name, args) for name in args.models.split(",")}
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

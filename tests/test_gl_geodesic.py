@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic
+from geoopt_quotient.manifolds import GeodesicDomainError, _gl_geodesic, _linalg
 from geoopt_quotient.manifolds.tangent import TangentSpace
 
 pytestmark = [pytest.mark.on_device, pytest.mark.usefixtures("single_thread")]
@@ -108,3 +108,46 @@ def test_the_zero_vector_stays_at_the_point():
     x, u, fast, _ = case(manifold, (2,), 2, 1, 0.0)
     assert not u.any() and _gl_geodesic.applies(manifold, x, u)
     assert torch.equal(fast.expmap(u), x)
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["cpu", "capped"])
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("kind", ["full", "relaxed", "low_rank", "zero_at_a_point"])
+def test_the_span_coordinates_come_from_a_cholesky_factor_whatever_the_span_rank(
+    metric, kind, capped, monkeypatch
+):
+    """Both forms of the Christoffel coefficients: the inverse (CPU) and the triangular
+    solves (where blocks are capped, as on an accelerator)."""
+    monkeypatch.setattr(_linalg, "CAP_ON_CPU", capped)
+    manifold = gq.GLQuotient(8, 8, metric, 0.1 if kind == "relaxed" else 0.0)
+    x, u, fast, reference = case(manifold, (4,), 3, 7, 0.2)
+    generator = torch.Generator().manual_seed(3)
+    if kind == "low_rank":  # as the gradient of a one-token batch: each span of rank h + 1
+        column, row = (
+            torch.randn(4, *s, generator=generator, dtype=x.dtype) for s in [(16, 1), (1, 3)]
+        )
+        u = manifold.proju(x, column @ row)
+        u = 0.2 * u / manifold.norm(x, u, keepdim=True)
+    elif kind == "zero_at_a_point":
+        u[1] = 0
+    spans = _gl_geodesic._spans(manifold, x.reshape(-1, 16, 3), u.reshape(-1, 16, 3))
+    grams = _gl_geodesic._stacked([s.mT @ s for s in spans], 4)
+    singular = bool(torch.linalg.cholesky_ex(grams)[1].any())
+    assert singular == (kind not in ("full", "relaxed"))  # the negative: the plain one fails
+    monkeypatch.setattr(torch.linalg, "qr", None)  # no Householder factorisation
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u).lower is not None
+    end, expected = fast.expmap(u), reference.expmap(u)
+    tolerance = 1e3 * torch.finfo(torch.float64).eps * (1 + float(x.abs().max()))
+    assert torch.allclose(end, expected, rtol=0, atol=tolerance)
+    assert float((expected - x).abs().max()) > 1e3 * tolerance
+    if kind == "zero_at_a_point":
+        assert torch.equal(end[1], x[1])
+
+
+def test_a_span_whose_gram_matrix_cannot_be_factorised_takes_householder():
+    manifold = gq.GLQuotient(8, 8, "inv")
+    x, u, _, _ = case(manifold, (2,), 3, 1, 0.2)
+    u[0, 0, 0] = float("nan")
+    span = _gl_geodesic.SpanGeodesic(manifold, x, u)
+    assert span.lower is None and span.spans[0].shape == (4, 8, 6)  # the orthonormal frames
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None

@@ -138,6 +138,43 @@ def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
     assert 0 < extra[12] <= 1.25 * extra[4]
 
 
+#: Operators of one ``geodesic_sharpness`` call's path gap on the 4-layer BERT (the exact
+#: geodesic at the maximiser, its error control and one forward pass): 996 (inv) and 1006
+#: (mix) counted, 1,040 and 1,042 before the span's coordinates came from a Cholesky factor
+#: and the error control's norms were summed together; the bound leaves 5% over the larger.
+PATH_GAP_OPERATORS = 1056
+#: ... and its host synchronisations: 7 counted (11 before).
+PATH_GAP_SYNCS = 7
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_the_path_gap_dispatches_a_bounded_number_of_operators(metric, monkeypatch):
+    from geoopt_quotient.sharpness import measure
+
+    model, batch, loss_fn = bert(4)
+    counters, original = [], measure.path_gap
+
+    def counted(*args):
+        with OperatorCount() as counter:
+            out = original(*args)
+        counters.append(counter)
+        return out
+
+    monkeypatch.setattr(measure, "path_gap", counted)
+    result = gq.geodesic_sharpness(
+        model, loss_fn, [batch], metric=metric, rho=0.01, iters=3, progress=False
+    )
+    ((gap, _),) = zip(result.path_gaps, result.exact_losses)
+    (counter,) = counters
+    assert 0 < gap < 1e-3  # an integrated geodesic, not a breakdown (NaN)
+    passes = forward_backward_operators(model, batch, loss_fn)
+    assert passes / 2 < counter.count <= PATH_GAP_OPERATORS  # it includes a forward pass
+    assert counter.by_name["aten._local_scalar_dense.default"] <= PATH_GAP_SYNCS
+    # no factorisation that a GPU runs one matrix at a time (a batched QR of more than
+    # 256 rows loops there)
+    assert not [name for name in counter.by_name if "qr" in name or "geqrf" in name]
+
+
 def main() -> None:
     """Print the ratios the tests bound (``python tests/test_operator_count.py``): per
     model, measure and depth, operators per iteration over those of a forward and

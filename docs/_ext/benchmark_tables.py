@@ -735,6 +735,47 @@ def cpu_path_gap_cost(results: Results) -> Table:
     )
 
 
+def cpu_path_gap_operators(results: Results) -> Table:
+    doc = results.json("cpu/path_gap_operators.json").data
+    labels = {"bert-4x256": "BERT, 4 layers, width 256", "bert-base-shaped": "BERT-base shape"}
+    rows = []
+    for model, label in labels.items():
+        for metric in ("inv", "mix"):
+            row = dig(doc, "models", model, metric) or {}
+            matrices = row.get("linalg_matrices", {})
+            rows.append(
+                [
+                    label,
+                    metric,
+                    fmt(row.get("operators"), ",d"),
+                    fmt(row.get("non_view_operators"), ",d"),
+                    fmt(row.get("host_syncs"), "d"),
+                    fmt(sum(v for k, v in matrices.items() if "qr" in k), ",d"),
+                    fmt(sum(v for k, v in matrices.items() if "cholesky_inverse" in k), ",d"),
+                ]
+            )
+    return Table(
+        [
+            "model",
+            "metric",
+            "operators",
+            "not views",
+            "host syncs",
+            "QR matrices",
+            "cholesky_inverse matrices",
+        ],
+        rows,
+        "python benchmarks/bench_path_gap_cost.py --operators "
+        "--json benchmarks/results/cpu/path_gap_operators.json",
+        [
+            "One geodesic_sharpness call's path gap (rho=0.01, 3 iterations, a batch of 2 x 8 "
+            "tokens, random weights), counted on the CPU with blocks capped as on an "
+            "accelerator. A batched QR of more than 256 rows and a batched cholesky_inverse "
+            "loop over their matrices on a GPU (a few kernels each)."
+        ],
+    )
+
+
 def cpu_sharpness_iteration(results: Results) -> Table:
     doc = results.json("cpu/sharpness_iteration.json").data
     rows = []
@@ -1362,6 +1403,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-iteration-overhead": cpu_iteration_overhead,
     "cpu-sharpness-iteration": cpu_sharpness_iteration,
     "cpu-path-gap-cost": cpu_path_gap_cost,
+    "cpu-path-gap-operators": cpu_path_gap_operators,
     "cpu-memory": cpu_memory,
     "cpu-ball-memory": cpu_ball_memory,
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,

@@ -12,10 +12,11 @@ term :math:`\Gamma_F = \xi_F X_F + F Y_F` (:math:`h \times h` coefficients
 
 Both :math:`\dot F = \xi_F` and :math:`\dot \xi_F = -\xi_F X_F - F Y_F` multiply
 :math:`[F, \xi_F]` from the right, so position and velocity stay in the column span of
-the start: with the thin QR factorisation :math:`[F_0, \xi_{F,0}] = Q_F R_F`
-(:math:`Q_F` of orthonormal columns, :math:`n \times 2h`), :math:`[F, \xi_F] = Q_F M_F`
-with :math:`M_F = [P, V]` (:math:`2h \times 2h`, :math:`R_F` at the start), and RK4's
-stages, linear combinations of states, keep that form:
+the start: with an orthonormal basis :math:`Q_F = A_F L_F^{-\top}` of the span of
+:math:`A_F = [F_0, \xi_{F,0}]` (:math:`n \times 2h`; :math:`L_F` the Cholesky factor of
+its Gram matrix, :math:`A_F^\top A_F = L_F L_F^\top`), :math:`[F, \xi_F] = Q_F M_F`
+with :math:`M_F = [P, V]` (:math:`2h \times 2h`, :math:`L_F^\top` at the start), and
+RK4's stages, linear combinations of states, keep that form:
 
 .. math::
 
@@ -24,9 +25,27 @@ stages, linear combinations of states, keep that form:
 with the coefficients from :math:`F^\top F = P^\top P`, :math:`F^\top \xi_F = P^\top V`,
 :math:`\xi_F^\top \xi_F = V^\top V` (:math:`Q_F^\top Q_F = I`): per stage and factor
 :math:`10 h^3` multiply-adds in place of :math:`5 n h^2`, and the point's rows are read
-once at the start (the QR factorisation) and once at the end (:math:`Q_F (M_F - R_F)`
-added to the start). Both factors of a batch of points are one batch of such matrices;
-the Cholesky factorisations and inverses are one batched call each.
+once at the start (the Gram matrix) and once at the end (:math:`Q_F (M_F - L_F^\top) =
+A_F L_F^{-\top} (M_F - L_F^\top)`, a triangular solve of :math:`2h \times 2h` matrices
+and a product, added to the start); :math:`Q_F` is never formed. Both factors of a batch
+of points are one batch of such matrices; the Cholesky factorisations and the solves
+are one batched call each, as are the coefficients' (batched triangular solves where
+blocks are capped: on a GPU a batched QR of many rows or a batched ``cholesky_inverse``
+runs one solver call per matrix).
+
+A span of lower rank (:math:`\xi_F` of rank below :math:`h`, such as the gradient of a
+batch of fewer tokens than the head dimension, or :math:`\xi_F = 0`) has a singular Gram
+matrix. Its diagonal :math:`D` is raised, :math:`L L^\top = A^\top A + \tau D + \Pi`
+with :math:`\tau = n \epsilon` and :math:`\Pi` a unit entry for each zero column of
+:math:`A` (taken out of the start :math:`M_0 = L^\top - \Pi`). Then :math:`Q = A
+L^{-\top}` has :math:`Q^\top Q = I - L^{-1} (\tau D + \Pi) L^{-\top}`, and since every
+state is :math:`M_0 \Phi` (the flow multiplies from the right), the integration's Gram
+matrices :math:`\Phi^\top M_0^\top M_0 \Phi` are the true ones plus :math:`\tau\,
+\Phi^\top D \Phi`: a relative change of :math:`\tau` of their diagonals (at the start
+exactly), below the rounding of the Gram matrix itself (up to :math:`n \epsilon`). The
+end :math:`A L^{-\top} (M - M_0)` stays accurate however ill-conditioned :math:`L`:
+:math:`\|A L^{-\top}\| \le 1`. Only a non-finite Gram matrix falls back to the thin QR
+factorisation.
 
 The discretisation is the reference's; the values are its own up to float rounding
 (the order of sums), and the integration's checks (speed kept, every factorisation
@@ -38,6 +57,8 @@ from __future__ import annotations
 from typing import List, Tuple
 
 import torch
+
+from ._linalg import capped
 
 
 def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
@@ -87,21 +108,32 @@ def geodesic(
 
 
 class SpanGeodesic:
-    """:func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
-    (at construction), integrated for any ``t`` and ``steps`` by calling it."""
+    r""":func:`geodesic` from ``x`` along ``u`` with the span's factorisation made once
+    (at construction), integrated for any ``t`` and ``steps`` by calling it.
+
+    The span's orthonormal coordinates come from the Cholesky factor of its Gram matrix
+    (:func:`_cholesky_coordinates`, the module docstring); where that fails (non-finite
+    entries), from the thin QR factorisation (Householder), the spans then replaced by
+    their orthonormal frames."""
 
     def __init__(self, manifold, x: torch.Tensor, u: torch.Tensor):
         self.manifold, self.shape = manifold, x.shape
         rows, rank = x.shape[-2:]
         flat = (-1, rows, rank)
         self.x, self.u = x.reshape(flat), u.reshape(flat)
-        count, width = self.x.shape[0], 2 * rank
-        frames, start = [], x.new_empty(count, 2, width, width)
-        for index, (x_f, u_f) in enumerate(zip(manifold.factors(self.x), manifold.factors(self.u))):
-            frame, coordinates = torch.linalg.qr(torch.cat((x_f, u_f), -1))
-            frames.append(frame)
-            start[:, index] = coordinates.mT
-        self.frames, self.start = frames, start.view(2 * count, width, width)
+        count = self.x.shape[0]
+        self.spans = _spans(manifold, self.x, self.u)
+        grams = _stacked([torch.bmm(span.mT, span) for span in self.spans], count)
+        self.lower = _cholesky_coordinates(grams, max(s.shape[-2] for s in self.spans))
+        if self.lower is None:  # Householder: the spans become their orthonormal frames
+            factors = [torch.linalg.qr(span) for span in self.spans]
+            self.spans = [frame for frame, _ in factors]
+            self.start = _stacked([r.mT for _, r in factors], count)
+        else:  # M_0^T = L - Pi
+            self.start = self.lower.clone()
+            self.start.diagonal(dim1=-2, dim2=-1).masked_fill_(
+                grams.diagonal(dim1=-2, dim2=-1) == 0, 0.0
+            )
         self._first: Tuple[torch.Tensor, torch.Tensor] | None = None  # Gamma^T at the start
 
     def _first_stage(self, gamma: _SpanChristoffel, failures: List[torch.Tensor]):
@@ -120,10 +152,9 @@ class SpanGeodesic:
         """``(position, velocity, failures)`` as :func:`geodesic`'s; the velocity
         ``None`` unless asked for."""
         start, rank = self.start, self.x.shape[-1]
-        count, width = self.x.shape[0], 2 * rank
         state = start.clone()
         failures: List[torch.Tensor] = []
-        gamma = _SpanChristoffel(self.manifold, rank, failures)
+        gamma = _SpanChristoffel(self.manifold, rank, failures, state.device)
         stage, spare = torch.empty_like(state), torch.empty_like(state)
         dt = t / steps
         for step in range(steps):
@@ -139,23 +170,79 @@ class SpanGeodesic:
                 stage, spare = spare, stage
             state[:, :rank].add_(sum_p, alpha=dt / 6)
             state[:, rank:].add_(sum_g, alpha=-dt / 6)
-        change = (state - start).view(count, 2, width, width)  # from (x, u): small
+        kept = slice(None) if with_velocity else slice(0, rank)  # P^T (and V^T)
+        change = state[:, kept] - start[:, kept]  # small
+        ends = self._moved(change)
+        return ends[0], (ends[1] if with_velocity else None), failures
+
+    def _moved(self, change: torch.Tensor) -> List[torch.Tensor]:
+        r"""The end points ``[x + Q M_x, u + Q M_u]`` (as many as ``change`` has blocks of
+        :math:`h` rows) of the transposed change :math:`(M - M_0)^\top` of the state."""
+        count, rank = self.x.shape[0], self.x.shape[-1]
+        coefficients = change.mT  # coordinates in the basis spans[f]
+        if self.lower is not None:  # in [F_0, xi_F0]: L^-T (M - M_0)
+            coefficients = torch.linalg.solve_triangular(self.lower.mT, coefficients, upper=True)
+        if len(self.spans) == 2:
+            coefficients = coefficients.view(count, 2, *coefficients.shape[1:])
         ends = []
-        for base, part in ((self.x, slice(0, rank)), (self.u, slice(rank, None))):
-            moved = [torch.bmm(frame, change[:, f, part].mT) for f, frame in enumerate(self.frames)]
-            ends.append(torch.cat(moved, -2).add_(base).view(self.shape))
-            if not with_velocity:
-                return ends[0], None, failures
-        return ends[0], ends[1], failures
+        for index, base in enumerate((self.x, self.u)[: change.shape[1] // rank]):
+            part = slice(index * rank, (index + 1) * rank)
+            if len(self.spans) == 1:
+                moved = torch.bmm(self.spans[0], coefficients[..., part]).view(base.shape)
+            else:
+                moved = torch.cat(
+                    [torch.bmm(s, coefficients[:, f, :, part]) for f, s in enumerate(self.spans)],
+                    -2,
+                )
+            ends.append(moved.add_(base).view(self.shape))
+        return ends
+
+
+def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[torch.Tensor]:
+    r""":math:`[F_0, \xi_{F,0}]` of both factors of each point: one batch ``(2 B, n, 2h)``
+    (the factors :math:`G, H` of each point in turn) where both have :math:`n` rows,
+    else one ``(B, n_F, 2h)`` per factor."""
+    count, rows, rank = x.shape
+    if 2 * manifold.n == rows:
+        return [torch.cat((x.view(2 * count, -1, rank), u.view(2 * count, -1, rank)), -1)]
+    return [torch.cat(f, -1) for f in zip(manifold.factors(x), manifold.factors(u))]
+
+
+def _stacked(matrices: List[torch.Tensor], count: int) -> torch.Tensor:
+    """The ``(2 B, ...)`` batch of both factors' matrices (a list as :func:`_spans`)."""
+    if len(matrices) == 1:
+        return matrices[0]
+    return torch.stack(matrices, 1).view(2 * count, *matrices[0].shape[1:])
+
+
+def _cholesky_coordinates(grams: torch.Tensor, rows: int) -> torch.Tensor | None:
+    r"""The transposed start :math:`M_0^\top = L` of the span's coordinates from the
+    Cholesky factor of its Gram matrix :math:`G` with the diagonal raised
+    (:class:`SpanGeodesic`): :math:`L L^\top = G + \tau D + \Pi`, :math:`D` the
+    diagonal of :math:`G`, :math:`\tau = n \epsilon` (``rows`` :math:`= n`), :math:`\Pi`
+    a unit diagonal entry for each zero column of the span, whose diagonal entry of
+    :math:`L` is then taken out of the start. ``None`` where a factorisation fails all
+    the same (non-finite entries): one host synchronisation."""
+    diagonal = grams.diagonal(dim1=-2, dim2=-1)
+    empty = diagonal == 0
+    shift = torch.where(empty, 1.0, diagonal * (rows * torch.finfo(grams.dtype).eps))
+    lower, info = torch.linalg.cholesky_ex(grams + torch.diag_embed(shift))
+    if not bool((info == 0).all()):
+        return None
+    return lower
 
 
 class _SpanChristoffel:
     r""":math:`\Gamma^\top` of :func:`geodesic`'s transposed state in the orthonormal
-    coordinates (a new tensor ``(2 B, h, 2h)``)."""
+    coordinates (a new tensor ``(2 B, h, 2h)``). Where blocks are
+    :func:`~geoopt_quotient.manifolds._linalg.capped` (an accelerator), the coefficients'
+    :math:`S^{-1}` as two batched triangular solves with the Cholesky factor: a batched
+    ``cholesky_inverse`` loops over its matrices there (one solver call each). On the CPU
+    the explicit inverse, the faster."""
 
-    def __init__(self, manifold, rank: int, failures: List[torch.Tensor]):
+    def __init__(self, manifold, rank: int, failures: List[torch.Tensor], device: torch.device):
         self.mix, self.eps, self.rank = manifold.metric == "mix", manifold.eps, rank
-        self.failures = failures
+        self.failures, self.solves = failures, capped(device)
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         rank = self.rank
@@ -168,14 +255,34 @@ class _SpanChristoffel:
             s = s + self.eps * torch.eye(rank, dtype=s.dtype, device=s.device)
         chol, info = torch.linalg.cholesky_ex(s)
         self.failures.append(info)
+        coefficients = self._solved if self.solves else self._inverted
+        return torch.bmm(coefficients(chol, k, b), w)  # Y^T P^T + X^T V^T
+
+    def _inverted(self, chol: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r"""The transposed coefficients :math:`[Y^\top, X^\top]` (inv :math:`X = -S^{-1}
+        M`, :math:`Y = S^{-1} B`; mix :math:`X = M S^{-1}`, :math:`Y = -B S^{-1}`;
+        :math:`M = K + K^\top`) from the explicit inverse."""
         inverses = torch.cholesky_inverse(chol)
         sym_k = k + k.mT
-        # transposed coefficients: inv X = -S^-1 M, Y = S^-1 B; mix X = M S^-1, Y = -B S^-1
         if self.mix:
             x_t, y_t = torch.bmm(inverses, sym_k), torch.bmm(inverses, b).neg_()
         else:
             x_t, y_t = torch.bmm(sym_k, inverses).neg_(), torch.bmm(b, inverses)
-        return torch.bmm(torch.cat((y_t, x_t), -1), w)  # Y^T P^T + X^T V^T
+        return torch.cat((y_t, x_t), -1)
+
+    def _solved(self, chol: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """:meth:`_inverted` by triangular solves: :math:`S^{-1} [B, M]`, transposed
+        for inv (:math:`B, M, S` symmetric)."""
+        rank = self.rank
+        solved = torch.cat((b, k), -1)
+        solved[..., rank:].add_(k.mT)
+        solved = torch.linalg.solve_triangular(chol, solved, upper=False)
+        solved = torch.linalg.solve_triangular(chol.mT, solved, upper=True)
+        if self.mix:  # [Y^T, X^T] = [-S^-1 B, S^-1 M]
+            solved[..., :rank].neg_()
+            return solved
+        # inv: [Y^T, X^T] = [B S^-1, -M S^-1] = [(S^-1 B)^T, -(S^-1 M)^T]
+        return torch.cat((solved[..., :rank].mT, solved[..., rank:].mT.neg()), -1)
 
 
 def exchanged(t: torch.Tensor) -> torch.Tensor:

@@ -347,7 +347,7 @@ class GLTangentSpace(CachedTangentSpace):
         except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
             raise _integration_error(steps) from error
         if checked:
-            self.manifold._check_integration(self.x, u, pos, vel, steps, failures)
+            self.manifold._check_integration(self.x, u, pos, vel, steps, failures, self.state)
         return pos
 
     # ------------------------------------------------------------------ retraction

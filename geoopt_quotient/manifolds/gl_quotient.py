@@ -735,13 +735,17 @@ class GLQuotient(QuotientManifold):
         self._check_integration(x, u, pos, vel, steps, failures)
         return pos, vel
 
-    def _check_integration(self, x, u, pos, vel, steps: int, failures: List[torch.Tensor]):
+    def _check_integration(
+        self, x, u, pos, vel, steps: int, failures: List[torch.Tensor], state=None
+    ):
         """Geodesics keep their metric speed: a finite end point whose speed changed by more
         than 2% means the path left the manifold or the steps were too long; so does a
         Gram matrix on the way that was not positive definite (a factor lost rank). All
-        of it is read from the device at once: one host synchronisation per call."""
+        of it is read from the device at once: one host synchronisation per call.
+        ``state``: the :class:`PointState` of ``x`` where the caller keeps one."""
         with torch.no_grad():
-            start = self._inner(PointState(self, x, failures), u, None, False)
+            state = PointState(self, x, failures) if state is None else state
+            start = self._inner(state, u, None, False)
             end = self._inner(PointState(self, pos, failures), vel, None, False)
             checks = [
                 torch.isfinite(pos).all(),

@@ -54,7 +54,7 @@ import torch
 
 from ..manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
 from ..manifolds._gl_tangent import GLTangentSpace
-from ..manifolds._linalg import block_length, compute_dtype
+from ..manifolds._linalg import block_length, capped, compute_dtype
 from .apgd import BallGroup, _prepare, _straight, as_scalar
 from .precision import AutocastState
 
@@ -139,6 +139,10 @@ def _path_gap(groups, exact, objective, xi) -> Tuple[float, float]:
 
 #: Entries of a group handled at once by :func:`_group_gap` (its float64 copies stay small).
 SLICE_ENTRIES = 1 << 22
+#: ... on an accelerator (where blocks are :func:`~geoopt_quotient.manifolds._linalg.capped`):
+#: each slice's integration costs the same kernel launches whatever its size, so the
+#: slices are larger there (256 MiB per float64 copy; BERT-base's GL(h) groups in one).
+SLICE_ENTRIES_CAPPED = 1 << 25
 
 
 def _group_gap(
@@ -148,8 +152,8 @@ def _group_gap(
     of one group, the first two in float64: the two points differ by :math:`O(|v|^3)`, which
     float32 rounding of each (relative :math:`10^{-7}` of the weights) would swamp at small
     radii. A large group is taken a slice at a time (:func:`_slices`), so that its float64
-    copies take at most :data:`SLICE_ENTRIES` entries each; the end point is in the point's
-    dtype."""
+    copies take at most :data:`SLICE_ENTRIES` entries each (:data:`SLICE_ENTRIES_CAPPED`
+    on an accelerator); the end point is in the point's dtype."""
     x = group.point.detach()
     if _closed_form_applies(group, exact):
         return elementwise_gap(x, v.detach())
@@ -167,16 +171,16 @@ def _slices(group: BallGroup, exact: BallGroup) -> List[Any]:
     flat pieces of an element-wise adaptive group, slices along the batch dimension of a
     batch of quotient points (this package's GL quotients, whose paths act per point)."""
     x = group.point
-    size = x.numel()
-    if size <= SLICE_ENTRIES:
+    size, entries = x.numel(), SLICE_ENTRIES_CAPPED if capped(x.device) else SLICE_ENTRIES
+    if size <= entries:
         return [Ellipsis]
     owners = [group.manifold, exact.manifold]
     owners += [getattr(p, "__self__", None) for p in (group.path, exact.path) if p is not None]
     elementwise = type(group.manifold) is AdaptiveEuclidean and group.manifold.ndim == 0
     if elementwise and len(owners) == 2 and x.dim() == 1:
-        return [slice(i, i + SLICE_ENTRIES) for i in range(0, size, SLICE_ENTRIES)]
+        return [slice(i, i + entries) for i in range(0, size, entries)]
     if x.dim() > 2 and all(isinstance(m, (GLQuotient, AdaptiveEuclidean)) for m in owners):
-        rows = max(1, SLICE_ENTRIES // (size // x.shape[0]))
+        rows = max(1, entries // (size // x.shape[0]))
         return [slice(i, i + rows) for i in range(0, x.shape[0], rows)]
     return [Ellipsis]
 
@@ -229,30 +233,44 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
     :math:`E_N`, the exponential map (``expmap``) itself.
     """
     x, largest = space.x, space.manifold.expmap_steps
-
-    def norm(u: torch.Tensor) -> float:
-        return math.sqrt(max(float(space.inner(u, u)), 0.0))
-
-    step_sq = float(space.inner(v, v))
-    floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * norm(x)
+    step_sq, x_sq = _squared_norms(space, v, x)
+    floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * math.sqrt(max(x_sq, 0.0))
     ends = space.expmaps(v)
     steps = 1
     coarse = ends(steps, checked=False) if 2 * steps < largest else None
+    differences = None
     while coarse is not None and 2 * steps < largest:
         fine = ends(2 * steps)
         if fine is None:
             break
-        gap, error = norm(retracted - fine), norm(fine - coarse) / 15
+        if differences is None:
+            differences = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
+        torch.sub(retracted, fine, out=differences[0])
+        torch.sub(fine, coarse, out=differences[1])
+        gap_sq, change_sq = _squared_norms(space, differences)
+        gap, error = math.sqrt(max(gap_sq, 0.0)), math.sqrt(max(change_sq, 0.0)) / 15
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
             return gap**2, step_sq, fine
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
         steps, coarse = 2 * steps, fine
+    del differences
     end = ends(largest)  # the exponential map's own integration, bit for bit
     if end is None:
         raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
     difference = retracted - end
     return float(space.inner(difference, difference)), step_sq, end
+
+
+def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
+    r""":math:`|u|_w^2` of each vector (or of each of a stacked tensor's first dimension),
+    in one sum over the batch and one host synchronisation."""
+    if len(vectors) == 1:
+        (stacked,) = vectors
+        squares = space.manifold._inner(space.state, stacked, None, False)
+    else:
+        squares = torch.stack([space.manifold._inner(space.state, u, None, False) for u in vectors])
+    return squares.reshape(squares.shape[0], -1).sum(1).tolist()
 
 
 def _closed_form_applies(group: BallGroup, exact: BallGroup) -> bool:
