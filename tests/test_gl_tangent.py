@@ -278,6 +278,9 @@ def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
     close(rgrad, expected_rgrad, torch.float64, float(expected_rgrad.abs().max()))
     expected = reference.gram([v, expected_rgrad, u])
     close(gram, expected, torch.float64, float(expected.abs().max()))
+    rgrad, column = fast.egrad2rgrad_column_((v, c.clone(), u), 1)  # the column alone
+    assert torch.equal(rgrad, fast.egrad2rgrad_gram_((v, c.clone(), u), 1)[0])
+    close(column, expected[:, 1], torch.float64, float(expected.abs().max()))
     # the negative: the plain GL(h) quotient's gradient is not horizontal here
     _, generic = gq.GLQuotient(4, 8, metric).tangent_space(x).egrad2rgrad_gram_((v, c, u), 1)
     assert not torch.allclose(generic, expected, rtol=1e-6, atol=0)

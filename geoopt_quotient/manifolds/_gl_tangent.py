@@ -34,7 +34,11 @@ Across the operations of one Auto-PGD iteration, products are shared:
   the projection is metric-orthogonal, so the Gram matrix of the update takes the
   gradient's row from Euclidean dot products, and only the iterates' rows from the
   metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
-  the Gram matrix that computed it (:attr:`GLTangentSpace._norms`).
+  the Gram matrix that computed it (:attr:`GLTangentSpace._norms`);
+- where Auto-PGD derives the iterates' entries from its previous update, the gradient's
+  column alone takes no product with the metric's weights
+  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 11 products with the factors per
+  iteration (the retraction 4, its pullback 5, the Riemannian gradient 2).
 
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.
