@@ -232,6 +232,35 @@ def test_the_riemannian_gradient_and_gram_of_auto_pgd_are_the_reference(
             assert not torch.allclose(gram[0, 1], metric_row[0, 1], rtol=1e-6, atol=1e-9)
 
 
+@settings(max_examples=20, deadline=None)
+@given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_the_gradients_column_of_auto_pgd_is_that_of_the_gram_matrix(
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
+):
+    """The column of the Riemannian gradient (Euclidean dots, no metric product) is the
+    column of the Gram matrix and the gradient the same, bit for bit, with the vectors in
+    any order and one of them twice; the negative: with an iterate that is not
+    horizontal, it is not the metric's inner product."""
+    manifold = gq.GLQuotient(*rows, metric, eps)
+    x, fast, reference, u, c = case(manifold, batch, rank, seed, dtype, zero_rows)
+    v = 0.5 * reference.proju(torch.randn_like(x))
+    with chunk_bytes(chunk):
+        for vectors, index in (((u, c, v), 1), ((c, v, u), 0), ((u, v, c), 2), ((u, c, u), 1)):
+            vectors = [w.clone() if w is c else w for w in vectors]
+            expected_rgrad, gram = fast.egrad2rgrad_gram_(
+                [w.clone() if i == index else w for i, w in enumerate(vectors)], index
+            )
+            rgrad, column = fast.egrad2rgrad_column_(vectors, index)
+            assert rgrad is vectors[index] and torch.equal(rgrad, expected_rgrad)
+            assert column.dtype == torch.float64 and torch.equal(column, gram[:, index])
+    if dtype == torch.float64:
+        vertical = c - reference.proju(c)
+        if float(vertical.abs().max()) > 1e-3:
+            _, column = fast.egrad2rgrad_column_((vertical, c.clone(), u), 1)
+            metric_row = reference.gram([vertical, reference.egrad2rgrad(c)])
+            assert not torch.allclose(column[0], metric_row[0, 1], rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
     """The rotary quotient's projection is metric-orthogonal too: the Euclidean row of
@@ -249,6 +278,9 @@ def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
     close(rgrad, expected_rgrad, torch.float64, float(expected_rgrad.abs().max()))
     expected = reference.gram([v, expected_rgrad, u])
     close(gram, expected, torch.float64, float(expected.abs().max()))
+    rgrad, column = fast.egrad2rgrad_column_((v, c.clone(), u), 1)  # the column alone
+    assert torch.equal(rgrad, fast.egrad2rgrad_gram_((v, c.clone(), u), 1)[0])
+    close(column, expected[:, 1], torch.float64, float(expected.abs().max()))
     # the negative: the plain GL(h) quotient's gradient is not horizontal here
     _, generic = gq.GLQuotient(4, 8, metric).tangent_space(x).egrad2rgrad_gram_((v, c, u), 1)
     assert not torch.allclose(generic, expected, rtol=1e-6, atol=0)
@@ -295,3 +327,25 @@ def test_an_auto_pgd_iteration_makes_twelve_products_with_the_factors(metric):
         fast.egrad2rgrad_(grad)
         fast.gram([u, grad, previous])
     assert counter.work == 15 + 9 / rank
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_an_auto_pgd_iteration_with_derived_gram_entries_makes_eleven_products(metric):
+    """With the iterates' entries derived from the last update (Auto-PGD's
+    ``egrad2rgrad_column_``), the Gram matrix takes no product with the factors: 4 + 5 + 2;
+    the negative: the whole matrix's column costs the twelfth."""
+    n, rank, batch = 32, 8, 3
+    manifold = gq.GLQuotient(n, n, metric)
+    x, fast, _, u, c = case(manifold, (batch,), rank, 0)
+    previous = 0.5 * u
+    unit = 2 * batch * n * rank * rank
+    for column, expected in ((True, 11), (False, 12)):
+        fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+        with _FactorProducts(n, unit) as counter:
+            _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+            vectors = (u, pullback(c.clone()), previous)
+            if column:
+                fast.egrad2rgrad_column_(vectors, 1)
+            else:
+                super(type(fast), fast).egrad2rgrad_column_(vectors, 1)
+        assert counter.work == expected
