@@ -535,6 +535,10 @@ def maximize_in_ball(
     the perturbed point of a straight path or of a retraction with an explicit pullback
     (the GL(h) quotients'; one buffer, rewritten at every evaluation, the gradient there
     pulled back to :math:`\xi` in place): no gradient, unless ``keep_best_gradient``.
+    With an objective that writes the gradient into a vector of the ball (the engine's
+    flat layout), the loop also keeps the vectors it has freed, for the next gradients
+    and iterates to be written into: with those in use, never more than it held at once
+    before, so that a run stops allocating once it has that many.
     Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
     :math:`\xi_{k-1}` (see :func:`_apgd_update`), written into a freed iterate's buffer;
     the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
