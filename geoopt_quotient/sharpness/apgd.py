@@ -337,10 +337,11 @@ def _evaluate(
 
     An objective with an ``evaluate_ball`` method (a
     :class:`~geoopt_quotient.sharpness.layout.BallLayout`'s) evaluates itself, through
-    the layout's flat buffers. ``recycled`` holds at most one vector of the ball that the
-    caller no longer needs; the evaluation takes it (empties the list), and such an
-    objective may write the gradient into it instead of into a new buffer (one of a
-    large model's size is faulted in page by page: in system time, about a copy's worth).
+    the layout's flat buffers. ``recycled`` holds vectors of the ball that the caller no
+    longer needs; such an objective may take one (pop it) and write the gradient into it
+    instead of into a new buffer (one of a large model's size is faulted in page by page:
+    in system time, several copies' worth); other evaluations release them all before
+    the objective runs (empty the list), since autograd allocates the gradient anyway.
     """
     custom = getattr(objective, "evaluate_ball", None)
     if custom is not None:
@@ -534,6 +535,10 @@ def maximize_in_ball(
     the perturbed point of a straight path or of a retraction with an explicit pullback
     (the GL(h) quotients'; one buffer, rewritten at every evaluation, the gradient there
     pulled back to :math:`\xi` in place): no gradient, unless ``keep_best_gradient``.
+    With an objective that writes the gradient into a vector of the ball (the engine's
+    flat layout), the loop also keeps the vectors it has freed, for the next gradients
+    and iterates to be written into: with those in use, never more than it held at once
+    before, so that a run stops allocating once it has that many.
     Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
     :math:`\xi_{k-1}` (see :func:`_apgd_update`), written into a freed iterate's buffer;
     the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
@@ -613,7 +618,11 @@ def _maximize(
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
     xi = _initial_vector(ball, init, seed)
-    # at most one free gradient buffer, for the next update or evaluation to write into
+    # the vectors of the ball no longer needed (gradients, iterates a restart left), for
+    # the next updates and evaluations to write into: a model-sized buffer allocated anew
+    # is faulted in page by page, which costs several copies' worth of time. Taken before
+    # anything is allocated, so the vectors alive never outnumber the most the loop needs
+    # at once (with the kept gradient: three iterates and two gradients)
     recycled: List[List[torch.Tensor]] = []
 
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
@@ -637,7 +646,6 @@ def _maximize(
     checkpoints = apgd_checkpoints(iters)
     last_mark, increases = 0, 0
     best_at_last_mark, step_halved_at_last_mark = value, True
-    spare = None  # an iterate left by a restart, for the next update to write into
     for k in range(iters):
         alpha = 1.0 if k == 0 else momentum
         # written over an input the update reads each entry of before writing it (the
@@ -645,15 +653,14 @@ def _maximize(
         # gradient), else the gradient, unless the best iterate holds them
         if _is_free(xi_prev, (xi, best_xi)):
             out = xi_prev
-        elif spare is not None or recycled:  # not the gradient: no staging in _combine_
-            out = spare if spare is not None else recycled.pop()
+        elif recycled:  # not the gradient: no staging in _combine_
+            out = recycled.pop()
         elif rgrads is not best_rgrads:
             out = rgrads
         else:
             out = _joint_buffer(xi)
-        spare = None
         if out is not rgrads and rgrads is not best_rgrads:
-            recycled[:] = [rgrads]  # read by the update, then free
+            recycled.append(rgrads)  # read by the update, then free
         gram = _known_gram(known, (xi, rgrads, xi_prev))
         known = None
         xi_next, grad_norm = _apgd_update(
@@ -675,9 +682,12 @@ def _maximize(
         # ``grads`` is made Riemannian in place (the same list) at the end of the
         # iteration, unless a restart leaves its iterate behind
         if new_value > best_value:
+            if _is_free(best_xi, (xi, xi_prev)):  # an earlier best iterate
+                recycled.append(best_xi)
             best_value, best_xi = new_value, xi
             if keep and need_grad:
-                recycled[:] = [] if best_rgrads is None else [best_rgrads]
+                if best_rgrads is not None:
+                    recycled.append(best_rgrads)
                 best_rgrads = grads
         if k + 1 in checkpoints and need_grad:
             since = k + 1 - last_mark
@@ -687,9 +697,7 @@ def _maximize(
             if step_halved_at_last_mark:
                 step /= 2.0
                 if best_xi is not xi:  # restart from the best iterate, with its gradient
-                    if keep and xi_prev is best_xi:  # no input of the next update is free
-                        spare = xi
-                    recycled[:] = [grads]  # the gradient at the iterate left behind
+                    recycled += [xi, grads]  # the iterate left behind and its gradient
                     xi, value, grads = best_xi, best_value, None
                     if keep:
                         rgrads = best_rgrads

@@ -611,8 +611,9 @@ class _LayoutObjective:
 
     def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
         r"""The loss at the perturbed points and its gradient with respect to ``xi``,
-        written into the vector that ``recycled`` holds, if any, where it fits
-        (:meth:`BallLayout.parameters`); it is released before the loss runs otherwise.
+        written into one of the free vectors that ``recycled`` holds, if any, where they
+        fit (:meth:`BallLayout.parameters`: all of the ball's vectors fit, or none); they
+        are released before the loss runs otherwise.
 
         Paths with an explicit pullback (the straight line, the retractions of this
         package's quotients) write the perturbed point into the layout's buffer and map
@@ -620,9 +621,10 @@ class _LayoutObjective:
         from the point's gradient.
         """
         layout = self.layout
-        spare = recycled.pop() if recycled else None
-        if spare is not None and not (grad and layout.fits(spare)):
+        spare = recycled.pop() if grad and recycled else None
+        if spare is not None and not layout.fits(spare):
             spare = None
+            recycled.clear()
         points, pullbacks, traced = [], [], {}
         written = ball.take_written(xi)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
