@@ -277,9 +277,7 @@ class GLTangentSpace(CachedTangentSpace):
         entry.update({(j, i): n for (i, j), n in entry.items() if (j, i) not in entry})
         for i in weighted:  # the diagonal is the same after the symmetrisation below
             self._norms.put(unique[i], (total, entry[i, i]))
-        where = [
-            -1 if v is grad else next(i for i, w in enumerate(unique) if w is v) for v in vectors
-        ]
+        where = _positions(vectors, grad, unique, -1)
         gram = total[self._order([entry[i, j] for i in where for j in where])]
         gram = gram.view(len(vectors), -1)
         if len(weighted) > 1:  # both (i, j) and (j, i) computed
@@ -302,11 +300,7 @@ class GLTangentSpace(CachedTangentSpace):
         grad = vectors[index]
         unique = _others(vectors, grad)
         dots = self._gradient_sweep(grad, unique, [])  # (gradient, j) for each j, (g, g)
-        where = [
-            len(unique) if v is grad else next(i for i, w in enumerate(unique) if w is v)
-            for v in vectors
-        ]
-        return grad, dots[self._order(where)]
+        return grad, dots[self._order(_positions(vectors, grad, unique, len(unique)))]
 
     def _gradient_sweep(
         self, grad: torch.Tensor, unique: Sequence[torch.Tensor], weighted: Sequence[int]
@@ -429,6 +423,20 @@ def _others(vectors: Sequence[torch.Tensor], grad: torch.Tensor) -> List[torch.T
         if v is not grad and all(v is not w for w in unique):
             unique.append(v)
     return unique
+
+
+def _positions(
+    vectors: Sequence[torch.Tensor],
+    grad: torch.Tensor,
+    unique: Sequence[torch.Tensor],
+    grad_position: int,
+) -> List[int]:
+    """Where each of ``vectors`` stands: its index in ``unique`` (:func:`_others`), or
+    ``grad_position`` for ``grad``."""
+    return [
+        grad_position if v is grad else next(i for i, w in enumerate(unique) if w is v)
+        for v in vectors
+    ]
 
 
 def _rows(pairs: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
