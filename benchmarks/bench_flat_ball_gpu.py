@@ -100,7 +100,10 @@ def synchronize(device: str) -> None:
 
 def seconds_per_iteration(
     runs: Dict[str, Callable[[int], Any]], n: int, repeats: int, device: str
-) -> Dict[str, float]:
+) -> tuple[Dict[str, float], Dict[str, list]]:
+    """Seconds per iteration by difference of the medians of runs of ``2n`` and ``n``
+    iterations, and the same difference within each round (its spread tells how much
+    the call's fixed work, such as the path gap's many launches, varied between runs)."""
     times: Dict[str, Dict[int, list]] = {k: {n: [], 2 * n: []} for k in runs}
     for run in runs.values():  # warm-up
         run(1)
@@ -113,10 +116,12 @@ def seconds_per_iteration(
                 runs[name](count)
                 synchronize(device)
                 times[name][count].append(time.perf_counter() - start)
-    return {
+    medians = {
         name: (statistics.median(t[2 * n]) - statistics.median(t[n])) / n
         for name, t in times.items()
     }
+    rounds = {name: [(b - a) / n for a, b in zip(t[n], t[2 * n])] for name, t in times.items()}
+    return medians, rounds
 
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
@@ -191,15 +196,18 @@ def unit(name: str, precision: str, args, device: str) -> Dict[str, Any]:
     runs = runners(model, batch, loss)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
     with autocast if precision == "bf16-autocast" else contextlib.nullcontext():
-        seconds = seconds_per_iteration(runs, args.iters, args.repeats, device)
+        seconds, rounds = seconds_per_iteration(runs, args.iters, args.repeats, device)
         counts = {k: counts_per_iteration(run, args.iters, device) for k, run in runs.items()}
     launches = {k: c.get("launches") for k, c in counts.items()}
     step = seconds["step"]
     row: Dict[str, Any] = {
         "seconds_per_iteration": seconds,
+        "seconds_per_iteration_by_round": rounds,
         "launches_per_iteration": launches,
         "counts_per_iteration": counts,
     }
+    if args.engine:
+        row["engine"] = args.engine
     row["ratio_to_step"] = {k: seconds[k] / step for k in MEASURES} if step > 0 else {}
     if seconds["adaptive"] > 0:
         row["geodesic_over_adaptive"] = {
@@ -239,6 +247,11 @@ def main(argv=None) -> Dict[str, Any]:
     )
     parser.add_argument(
         "--device", default=None, help="default: cuda where available (cpu for --dry-run)"
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="a label of the code measured (e.g. its commit), stored in every unit",
     )
     args = parser.parse_args(argv)
     device = args.device or ("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")

@@ -170,11 +170,13 @@ def test_flat_ball_gpu_script_dry_run_writes_its_document(tmp_path):
     module = importlib.import_module("bench_flat_ball_gpu")
     out = tmp_path / "flat_ball.json"
     options = ["--dry-run", "--models", "vit-b32,bert-base", "--dtypes", "bfloat16"]
-    report = module.main([str(out), *options, "--device", "cpu"])
+    report = module.main([str(out), *options, "--device", "cpu", "--engine", "abc1234"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert set(report["units"]) == {"bert-base bf16-autocast", "vit-b32 bf16-autocast"}
     for row in report["units"].values():
         assert "error" not in row, row
         assert set(row["seconds_per_iteration"]) == {"step", "adaptive", "inv", "mix"}
+        assert all(len(r) == 1 for r in row["seconds_per_iteration_by_round"].values())
+        assert row["engine"] == "abc1234"
     with pytest.raises(SystemExit):  # an unknown model is refused before anything runs
         module.main([str(out), "--dry-run", "--models", "vit-b16"])

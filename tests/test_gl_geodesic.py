@@ -151,3 +151,20 @@ def test_a_span_whose_gram_matrix_cannot_be_factorised_takes_householder():
     span = _gl_geodesic.SpanGeodesic(manifold, x, u)
     assert span.lower is None and span.spans[0].shape == (4, 8, 6)  # the orthonormal frames
     assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None
+
+
+def test_a_factor_with_nan_entries_reported_as_success_takes_householder(monkeypatch):
+    """The GPU's Cholesky solvers can return ``info == 0`` for a matrix with NaN entries:
+    the factor's own entries decide too."""
+    manifold = gq.GLQuotient(8, 8, "inv")
+    x, u, _, _ = case(manifold, (2,), 3, 1, 0.2)
+    u[0, 0, 0] = float("nan")
+    factorise = torch.linalg.cholesky_ex
+
+    def reporting_success(matrix):
+        lower, info = factorise(matrix.nan_to_num())
+        return lower.masked_fill(matrix.isnan(), float("nan")), torch.zeros_like(info)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", reporting_success)
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u).lower is None
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None

@@ -876,22 +876,27 @@ def gpu_flat_ball(results: Results) -> Table:
     measures = ("adaptive", "inv", "mix")
     rows = []
     engines = (
-        ("kept best gradient", KEPT_GRADIENT_FILES),
-        ("batched geometry", ("gpu/flat_ball_bert.json", "gpu/flat_ball_vit.json")),
-        ("flat ball", ("gpu/flat_ball.json",)),
-        ("before", ("gpu/flat_ball_before.json",)),
+        ("kept best gradient", KEPT_GRADIENT_FILES, "units"),
+        ("kept best gradient, earlier run", KEPT_GRADIENT_FILES, "earlier_units"),
+        ("batched geometry", ("gpu/flat_ball_bert.json", "gpu/flat_ball_vit.json"), "units"),
+        ("flat ball", ("gpu/flat_ball.json",), "units"),
+        ("before", ("gpu/flat_ball_before.json",), "units"),
     )
-    for engine, paths in engines:
+    for engine, paths, section in engines:
         units, devices = {}, {}
         for path in paths:  # one file per model where the runs were split
             doc = results.json(path).data
-            for key, unit in (dig(doc, "units") or {}).items():
+            for key, unit in (dig(doc, section) or {}).items():
                 units[key], devices[key] = unit, dig(doc, "device")
         for model, model_label in MODELS.items():
             for precision, precision_label in PRECISIONS.items():
                 unit = units.get(f"{model} {precision}")
+                if section != "units" and unit is None:
+                    continue  # earlier runs: only the units measured twice
                 device = devices.get(f"{model} {precision}")
-                where = f" ({device})" if device else ""
+                commit = unit.get("engine") if isinstance(unit, dict) else None
+                where = ", ".join(w for w in (device, commit and f"engine {commit}") if w)
+                where = f" ({where})" if where else ""
                 label = f"{engine}{where}: {model_label}, {precision_label}"
                 state = unit_state(unit)
                 if state:
@@ -930,7 +935,9 @@ def gpu_flat_ball(results: Results) -> Table:
             "the optimizer (forward and backward), 3 interleaved repeats. 'kept best gradient': "
             "the engine that keeps Auto-PGD's best gradient on these models (no pass per "
             "restart), runs of 5 and 10 iterations, seconds and launches by difference of the "
-            "two. The other rows: runs of 4 and 8 iterations, seconds by difference, launches of "
+            "two, on the engine of the commit named where the unit records it; 'earlier run': "
+            "a unit measured again later, its first run. The other rows: runs of 4 and 8 "
+            "iterations, seconds by difference, launches of "
             "the run of 4 over 4 (the call's fixed work included), the best gradient recomputed "
             "at every restart. 'batched geometry': the engine with the quotient geometry as "
             "batched products, one run per model (--models bert-base or vit-b32, --dtypes "

@@ -222,12 +222,14 @@ def _cholesky_coordinates(grams: torch.Tensor, rows: int) -> torch.Tensor | None
     diagonal of :math:`G`, :math:`\tau = n \epsilon` (``rows`` :math:`= n`), :math:`\Pi`
     a unit diagonal entry for each zero column of the span, whose diagonal entry of
     :math:`L` is then taken out of the start. ``None`` where a factorisation fails all
-    the same (non-finite entries): one host synchronisation."""
+    the same (non-finite entries): one host synchronisation. A factor with non-finite
+    entries counts as failed too: the GPU's solvers can report success on a matrix
+    with NaN entries."""
     diagonal = grams.diagonal(dim1=-2, dim2=-1)
     empty = diagonal == 0
     shift = torch.where(empty, 1.0, diagonal * (rows * torch.finfo(grams.dtype).eps))
     lower, info = torch.linalg.cholesky_ex(grams + torch.diag_embed(shift))
-    if not bool((info == 0).all()):
+    if not bool((info == 0).all() & lower.isfinite().all()):
         return None
     return lower
 
