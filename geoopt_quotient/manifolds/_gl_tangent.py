@@ -40,6 +40,15 @@ Across the operations of one Auto-PGD iteration, products are shared:
   (:meth:`GLTangentSpace.egrad2rgrad_column_`): 11 products with the factors per
   iteration (the retraction 4, its pullback 5, the Riemannian gradient 2).
 
+Both metrics make the same products and move the same bytes on the :math:`n \times h`
+factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
+factor to the other's Gram matrix, which costs exchanges of the factors' :math:`h
+\times h` matrices (at most four per slice of the batch:
+:func:`~geoopt_quotient.manifolds._gl_geodesic.exchanged` and :meth:`_Split.inner`'s
+``swapped``), and its signs are carried by the products' ``alpha``; the inv metric's
+projection takes more :math:`h \times h` products instead (its eigenbases, in the Gram
+matrices' precision).
+
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.
 """
