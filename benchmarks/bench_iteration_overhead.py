@@ -14,7 +14,9 @@ It reports, as ratios to ``plain`` (medians over ``--repeats``):
 
 - ``marginal_ratio``: what one more Auto-PGD iteration costs, from runs of ``--iters`` and
   ``--iters / 2`` iterations: (t(iters) - t(iters / 2)) / ((iters - iters / 2) x
-  batches). The target of at most 1.15 is on this figure;
+  batches). The target of at most 1.15 is on this figure; ``marginal_ratios`` (JSON): the
+  same from each repeat's pair of runs, whose spread is the figure's noise (a difference
+  of two runs that both hold the fixed work, several passes on BERT-base);
 - ``fixed_passes``: the work of a run that does not grow with the iterations (clean loss,
   base-point geometry, the path gap's exact geodesic on ``path="second_order"``, the last
   forward pass), per batch, in plain passes;
@@ -213,6 +215,10 @@ def bench_model(name: str, args) -> Dict[str, Any]:
             "iteration_ms": 1e3 * iteration,
             "ratio": iteration / plain,
             **marginal_cost(whole, part, args.iters, half, len(batches), plain),
+            "marginal_ratios": [
+                marginal_cost(w, p, args.iters, half, len(batches), plain)["marginal_ratio"]
+                for w, p in zip(seconds[measure], seconds[f"{measure} half"])
+            ],
             "half_iters": half,
             "half_seconds": seconds[f"{measure} half"],
             "forward_passes_per_batch": statistics.mean(result.forward_passes),

@@ -12,9 +12,18 @@ one):
   models each costs about a microsecond of dispatch whatever its size) and the ``N``
   operators with the most self CPU time in ``torch.profiler`` (in a second, profiled
   run), so that an operator slower in the sharpness run than in the plain pass stands
-  out.
+  out;
+- with ``--phases``, the process CPU time of each phase of the Auto-PGD loop per
+  iteration, in a third run (the loop's phases summed over the run, over its
+  iterations): the loss's forward pass, the rest of the evaluation (backward pass and the
+  layout's copies), the quotients' retraction and its pullback, the Riemannian gradient
+  with its Gram entries, the update. Their sum is the loop's cost without the run's fixed
+  work, measured directly instead of by a difference of two runs, so that two measures
+  compare phase by phase.
 
     python benchmarks/profile_cpu_iteration.py --models bert-base --measures adaptive,inv
+    python benchmarks/profile_cpu_iteration.py --models bert-base --measures inv,mix \\
+        --batch-size 4 --iters 8 --operators 0 --phases
     python benchmarks/profile_cpu_iteration.py --quick            # seconds, for CI
 
 Linux and macOS only (``resource``).
@@ -23,6 +32,8 @@ Linux and macOS only (``resource``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import resource
 import time
 from types import SimpleNamespace
@@ -41,6 +52,8 @@ from bench_iteration_overhead import (
 from torch.profiler import ProfilerActivity, profile
 
 import geoopt_quotient as gq
+from geoopt_quotient.manifolds import _gl_tangent
+from geoopt_quotient.sharpness import apgd, layout
 
 MODELS = ("tiny-vit", "bert-11m", "bert-base")
 
@@ -78,6 +91,83 @@ def top_operators(
     ]
 
 
+#: The phases of :func:`phase_times`: (label, module, attribute) of what each times.
+PHASES = (
+    ("update", apgd, "_apgd_update"),
+    ("riemannian gradient", apgd._Ball, "riemannian_gradient_gram_"),
+    ("evaluation", layout._LayoutObjective, "evaluate_ball"),
+    ("retraction", _gl_tangent.GLTangentSpace, "retr_vjp"),
+)
+
+
+@contextlib.contextmanager
+def phase_clock(seconds: Dict[str, float], active: List[str]):
+    """Adds the process time of each of :data:`PHASES` (and of the pullbacks that the
+    retractions return) to ``seconds`` while active, the phases running kept in
+    ``active``; restores the originals after."""
+
+    def timed(label: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            active.append(label)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                active.pop()
+                seconds[label] = seconds.get(label, 0.0) + time.process_time() - start
+            if label == "retraction" and out is not None:
+                return out[0], timed("pullback", out[1])
+            return out
+
+        return wrapper
+
+    originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in PHASES]
+    for (label, owner, attr), (_, _, fn) in zip(PHASES, originals):
+        setattr(owner, attr, timed(label, fn))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+
+
+def phase_times(
+    run: Callable[[], Any], loss_seconds: Dict[str, float], active: List[str], iters: int
+):
+    """Per iteration, the process seconds of each phase of ``run``'s Auto-PGD loop
+    (:func:`phase_clock`; ``loss_seconds["forward"]``: the loss's within the evaluations,
+    :func:`timed_loss`), the evaluation without its forward pass, retraction and
+    pullback, and their sum."""
+    seconds: Dict[str, float] = {}
+    loss_seconds.clear()
+    with phase_clock(seconds, active):
+        run()
+    seconds["forward"] = loss_seconds.get("forward", 0.0)
+    nested = sum(seconds.get(k, 0.0) for k in ("forward", "retraction", "pullback"))
+    seconds["evaluation"] = seconds.get("evaluation", 0.0) - nested
+    order = ("forward", "evaluation", "retraction", "pullback", "riemannian gradient", "update")
+    phases = {k: seconds.get(k, 0.0) / iters for k in order}
+    return {**phases, "loop": sum(phases.values())}
+
+
+def timed_loss(loss_fn: Callable, seconds: Dict[str, float], active: List[str]) -> Callable:
+    """``loss_fn``, its process time added to ``seconds["forward"]`` where it runs in an
+    evaluation of the loop (``active``, :func:`phase_clock`), not in the run's fixed work
+    (the clean loss, the path gap's)."""
+
+    def loss(model, batch):
+        if "evaluation" not in active:
+            return loss_fn(model, batch)
+        start = time.process_time()
+        try:
+            return loss_fn(model, batch)
+        finally:
+            seconds["forward"] = seconds.get("forward", 0.0) + time.process_time() - start
+
+    return loss
+
+
 def profile_model(name: str, args) -> Dict[str, Any]:
     if name == "tiny-vit":
         model, batches, loss_fn = vit_setup(args.quick, 128, 512)
@@ -103,6 +193,13 @@ def profile_model(name: str, args) -> Dict[str, Any]:
         if args.operators:
             calls, operators = top_operators(run, count, args.operators)
             row[key]["operator_calls"], row[key]["operators"] = calls, operators
+    if args.phases:
+        loss_seconds: Dict[str, float] = {}
+        active: List[str] = []
+        loss = timed_loss(loss_fn, loss_seconds, active)
+        for measure in measures:
+            run = functools.partial(sharpness_run, model, batches, loss, measure, plans, options)
+            row[measure]["phases_s"] = phase_times(run, loss_seconds, active, count)
     return row
 
 
@@ -121,6 +218,11 @@ def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
             if "operator_calls" in cell:
                 lines.append(
                     f"      {cell['operator_calls']:,.0f} operator calls, the most costly:"
+                )
+            if "phases_s" in cell:
+                lines.append(
+                    "      loop phases per iteration: "
+                    + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in cell["phases_s"].items())
                 )
             for op in cell.get("operators", []):
                 lines.append(
@@ -151,6 +253,9 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument(
         "--operators", type=int, default=12, help="operators listed per run (0: no profiler)"
     )
+    parser.add_argument(
+        "--phases", action="store_true", help="also time the loop's phases (process time)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
@@ -162,7 +267,7 @@ def main(argv=None) -> Dict[str, Any]:
     if unknown:
         parser.error(f"unknown models or measures {unknown}")
     if args.quick:
-        args.iters, args.operators = 2, 3
+        args.iters, args.operators, args.phases = 2, 3, True
         names = ["tiny-vit"]
     torch.set_num_threads(args.threads)
     rows = {name: profile_model(name, args) for name in names}

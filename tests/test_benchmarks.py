@@ -85,6 +85,9 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             row[k]["operator_calls"] >= sum(op["calls"] for op in row[k]["operators"]) > 0
             for k in ("plain", "mix")
         )
+        phases = row["mix"]["phases_s"]
+        assert phases["loop"] == pytest.approx(sum(v for k, v in phases.items() if k != "loop"))
+        assert phases["forward"] > 0 and phases["retraction"] > 0
     if name == "bench_cuda":  # on CPU: no memory statistics, no compiling in quick mode
         assert report["status"] == "complete" and keys_named(report, "error") == []
         for model in ("bert-base", "vit-b32"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from unittest import mock
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _gl_tangent
@@ -349,3 +352,61 @@ def test_an_auto_pgd_iteration_with_derived_gram_entries_makes_eleven_products(m
             else:
                 super(type(fast), fast).egrad2rgrad_column_(vectors, 1)
         assert counter.work == expected
+
+
+class _Operators(TorchDispatchMode):
+    """The operators dispatched (views not counted: they move no data), by name, and
+    the bytes of the operands and results of those with an operand of ``rows`` rows or
+    more (the factors' size)."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows, self.calls, self.large = rows, Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            name = func.overloadpacket.__name__
+            self.calls[name] += 1
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            if any(t.dim() >= 2 and t.shape[-2] >= self.rows for t in tensors):
+                self.large[name] += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _iteration_operators(metric: str, rows, dtype) -> _Operators:
+    """The operators of one Auto-PGD iteration of the batched tangent space (the
+    retraction, its pullback, the Riemannian gradient and the Gram matrix), after one
+    that made what the space keeps."""
+    manifold = gq.GLQuotient(*rows, metric)
+    x, fast, _, u, c = case(manifold, (3,), 8, 0, dtype)
+    previous = 0.5 * u
+    for counted in (False, True):
+        fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+        with _Operators(min(rows)) if counted else contextlib.nullcontext() as counter:
+            _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+            fast.egrad2rgrad_gram_((u, pullback(c.clone()), previous), 1)
+    return counter
+
+
+@pytest.mark.parametrize("rows", [(32, 32), (16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_mix_iteration_makes_no_operation_beyond_an_inv_iteration(rows, dtype):
+    """The mix metric's weights (:math:`W_G = S_H`) couple each factor to the other's
+    Gram matrix, so its iteration exchanges the factors' ``h x h`` matrices (``flip``);
+    beyond that it makes no operator call that the inv metric's does not (each at most as
+    often), and the operations on the ``n x h`` factors move the same bytes. The
+    negative: the generic path (a conversion and a Gram matrix of its own) moves more."""
+    inv, mix = (_iteration_operators(metric, rows, dtype) for metric in ("inv", "mix"))
+    beyond = {name: n for name, n in (mix.calls - inv.calls).items() if name != "flip"}
+    assert beyond == {}
+    assert 0 < mix.calls["flip"] <= 4
+    assert mix.large == inv.large
+    manifold = gq.GLQuotient(*rows, "mix")
+    x, fast, _, u, c = case(manifold, (3,), 8, 0, dtype)
+    with _Operators(min(rows)) as generic:
+        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+        grad = pullback(c.clone()).clone()
+        fast.egrad2rgrad_(grad)
+        fast.gram([u, grad, 0.5 * u])
+    assert sum(generic.large.values()) > sum(mix.large.values())

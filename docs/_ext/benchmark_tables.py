@@ -633,6 +633,14 @@ def sam_calibration(results: Results) -> Table:
     )
 
 
+def _with_spread(median, values) -> str:
+    """``median`` as a ratio, with the range of the per-repeat ``values`` where recorded."""
+    cell = fmt(median, ".2f", "x")
+    if median is None or not isinstance(values, list) or len(values) < 2:
+        return cell
+    return f"{cell} ({min(values):.2f}–{max(values):.2f})"
+
+
 def cpu_iteration_overhead(results: Results) -> Table:
     doc = results.json("cpu/iteration_overhead.json").data
     rows = []
@@ -658,7 +666,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
                 label,
                 f"{iters} vs {half}, {m['batches']} × ({' × '.join(map(str, m['batch_shape']))})",
                 fmt(m["plain_ms"], ".1f", " ms"),
-                *(fmt(marginal[k], ".2f", "x") for k in measures),
+                *(_with_spread(marginal[k], dig(m, k, "marginal_ratios")) for k in measures),
                 " / ".join(
                     fmt(marginal[k] / marginal["adaptive"], ".2f")
                     if marginal[k] and marginal["adaptive"]
@@ -693,7 +701,9 @@ def cpu_iteration_overhead(results: Results) -> Table:
             "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
             "forward and backward pass of the same loss: the time of a run of n iterations "
             "minus that of a run of n/2, over n/2 (iterations: n vs n/2; interleaved, "
-            "medians); fixed work: what a run costs besides its iterations (clean loss, "
+            "medians; in brackets, where recorded, the range over the repeats' pairs of "
+            "runs: the noise of a difference of two runs that both hold the fixed work); "
+            "fixed work: what a run costs besides its iterations (clean loss, "
             "base-point geometry, the path gap's exact geodesic, the last forward pass), per "
             "batch, in plain passes; whole run: the n-iteration run's time per iteration, "
             "both together; "

@@ -40,6 +40,15 @@ Across the operations of one Auto-PGD iteration, products are shared:
   (:meth:`GLTangentSpace.egrad2rgrad_column_`): 11 products with the factors per
   iteration (the retraction 4, its pullback 5, the Riemannian gradient 2).
 
+Both metrics make the same products and move the same bytes on the :math:`n \times h`
+factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
+factor to the other's Gram matrix, which costs exchanges of the factors' :math:`h
+\times h` matrices (at most four per slice of the batch:
+:func:`~geoopt_quotient.manifolds._gl_geodesic.exchanged` and :meth:`_Split.inner`'s
+``swapped``), and its signs are carried by the products' ``alpha``; the inv metric's
+projection takes more :math:`h \times h` products instead (its eigenbases, in the Gram
+matrices' precision).
+
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.
 """
@@ -623,13 +632,16 @@ def _riemannian_gradient(
 
 
 def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
-    r"""``(E, Y, K)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
+    r"""``(E, Y', K)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
     retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
     \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F =
     \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
     -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
     :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
-    F^\top \xi_F`."""
+    F^\top \xi_F`. ``Y'`` is :math:`Y` up to its sign (mix: :math:`-Y`), which the
+    retraction's product carries in its ``alpha`` (:func:`_retract`), as the pullback
+    does: the mix metric's iteration then makes no operation beyond the inv
+    metric's but the exchanges of the factors' :math:`h \times h` matrices."""
     k = split.inner(kernel.x, u)
     swapped = _gl_geodesic.exchanged(k) if mix else k  # mix: the other factor's
     m, b = swapped + swapped.mT, split.inner(u, u, swapped=mix)
@@ -637,7 +649,7 @@ def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
     if mix:
         swapped = split.flat(kernel.swapped)
         e = torch.baddbmm(eye, m, swapped, alpha=-0.5)
-        y = torch.bmm(b, swapped).neg_()
+        y = torch.bmm(b, swapped)  # -Y: _retract carries the sign
     else:
         inverses = split.flat(kernel.inverses)
         e, y = torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
@@ -649,7 +661,8 @@ def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor,
     for the pullback."""
     e, y, k = _coefficients(kernel, split, u, mix)
     split.sum_into(out, kernel.x, u, e)
-    split.add_times_(out, kernel.x, y, -0.5)
+    # -1/2 F Y_F from Y' = -Y for mix (negating a product's operand negates it exactly)
+    split.add_times_(out, kernel.x, y, 0.5 if mix else -0.5)
     return e, k
 
 
