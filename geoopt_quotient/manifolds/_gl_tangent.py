@@ -35,10 +35,33 @@ Across the operations of one Auto-PGD iteration, products are shared:
   gradient's row from Euclidean dot products, and only the iterates' rows from the
   metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
   the Gram matrix that computed it (:attr:`GLTangentSpace._norms`);
+- :math:`F^\top \xi_F` is linear in :math:`\xi`, and Auto-PGD's next iterate is a
+  combination of the current one, the Riemannian gradient :math:`g` and the previous
+  iterate: its :math:`h \times h` products with the point are the combination of
+  theirs (:meth:`GLTangentSpace.combination`), kept from their retractions and, for
+  :math:`g`, :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F`, so that
+  the retraction takes only :math:`\xi_F^\top \xi_F` with the factors
+  (:attr:`GLTangentSpace._crosses` holds all these products);
 - where Auto-PGD derives the iterates' entries from its previous update, the gradient's
   column alone takes no product with the metric's weights
-  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 11 products with the factors per
-  iteration (the retraction 4, its pullback 5, the Riemannian gradient 2).
+  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 10 products with the factors per
+  iteration (the retraction 3, its pullback 5, the Riemannian gradient 2), 11 where
+  the whole Gram matrix is summed (its iterate's row 1).
+
+The passes of one such iteration over tensors of the stack's size (``N`` entries),
+reads and writes together: the combination 4 ``N`` (three vectors read, one written,
+cache-sized blocks, :mod:`~geoopt_quotient.sharpness.apgd`); the retraction 7 (its
+:math:`\xi^\top \xi` reads :math:`\xi`, the two products that write the perturbed
+point read the point and :math:`\xi`, then it and the point); the layout's gather of
+the perturbed point into the parameters' buffer and of their gradient back, 3 each
+(int32 positions, :mod:`~geoopt_quotient.sharpness.layout`), and the gradients' copy
+into their flat buffer 2; the pullback 14 (its two products with the cotangent read it
+and :math:`\xi` or the point, its three products write a slice-sized result from the
+cotangent, the point and :math:`\xi`, copied into the cotangent); the Riemannian
+gradient 13 (two dot products with the iterates, two products, a dot product and a
+copy): 46 ``N`` (50 with the retraction's product with the point and int64 positions).
+Within a slice of :data:`CHUNK_BYTES` most of these hit the cache; the products, each
+:math:`2 N h` flops, take most of the time.
 
 Results equal the reference formulas up to float rounding (the order of sums); the
 tests compare both in float64.

@@ -150,7 +150,7 @@ class _Ball:
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         #: Per group, whether its vectors get buffers of their own (:func:`_joint_buffer`)
-        self.apart = [space.own_buffer for space in self.spaces]
+        self.apart = [getattr(space, "own_buffer", False) for space in self.spaces]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
@@ -813,7 +813,11 @@ def _apgd_update(
     :math:`\xi_{next} = w_1 \xi + w_2 g + w_3 \xi_{prev}` with weights from the 3 × 3
     Gram matrix of the three vectors (:func:`_update_weights`): one read of the vectors
     for the Gram matrix and one for the combination, instead of a pass per operation.
-    ``out`` may be ``xi_prev`` itself; the other inputs are only read.
+    ``out`` may be ``xi_prev`` itself; the other inputs are only read. Each group's
+    tangent space is told the combination
+    (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.combination`), so that it
+    keeps what it derives of :math:`\xi_{next}` from what it knows of the three
+    vectors (the GL(h) quotients: the products with the point that its retraction needs).
     """
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
@@ -826,7 +830,8 @@ def _apgd_update(
         key = (o.dtype, o.device)
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
-        derived.append(space.combination((x, g, p), per_dtype[key]))
+        combination = getattr(space, "combination", None)
+        derived.append(None if combination is None else combination((x, g, p), per_dtype[key]))
         _combine_(o, (x, g, p), per_dtype[key], shift)
     for written, o in zip(derived, out):
         if written is not None:
