@@ -374,7 +374,7 @@ def test_an_auto_pgd_iteration_with_derived_gram_entries_makes_ten_products(metr
         assert counter.work == expected
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_a_combination_knows_its_products_with_the_point(
     metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
@@ -392,9 +392,21 @@ def test_a_combination_knows_its_products_with_the_point(
         known = fast._crosses.get(u)
         assert known is not None
         direct = fast._split.inner(x.reshape(-1, *x.shape[-2:]), u.reshape(-1, *x.shape[-2:]))
-        close(known, direct, dtype, scale)
+        close(known, direct, dtype, scale * (1 + float(direct.abs().max())))
         point, _ = fast.retr_vjp(u, torch.empty_like(x))
-        close(point, reference.retr(u), dtype, scale)
+        expected = reference.retr(u)
+        close(point, expected, dtype, scale * (1 + float(expected.abs().max())))
         assert fast.combination((u, torch.randn_like(x), u), [torch.tensor(1.0)] * 3) is None
         u.mul_(2)
         assert fast._crosses.get(u) is None
+
+
+@pytest.mark.parametrize(
+    "count, fits, per",
+    [(32, 15, 16), (30, 15, 15), (288, 5, 5), (22, 15, 22), (23, 15, 12), (7, 0, 1), (3, 10, 3)],
+)
+def test_the_batch_is_cut_into_the_nearest_number_of_equal_slices(count, fits, per):
+    """As many slices as the budget asks for, rounded to the nearest: no slice of a few
+    points left over: the 11M BERT's 32 points, 15 to the budget, in two slices of 16,
+    not 15, 15 and 2; 22 in one, 23 in two."""
+    assert _gl_tangent._points_per_slice(count, fits) == per
