@@ -399,14 +399,3 @@ def test_a_combination_knows_its_products_with_the_point(
         assert fast.combination((u, torch.randn_like(x), u), [torch.tensor(1.0)] * 3) is None
         u.mul_(2)
         assert fast._crosses.get(u) is None
-
-
-@pytest.mark.parametrize(
-    "count, fits, per",
-    [(32, 15, 16), (30, 15, 15), (288, 5, 5), (22, 15, 22), (23, 15, 12), (7, 0, 1), (3, 10, 3)],
-)
-def test_the_batch_is_cut_into_the_nearest_number_of_equal_slices(count, fits, per):
-    """As many slices as the budget asks for, rounded to the nearest: no slice of a few
-    points left over: the 11M BERT's 32 points, 15 to the budget, in two slices of 16,
-    not 15, 15 and 2; 22 in one, 23 in two."""
-    assert _gl_tangent._points_per_slice(count, fits) == per

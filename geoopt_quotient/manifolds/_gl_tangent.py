@@ -229,7 +229,7 @@ class GLTangentSpace(CachedTangentSpace):
         count, rows, rank = kernel.x.shape
         flats = [t if t.shape == kernel.x.shape else t.view(count, rows, rank) for t in tensors]
         budget = CHUNK_BYTES if self.x.device.type == "cpu" else 1 << 28
-        per = _points_per_slice(count, budget // (rows * rank * kernel.x.element_size()))
+        per = max(1, budget // (rows * rank * kernel.x.element_size()))
         if per >= count or capped(self.x.device):
             yield kernel, flats
             return
@@ -471,18 +471,6 @@ class GLTangentSpace(CachedTangentSpace):
             pair = _stack(*self.state.grams_unrelaxed).to(self.state.dtype)
             self._grams = pair.reshape(-1, *pair.shape[-2:])
         return self._grams
-
-
-def _points_per_slice(count: int, fits: int) -> int:
-    """Points per slice of a batch of ``count``, of which ``fits`` fill the budget: as many
-    slices as the budget asks for, rounded to the nearest (a slice up to half as large
-    again as the budget), of equal points but the last. Each slice costs the same
-    operations whatever its size, and a batch of few points makes slow products: 32
-    points of 514 x 64 (BERT's 11M stack), of which 15 fill 2 MiB, go in two slices of
-    16, not 15, 15 and 2 (at one thread, an iteration's geometry 28.7 ms instead of
-    30.4)."""
-    slices = max(1, round(count / max(fits, 1)))
-    return -(-count // slices)
 
 
 def _others(vectors: Sequence[torch.Tensor], grad: torch.Tensor) -> List[torch.Tensor]:
