@@ -45,8 +45,10 @@ Across the operations of one Auto-PGD iteration, products are shared:
 - where Auto-PGD derives the iterates' entries from its previous update, the gradient's
   column alone takes no product with the metric's weights
   (:meth:`GLTangentSpace.egrad2rgrad_column_`): 10 products with the factors per
-  iteration (the retraction 3, its pullback 5, the Riemannian gradient 2), 11 where
-  the whole Gram matrix is summed (its iterate's row 1).
+  iteration (the retraction 3, its pullback 5, the Riemannian gradient 2); Auto-PGD
+  derives the products where it derives the Gram entries, and computes both anew every
+  few updates (:data:`~geoopt_quotient.sharpness.apgd.MAX_DERIVED_RUN`): then 12 (the
+  retraction 4, the Gram matrix's iterate row 1).
 
 The passes of one such iteration over tensors of the stack's size (``N`` entries),
 reads and writes together: the combination 4 ``N`` (three vectors read, one written,

@@ -817,7 +817,9 @@ def _apgd_update(
     tangent space is told the combination
     (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.combination`), so that it
     keeps what it derives of :math:`\xi_{next}` from what it knows of the three
-    vectors (the GL(h) quotients: the products with the point that its retraction needs).
+    vectors (the GL(h) quotients: the products with the point that its retraction needs);
+    where the Gram matrix's iterate entries are derived too, so that the rounding of both
+    is refreshed at the same updates (:data:`MAX_DERIVED_RUN`).
     """
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
@@ -826,11 +828,12 @@ def _apgd_update(
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
     shifts = [None] * len(out) if targets is None else targets
     derived = []  # told the tensors written once all are: a write may bump another's version
+    derive = ball.derived_run > 0  # refreshed with the Gram entries (MAX_DERIVED_RUN)
     for o, x, g, p, shift, space in zip(out, xi, rgrads, xi_prev, shifts, ball.spaces):
         key = (o.dtype, o.device)
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
-        combination = getattr(space, "combination", None)
+        combination = getattr(space, "combination", None) if derive else None
         derived.append(None if combination is None else combination((x, g, p), per_dtype[key]))
         _combine_(o, (x, g, p), per_dtype[key], shift)
     for written, o in zip(derived, out):
