@@ -163,7 +163,12 @@ def test_the_pullback_knows_the_point_products_of_its_result(
         assert torch.allclose(known, direct, rtol=0, atol=1e-11 * magnitude)
         expected = reference.egrad2rgrad(pulled)
         assert torch.allclose(fast.egrad2rgrad_(pulled), expected, rtol=0, atol=1e-11 * magnitude)
-        assert fast._crosses.get(pulled) is None  # written anew by the gradient
+        # written anew by the gradient: now the products of the Riemannian gradient
+        rgrad_direct = split.inner(x.reshape(-1, *x.shape[-2:]), pulled.view(-1, *x.shape[-2:]))
+        assert not torch.allclose(rgrad_direct, direct, rtol=0, atol=1e-6 * magnitude)
+        assert torch.allclose(
+            fast._crosses.get(pulled), rgrad_direct, rtol=0, atol=1e-11 * magnitude
+        )
         other = pullback(c.clone())
         other.mul_(2)  # changed in place: its products are no longer the pullback's
         assert fast._crosses.get(other) is None
@@ -307,23 +312,42 @@ class _FactorProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _iterate(fast, x, previous, c, weights=(0.75, 0.5, 0.25), known=True):
+    """As Auto-PGD: ``previous`` retracted, its gradient pulled back from ``c`` and made
+    Riemannian (``previous``'s norm kept), then the next iterate, a combination of
+    them, written into a new tensor with :meth:`combination` (its products with the
+    point derived) if ``known``, else as a plain sum."""
+    _, pullback = fast.retr_vjp(previous, torch.empty_like(x))
+    grad, _ = fast.egrad2rgrad_gram_((previous, pullback(c.clone()), previous), 1)
+    vectors = (previous, grad, previous)
+    scalars = [torch.tensor(w, dtype=x.dtype) for w in weights]
+    written = fast.combination(vectors, scalars) if known else None
+    out = sum(w * v for w, v in zip(scalars, vectors))
+    if written is not None:
+        written(out)
+    return out
+
+
 @pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_an_auto_pgd_iteration_makes_twelve_products_with_the_factors(metric):
-    """The retraction 4, its pullback 5, the Riemannian gradient 2 (its product with the
-    point read from the pullback's), the Gram matrix 1 (the gradient's row Euclidean, the
-    previous iterate's norm kept): the work of 12 products of the ``n x h`` factors with
-    ``h x h`` matrices; the generic path (a conversion and a Gram matrix of their own)
-    does 15 and the Gram matrix's pairs."""
+def test_an_auto_pgd_iteration_makes_eleven_products_with_the_factors(metric):
+    """The retraction 3 (its iterate's products with the point derived from those of
+    the vectors it combines), its pullback 5, the Riemannian gradient 2 (its product
+    with the point read from the pullback's), the Gram matrix 1 (the gradient's row
+    Euclidean, the previous iterate's norm kept): the work of 11 products of the ``n x
+    h`` factors with ``h x h`` matrices. The negatives: an iterate not made by a known
+    combination costs the retraction's fourth; the generic path (a conversion and a
+    Gram matrix of their own) does 15 and the Gram matrix's pairs."""
     n, rank, batch = 32, 8, 3
     manifold = gq.GLQuotient(n, n, metric)
-    x, fast, _, u, c = case(manifold, (batch,), rank, 0)
-    previous = 0.5 * u
-    fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+    x, fast, _, previous, c = case(manifold, (batch,), rank, 0)
     unit = 2 * batch * n * rank * rank
-    with _FactorProducts(n, unit) as counter:
-        _, pullback = fast.retr_vjp(u, torch.empty_like(x))
-        fast.egrad2rgrad_gram_((u, pullback(c.clone()), previous), 1)
-    assert counter.work == 12
+    for known, expected in ((True, 11), (False, 12)):
+        u = _iterate(fast, x, previous, c, known=known)
+        with _FactorProducts(n, unit) as counter:
+            _, pullback = fast.retr_vjp(u, torch.empty_like(x))
+            fast.egrad2rgrad_gram_((u, pullback(c.clone()), previous), 1)
+        assert counter.work == expected
+    u = _iterate(fast, x, previous, c, known=False)
     with _FactorProducts(n, unit) as counter:  # the negative: no products known
         _, pullback = fast.retr_vjp(u, torch.empty_like(x))
         grad = pullback(c.clone()).clone()
@@ -333,17 +357,16 @@ def test_an_auto_pgd_iteration_makes_twelve_products_with_the_factors(metric):
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_an_auto_pgd_iteration_with_derived_gram_entries_makes_eleven_products(metric):
+def test_an_auto_pgd_iteration_with_derived_gram_entries_makes_ten_products(metric):
     """With the iterates' entries derived from the last update (Auto-PGD's
-    ``egrad2rgrad_column_``), the Gram matrix takes no product with the factors: 4 + 5 + 2;
-    the negative: the whole matrix's column costs the twelfth."""
+    ``egrad2rgrad_column_``), the Gram matrix takes no product with the factors: 3 + 5 + 2;
+    the negative: the whole matrix's column costs the eleventh."""
     n, rank, batch = 32, 8, 3
     manifold = gq.GLQuotient(n, n, metric)
-    x, fast, _, u, c = case(manifold, (batch,), rank, 0)
-    previous = 0.5 * u
+    x, fast, _, previous, c = case(manifold, (batch,), rank, 0)
     unit = 2 * batch * n * rank * rank
-    for column, expected in ((True, 11), (False, 12)):
-        fast.egrad2rgrad_gram_((previous, c.clone(), previous), 1)  # keeps the norm
+    for column, expected in ((True, 10), (False, 11)):
+        u = _iterate(fast, x, previous, c)
         with _FactorProducts(n, unit) as counter:
             _, pullback = fast.retr_vjp(u, torch.empty_like(x))
             vectors = (u, pullback(c.clone()), previous)
@@ -410,3 +433,30 @@ def test_a_mix_iteration_makes_no_operation_beyond_an_inv_iteration(rows, dtype)
         fast.egrad2rgrad_(grad)
         fast.gram([u, grad, 0.5 * u])
     assert sum(generic.large.values()) > sum(mix.large.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_a_combination_knows_its_products_with_the_point(
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
+):
+    r""":math:`F^\top v_F` of Auto-PGD's next iterate, derived from those of the vectors
+    it combines (a retracted one, a Riemannian gradient), is the direct product up to
+    rounding, and the retraction that reads it is the reference's. The negatives: a
+    vector whose products are unknown gives nothing to derive, and an iterate changed in
+    place is not taken for the combination."""
+    manifold = gq.GLQuotient(*rows, metric, eps)
+    x, fast, reference, previous, c = case(manifold, batch, rank, seed, dtype, zero_rows)
+    scale = (1 + float(x.abs().max())) ** 4 * (1 + float(c.abs().max()))
+    with chunk_bytes(chunk):
+        u = _iterate(fast, x, previous, c)
+        known = fast._crosses.get(u)
+        assert known is not None
+        direct = fast._split.inner(x.reshape(-1, *x.shape[-2:]), u.reshape(-1, *x.shape[-2:]))
+        close(known, direct, dtype, scale * (1 + float(direct.abs().max())))
+        point, _ = fast.retr_vjp(u, torch.empty_like(x))
+        expected = reference.retr(u)
+        close(point, expected, dtype, scale * (1 + float(expected.abs().max())))
+        assert fast.combination((u, torch.randn_like(x), u), [torch.tensor(1.0)] * 3) is None
+        u.mul_(2)
+        assert fast._crosses.get(u) is None

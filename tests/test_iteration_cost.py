@@ -214,6 +214,36 @@ def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factor
     assert point.numel() >= sum(g.point.numel() for g in quotients)
 
 
+def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
+    """The layout writes the stacked points into the parameters' flat buffer with a
+    gather over int32 positions, the entries and the zero gaps those of the index copy
+    (the padding rows of the value-output stack go to no parameter); the negative: a
+    parameter entry written twice leaves the index copy."""
+    model, _ = tiny_bert()
+    plan = gq.find_symmetries(model, metric="inv").bind(model)
+    base = {name: p.detach() for name, p in model.named_parameters()}
+    groups = measure_module._ball_groups(
+        plan, [p.detach() for p in plan.gather(base)], "second_order", True
+    )
+    layout = layout_module.BallLayout(plan, base, groups)
+    (rest,) = layout._rests
+    assert rest.source is not None and rest.source.dtype == rest.destination.dtype == torch.int32
+    points = [torch.randn_like(layout.groups[p].point) for p in rest.groups]
+    gathered = torch.full((rest.flat.size,), float("nan"), dtype=torch.float64)
+    rest.write(points, gathered)
+    copied = torch.zeros(rest.flat.size, dtype=torch.float64)
+    joined = torch.cat([p.reshape(-1) for p in points])
+    copied.index_copy_(0, rest.destination.long(), joined)
+    trash = rest.flat.size - rest.flat.chunks[-1]  # where the padding goes: a gap
+    assert rest.flat.is_gap[-1] and bool((rest.destination == trash).any())
+    copied[trash:] = 0
+    assert torch.equal(gathered, copied)
+    twice = rest.destination.long().clone()
+    twice[1] = twice[0]  # the second entry of the first parameter is no longer written
+    destination, source = layout_module._index_maps(twice, rest.flat)
+    assert source is None and destination.dtype == torch.int32
+
+
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])
 def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
     """The flat buffers against the reference: one ball group per plan group, written

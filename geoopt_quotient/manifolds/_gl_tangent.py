@@ -35,10 +35,35 @@ Across the operations of one Auto-PGD iteration, products are shared:
   gradient's row from Euclidean dot products, and only the iterates' rows from the
   metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
   the Gram matrix that computed it (:attr:`GLTangentSpace._norms`);
+- :math:`F^\top \xi_F` is linear in :math:`\xi`, and Auto-PGD's next iterate is a
+  combination of the current one, the Riemannian gradient :math:`g` and the previous
+  iterate: its :math:`h \times h` products with the point are the combination of
+  theirs (:meth:`GLTangentSpace.combination`), kept from their retractions and, for
+  :math:`g`, :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F`, so that
+  the retraction takes only :math:`\xi_F^\top \xi_F` with the factors
+  (:attr:`GLTangentSpace._crosses` holds all these products);
 - where Auto-PGD derives the iterates' entries from its previous update, the gradient's
   column alone takes no product with the metric's weights
-  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 11 products with the factors per
-  iteration (the retraction 4, its pullback 5, the Riemannian gradient 2).
+  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 10 products with the factors per
+  iteration (the retraction 3, its pullback 5, the Riemannian gradient 2); Auto-PGD
+  derives the products where it derives the Gram entries, and computes both anew every
+  few updates (:data:`~geoopt_quotient.sharpness.apgd.MAX_DERIVED_RUN`): then 12 (the
+  retraction 4, the Gram matrix's iterate row 1).
+
+The passes of one such iteration over tensors of the stack's size (``N`` entries),
+reads and writes together: the combination 4 ``N`` (three vectors read, one written,
+cache-sized blocks, :mod:`~geoopt_quotient.sharpness.apgd`); the retraction 7 (its
+:math:`\xi^\top \xi` reads :math:`\xi`, the two products that write the perturbed
+point read the point and :math:`\xi`, then it and the point); the layout's gather of
+the perturbed point into the parameters' buffer and of their gradient back, 3 each
+(int32 positions, :mod:`~geoopt_quotient.sharpness.layout`), and the gradients' copy
+into their flat buffer 2; the pullback 14 (its two products with the cotangent read it
+and :math:`\xi` or the point, its three products write a slice-sized result from the
+cotangent, the point and :math:`\xi`, copied into the cotangent); the Riemannian
+gradient 13 (two dot products with the iterates, two products, a dot product and a
+copy): 46 ``N`` (50 with the retraction's product with the point and int64 positions).
+Within a slice of :data:`CHUNK_BYTES` most of these hit the cache; the products, each
+:math:`2 N h` flops, take most of the time.
 
 Both metrics make the same products and move the same bytes on the :math:`n \times h`
 factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
@@ -55,6 +80,7 @@ tests compare both in float64.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -170,6 +196,8 @@ class GLTangentSpace(CachedTangentSpace):
     :class:`~geoopt_quotient.RotaryGLQuotient`'s, batched too
     (:mod:`~geoopt_quotient.manifolds._rotary_tangent`)."""
 
+    own_buffer = True
+
     def __init__(self, manifold, x: torch.Tensor, state):
         super().__init__(manifold, x, state)
         from .gl_quotient import GLQuotient
@@ -181,8 +209,12 @@ class GLTangentSpace(CachedTangentSpace):
         self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
         self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
-        #: :math:`F^\top c_F` of the gradients written by the pullback of :meth:`retr_vjp`
-        self._crosses = _Derived()
+        #: :math:`F^\top v_F` of both factors of vectors :math:`v`, ``(2 B, h, h)``: the
+        #: gradients the pullback of :meth:`retr_vjp` writes, their Riemannian gradients,
+        #: the vectors it retracts and Auto-PGD's combinations of these (:meth:`combination`),
+        #: every one still valid: a restart from an earlier iterate finds its products as
+        #: they were, so that its retraction is the same whether its gradient is recomputed
+        self._crosses = _Derived(size=None)
         #: :math:`\langle v, v \rangle` of the vectors of the last Gram matrices, as
         #: ``(values, position)`` (the values private to this space)
         self._norms = _Derived()
@@ -243,12 +275,15 @@ class GLTangentSpace(CachedTangentSpace):
         if self._own_projection:
             converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
             return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
-        cross, start = self._crosses.get(u), 0
+        cross, start, crosses = self._crosses.get(u), 0, []
         for kernel, (piece,) in self._parts(u):
             stop = start + piece.shape[0]
-            known = _rows(cross, start, stop)
-            piece.copy_(_riemannian_gradient(kernel, self._split, piece, known))
+            known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
+            rgrad, rgrad_cross = _riemannian_gradient(kernel, self._split, piece, known, grams)
+            piece.copy_(rgrad)
+            crosses.append(rgrad_cross)
             start = stop
+        self._crosses.put(u, _joined(crosses))
         return u
 
     def egrad2rgrad_gram_(
@@ -321,10 +356,10 @@ class GLTangentSpace(CachedTangentSpace):
         :math:`\langle \nabla, v_j \rangle_F` for every ``j`` and :math:`\langle
         \nabla, g \rangle_F`: one pass over the vectors a slice of the batch at a
         time, the slices' sums added in float64."""
-        cross, start, total = self._crosses.get(grad), 0, None
+        cross, start, total, crosses = self._crosses.get(grad), 0, None, []
         for kernel, pieces in self._parts(grad, *unique):
             stop = start + pieces[0].shape[0]
-            known = _rows(cross, start, stop)
+            known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
             flats = [p.view(-1) for p in pieces[1:]]
             euclidean = pieces[0].view(-1)
             dots = []
@@ -332,12 +367,14 @@ class GLTangentSpace(CachedTangentSpace):
                 products = self._split.times(pieces[i + 1], kernel.metric).view(-1)
                 dots += [torch.dot(products, f) for f in flats]
             dots += [torch.dot(euclidean, f) for f in flats]
-            rgrad = _riemannian_gradient(kernel, self._split, pieces[0], known)
+            rgrad, rgrad_cross = _riemannian_gradient(kernel, self._split, pieces[0], known, grams)
             dots.append(torch.dot(euclidean, rgrad.view(-1)))
             pieces[0].copy_(rgrad)
+            crosses.append(rgrad_cross)
             part = torch.stack(dots).double()
             total = part if total is None else total + part
             start = stop
+        self._crosses.put(grad, _joined(crosses))
         return total
 
     def _order(self, order: List[int]) -> torch.Tensor:
@@ -398,8 +435,13 @@ class GLTangentSpace(CachedTangentSpace):
             return super().retr_vjp(u, out)
         saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         mix = manifold.metric == "mix"
+        cross, start = self._crosses.get(u), 0
         for kernel, (u_, o_) in self._parts(u, out):
-            saved.append(_retract(kernel, split, u_, o_, mix))
+            stop = start + u_.shape[0]
+            saved.append(_retract(kernel, split, u_, o_, mix, _rows(cross, start, stop)))
+            start = stop
+        if cross is None:
+            self._crosses.put(u, _joined([k for _, k in saved]))
         grams = self._point_grams()
 
         def pullback(c: torch.Tensor) -> torch.Tensor:
@@ -411,10 +453,27 @@ class GLTangentSpace(CachedTangentSpace):
                 s = _rows(grams, start, stop)
                 crosses.append(_pull_back_(kernel, split, u_, c_, e, k, s, mix))
                 start = stop
-            self._crosses.put(c, torch.cat(crosses) if len(crosses) > 1 else crosses[0])
+            self._crosses.put(c, _joined(crosses))
             return c
 
         return out, pullback
+
+    def combination(
+        self, vectors: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+    ) -> Callable[[torch.Tensor], None] | None:
+        r""":math:`F^\top v_F` is linear in :math:`v`: where it is known for each of
+        ``vectors``, that of the combination :math:`\sum_i w_i v_i` is the combination
+        of theirs (``h x h`` matrices), kept for the tensor it is written into, so that
+        its retraction (Auto-PGD's next iterate) takes no product with the point
+        (:func:`_coefficients`). Summed in :func:`~geoopt_quotient.sharpness.apgd._combine_`'s
+        order; equal to the product of the written tensor up to rounding (its entries'
+        and this sum's)."""
+        known = [self._crosses.get(v) for v in vectors]
+        if len(vectors) != 3 or any(k is None for k in known):
+            return None
+        derived = torch.mul(known[2], weights[2])
+        derived.addcmul_(known[0], weights[0]).addcmul_(known[1], weights[1])
+        return functools.partial(self._crosses.put, value=derived)
 
     def _point_grams(self) -> torch.Tensor:
         r""":math:`F^\top F` of both factors of each point (unrelaxed), ``(2 B, h, h)``
@@ -448,6 +507,11 @@ def _positions(
     ]
 
 
+def _joined(parts: List[torch.Tensor]) -> torch.Tensor:
+    """The slices' ``(2 B, h, h)`` matrices as the whole batch's."""
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def _rows(pairs: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     """The ``(2 B, h, h)`` matrices of the points ``start:stop`` (all: no slicing)."""
     if pairs is None or (start == 0 and 2 * stop == pairs.shape[0]):
@@ -457,12 +521,12 @@ def _rows(pairs: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | N
 
 class _Derived:
     """Values derived from tensors, each kept while its tensor is the same object and
-    unchanged (its version counter, shared with its views, as it was): a few, held by
-    weak references, so that nothing here keeps a vector alive."""
+    unchanged (its version counter, shared with its views, as it was), held by weak
+    references, so that nothing here keeps a vector alive: the ``size`` latest, or
+    (``None``) every one still valid."""
 
-    SIZE = 4
-
-    def __init__(self):
+    def __init__(self, size: int | None = 4):
+        self.size = size
         self._entries: list = []  # (weak reference, version, value)
 
     def get(self, tensor: torch.Tensor):
@@ -472,9 +536,16 @@ class _Derived:
         return None
 
     def put(self, tensor: torch.Tensor, value) -> None:
-        self._entries = [e for e in self._entries if e[0]() is not tensor and e[0]() is not None]
+        self._entries = [e for e in self._entries if _valid(e) and e[0]() is not tensor]
         self._entries.append((weakref.ref(tensor), tensor._version, value))
-        del self._entries[: -self.SIZE]
+        if self.size is not None:
+            del self._entries[: -self.size]
+
+
+def _valid(entry) -> bool:
+    """Whether the tensor of a :class:`_Derived` entry is alive and unchanged."""
+    tensor = entry[0]()
+    return tensor is not None and tensor._version == entry[1]
 
 
 class _Split:
@@ -501,7 +572,7 @@ class _Split:
         self._kept[id(kernel.x)] = (kernel.x, self._factors(kernel.x))
         for t in (kernel.metric, kernel.convert):
             self._kept[id(t)] = (t, self._small(t))
-        for t in (kernel.inverses, kernel.swapped):
+        for t in (kernel.inverses, kernel.swapped, kernel.convert):
             self._flats[id(t)] = (t, t.view(-1, *t.shape[-2:]))
         return kernel
 
@@ -610,10 +681,16 @@ class _Split:
 
 
 def _riemannian_gradient(
-    kernel: _Kernel, split: _Split, grad: torch.Tensor, cross: torch.Tensor | None = None
-) -> torch.Tensor:
-    r""":math:`\nabla_F K_F + F\,O_F` (module docstring), a new tensor; ``cross``:
-    :math:`F^\top \nabla_F` where known (:func:`_pull_back_`)."""
+    kernel: _Kernel,
+    split: _Split,
+    grad: torch.Tensor,
+    cross: torch.Tensor | None,
+    grams: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r""":math:`g_F = \nabla_F K_F + F\,O_F` (module docstring), a new tensor, and its
+    :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F` from ``h x h``
+    products alone; ``cross``: :math:`F^\top \nabla_F` where known
+    (:func:`_pull_back_`), ``grams``: :math:`F^\top F`, both ``(2 B, h, h)``."""
     if cross is None:
         cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
@@ -626,23 +703,30 @@ def _riemannian_gradient(
         if kernel.outer_left is not None:
             t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
     t = t.to(grad.dtype)
+    o = torch.stack((t.mT, -t), dim=1)
     out = split.times(grad, kernel.convert)
-    split.add_times_(out, kernel.x, torch.stack((t.mT, -t), dim=1), 1.0)
-    return out
+    split.add_times_(out, kernel.x, o, 1.0)
+    rank = t.shape[-1]
+    rgrad_cross = torch.bmm(cross, split.flat(kernel.convert))
+    return out, rgrad_cross.baddbmm_(grams, o.view(-1, rank, rank))
 
 
-def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
+def _coefficients(
+    kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool, k: torch.Tensor | None = None
+):
     r"""``(E, Y', K)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
     retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
     \tfrac12 X_F` (the Christoffel coefficients of the reference: :math:`M_F =
     \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
     -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
     :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
-    F^\top \xi_F`. ``Y'`` is :math:`Y` up to its sign (mix: :math:`-Y`), which the
-    retraction's product carries in its ``alpha`` (:func:`_retract`), as the pullback
-    does: the mix metric's iteration then makes no operation beyond the inv
-    metric's but the exchanges of the factors' :math:`h \times h` matrices."""
-    k = split.inner(kernel.x, u)
+    F^\top \xi_F`, computed unless given. ``Y'`` is :math:`Y` up to its sign (mix:
+    :math:`-Y`), which the retraction's product carries in its ``alpha``
+    (:func:`_retract`), as the pullback does: the mix metric's iteration then makes no
+    operation beyond the inv metric's but the exchanges of the factors' :math:`h \times
+    h` matrices."""
+    if k is None:
+        k = split.inner(kernel.x, u)
     swapped = _gl_geodesic.exchanged(k) if mix else k  # mix: the other factor's
     m, b = swapped + swapped.mT, split.inner(u, u, swapped=mix)
     eye = split.eye(u)
@@ -656,10 +740,17 @@ def _coefficients(kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool):
     return e, y, k
 
 
-def _retract(kernel: _Kernel, split: _Split, u: torch.Tensor, out: torch.Tensor, mix: bool):
-    """The retraction written into ``out``; returns ``(E, K)`` (:func:`_coefficients`)
-    for the pullback."""
-    e, y, k = _coefficients(kernel, split, u, mix)
+def _retract(
+    kernel: _Kernel,
+    split: _Split,
+    u: torch.Tensor,
+    out: torch.Tensor,
+    mix: bool,
+    k: torch.Tensor | None = None,
+):
+    """The retraction written into ``out``; returns ``(E, K)`` (:func:`_coefficients`,
+    ``K`` computed unless given) for the pullback."""
+    e, y, k = _coefficients(kernel, split, u, mix, k)
     split.sum_into(out, kernel.x, u, e)
     # -1/2 F Y_F from Y' = -Y for mix (negating a product's operand negates it exactly)
     split.add_times_(out, kernel.x, y, 0.5 if mix else -0.5)

@@ -25,6 +25,11 @@ class TangentSpace:
     This base version calls the manifold's own methods (geoopt's manifolds).
     """
 
+    #: Whether the space keeps values derived from its vectors while their version
+    #: counter is unchanged (:meth:`combination`): a sharpness ball then gives its
+    #: vectors buffers of their own, since all views of one buffer share one counter.
+    own_buffer = False
+
     def __init__(self, manifold: Manifold, x: torch.Tensor):
         self.manifold = manifold
         self.x = x
@@ -91,6 +96,16 @@ class TangentSpace:
         :math:`c \mapsto (D_u R_x)^\top c` (written into ``c``, which must belong to the
         caller), computed without autograd; ``None`` where the manifold has no such
         explicit form for these tensors (then differentiate :meth:`retr`)."""
+        return None
+
+    def combination(
+        self, vectors: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+    ) -> Callable[[torch.Tensor], None] | None:
+        r"""Called before the linear combination :math:`\sum_i w_i v_i` of ``vectors``
+        (``weights`` 0-dim tensors) is written into a tensor: a function to call with
+        that tensor once it is written, by which the space keeps what it derives of the
+        combination from what it knows of the vectors; ``None``: nothing (this base
+        version)."""
         return None
 
     def random(self, generator: torch.Generator | None = None) -> torch.Tensor:

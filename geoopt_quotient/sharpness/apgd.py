@@ -149,6 +149,8 @@ class _Ball:
         self.points = [g.point.detach() for g in groups]
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
+        #: Per group, whether its vectors get buffers of their own (:func:`_joint_buffer`)
+        self.apart = [getattr(space, "own_buffer", False) for space in self.spaces]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
@@ -172,7 +174,7 @@ class _Ball:
 
     def zeros(self) -> List[torch.Tensor]:
         """The zero vector, in one :func:`_joint_buffer`."""
-        return _joint_buffer(self.points, self.dtypes, zero=True)
+        return _joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._reduced(sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v)))
@@ -658,7 +660,7 @@ def _maximize(
         elif rgrads is not best_rgrads:
             out = rgrads
         else:
-            out = _joint_buffer(xi)
+            out = _joint_buffer(xi, apart=ball.apart)
         if out is not rgrads and rgrads is not best_rgrads:
             recycled.append(rgrads)  # read by the update, then free
         gram = _known_gram(known, (xi, rgrads, xi_prev))
@@ -739,7 +741,7 @@ def _initial_vector(
     vectors = [
         v.detach().to(dtype=d, device=x.device) for v, d, x in zip(init, ball.dtypes, ball.points)
     ]
-    out = _joint_buffer(ball.points, ball.dtypes)
+    out = _joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
     for o, v in zip(out, ball.project(vectors)):
         o.copy_(v)
     return out
@@ -811,7 +813,13 @@ def _apgd_update(
     :math:`\xi_{next} = w_1 \xi + w_2 g + w_3 \xi_{prev}` with weights from the 3 × 3
     Gram matrix of the three vectors (:func:`_update_weights`): one read of the vectors
     for the Gram matrix and one for the combination, instead of a pass per operation.
-    ``out`` may be ``xi_prev`` itself; the other inputs are only read.
+    ``out`` may be ``xi_prev`` itself; the other inputs are only read. Each group's
+    tangent space is told the combination
+    (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.combination`), so that it
+    keeps what it derives of :math:`\xi_{next}` from what it knows of the three
+    vectors (the GL(h) quotients: the products with the point that its retraction needs);
+    where the Gram matrix's iterate entries are derived too, so that the rounding of both
+    is refreshed at the same updates (:data:`MAX_DERIVED_RUN`).
     """
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
@@ -819,11 +827,18 @@ def _apgd_update(
     weights, grad_norm = _update_weights(gram, step, alpha, ball.rho)
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
     shifts = [None] * len(out) if targets is None else targets
-    for o, x, g, p, shift in zip(out, xi, rgrads, xi_prev, shifts):
+    derived = []  # told the tensors written once all are: a write may bump another's version
+    derive = ball.derived_run > 0  # refreshed with the Gram entries (MAX_DERIVED_RUN)
+    for o, x, g, p, shift, space in zip(out, xi, rgrads, xi_prev, shifts, ball.spaces):
         key = (o.dtype, o.device)
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
+        combination = getattr(space, "combination", None) if derive else None
+        derived.append(None if combination is None else combination((x, g, p), per_dtype[key]))
         _combine_(o, (x, g, p), per_dtype[key], shift)
+    for written, o in zip(derived, out):
+        if written is not None:
+            written(o)
     if targets is not None:
         ball.written = (out, [t is not None for t in targets])
     ball.iterates = (_iterates_gram(gram, weights), out, xi, ball.derived_run)
@@ -922,9 +937,13 @@ def _joint_buffer(
     like: Sequence[torch.Tensor],
     dtypes: Sequence[torch.dtype] | None = None,
     zero: bool = False,
+    apart: Sequence[bool] | None = None,
 ) -> List[torch.Tensor]:
     """New tensors shaped like ``like`` (in ``dtypes``, default theirs), views of one flat
-    buffer per dtype and device.
+    buffer per dtype and device, but those marked in ``apart``, each in a buffer of its
+    own: the views of one buffer share one version counter, so that a write into one of
+    them would drop what a tangent space keeps about another while its counter is
+    unchanged (:attr:`~geoopt_quotient.manifolds.tangent.TangentSpace.own_buffer`).
 
     A vector of the ball lives for several iterations, next to per-parameter buffers that
     come and go in every forward and backward pass. In one allocation of its own, as large
@@ -935,7 +954,11 @@ def _joint_buffer(
     matrix products.
     """
     dtypes = [t.dtype for t in like] if dtypes is None else dtypes
-    keys = [(dtype, t.device) for dtype, t in zip(dtypes, like)]
+    apart = [False] * len(like) if apart is None else apart
+    keys = [
+        (dtype, t.device, index if alone else -1)
+        for index, (dtype, t, alone) in enumerate(zip(dtypes, like, apart))
+    ]
     starts, sizes = [], {}
     for key, t in zip(keys, like):
         step = max(ALIGNMENT // key[0].itemsize, 1)
