@@ -150,7 +150,7 @@ class _Ball:
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         #: Per group, whether its vectors get buffers of their own (:func:`_joint_buffer`)
-        self.apart = [getattr(space, "own_buffer", False) for space in self.spaces]
+        self.apart = [space.own_buffer for space in self.spaces]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
@@ -833,8 +833,7 @@ def _apgd_update(
         key = (o.dtype, o.device)
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
-        combination = getattr(space, "combination", None) if derive else None
-        derived.append(None if combination is None else combination((x, g, p), per_dtype[key]))
+        derived.append(space.combination((x, g, p), per_dtype[key]) if derive else None)
         _combine_(o, (x, g, p), per_dtype[key], shift)
     for written, o in zip(derived, out):
         if written is not None:
