@@ -8,10 +8,10 @@ Auto-PGD iteration: the second-order retraction, its pullback, the Riemannian gr
 with the Gram entries (the whole matrix every other iteration, the gradient's column
 otherwise) and the update's combination (``apgd._combine_``, with the products with the
 point derived). Per iteration and metric it reports the process time, the minor page
-faults (``resource.getrusage``) and the tensors of at least a slice of the vectors
-that operators allocate (a ``TorchDispatchMode``), both as on the CPU (slices of
-``CHUNK_BYTES``) and with the slices capped (the whole batch at once, as on an
-accelerator).
+faults (``resource.getrusage``) and the slices of the vectors' size that operators
+allocate (results with blocks of the factors' rows, a ``TorchDispatchMode``), both as
+on the CPU (slices of ``CHUNK_BYTES``) and with the slices capped (the whole batch at
+once, as on an accelerator).
 
 ``--baseline DIR`` loads ``geoopt_quotient/manifolds/_gl_tangent.py`` of another
 checkout beside this one's and runs both on the same point and vectors, interleaved,
@@ -52,11 +52,12 @@ QUICK = (6, 40, 8)
 
 
 class Allocations(TorchDispatchMode):
-    """The results of at least ``size`` bytes that operators write into new memory."""
+    """The results with blocks of at least ``rows`` rows (slices of the vectors, not the
+    ``h x h`` matrices) that operators write into new memory."""
 
-    def __init__(self, size: int):
+    def __init__(self, rows: int):
         super().__init__()
-        self.size, self.count, self.bytes = size, 0, 0
+        self.rows, self.count, self.bytes = rows, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -67,7 +68,7 @@ class Allocations(TorchDispatchMode):
         }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in operands:
-                if t.untyped_storage().nbytes() >= self.size:
+                if t.dim() >= 2 and t.shape[-2] >= self.rows:
                     self.count += 1
                     self.bytes += t.untyped_storage().nbytes()
         return out
@@ -112,8 +113,8 @@ class Loop:
 
 
 def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> Dict[str, Any]:
-    """Per iteration: median process seconds and minor faults, allocations of a slice's
-    size, for each module's tangent space; whether their results agree."""
+    """Per iteration: median process seconds and minor faults, allocations of slices of
+    the vectors, for each module's tangent space; whether their results agree."""
     _linalg.CAP_ON_CPU = capped
     points, rows, rank = shape
     generator = torch.Generator().manual_seed(0)
@@ -128,13 +129,11 @@ def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> 
     for loop in loops.values():  # warm-up: the kernels, the workspace
         loop.step(False)
         loop.step(True)
-    per_slice = max(1, _gl_tangent.CHUNK_BYTES // (2 * rows * rank * x.element_size()))
-    slice_bytes = min(points if capped else per_slice, points) * x[0].numel() * x.element_size()
-    row: Dict[str, Any] = {"slice_bytes": slice_bytes}
+    row: Dict[str, Any] = {}
     for label, loop in loops.items():
         counts = []
         for column in (False, True):
-            with Allocations(slice_bytes) as counter:
+            with Allocations(rows) as counter:
                 loop.step(column)
             counts.append({"count": counter.count, "mib": counter.bytes / 2**20})
         row[label] = {"allocations_gram": counts[0], "allocations_column": counts[1]}
