@@ -63,7 +63,12 @@ cotangent, the point and :math:`\xi`, copied into the cotangent); the Riemannian
 gradient 13 (two dot products with the iterates, two products, a dot product and a
 copy): 46 ``N`` (50 with the retraction's product with the point and int64 positions).
 Within a slice of :data:`CHUNK_BYTES` most of these hit the cache; the products, each
-:math:`2 N h` flops, take most of the time.
+:math:`2 N h` flops, take most of the time. The slice-sized results are written into one
+workspace of the tangent space (:meth:`GLTangentSpace._workspace`) and the products with
+the point into their joined ``(2 B, h, h)`` tensor, so that after the first iteration at
+a point none allocates memory of the vectors' size (fresh memory of that size is faulted
+in page by page where the allocator returns it to the system, as glibc's does above its
+mmap threshold, on BERT-base's stack with the whole batch one slice).
 
 Both metrics make the same products and move the same bytes on the :math:`n \times h`
 factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
