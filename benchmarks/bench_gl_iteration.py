@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import platform
 import resource
 import statistics
 import time
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
+from bench_iteration_overhead import write_document
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -182,18 +181,9 @@ def main(argv=None) -> Dict[str, Any]:
                 print(f"{metric} {mode}: " + format_row(row, list(modules)))
     finally:
         _linalg.CAP_ON_CPU = capped_before
-    document = {
-        "benchmark": "bench_gl_iteration",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "baseline")},
-        "stack": dict(zip(("points", "rows", "rank"), shape)),
-        "rows": rows,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(document, f, indent=1)
+    settings = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "baseline"})
+    settings.stack = dict(zip(("points", "rows", "rank"), shape))
+    document = write_document("bench_gl_iteration", settings, rows)
     return document
 
 

@@ -1115,9 +1115,9 @@ def _before_after(row: Dict, key: str, spec: str, suffix: str = "", scale: float
 
 def cpu_gl_iteration(results: Results) -> Table:
     doc = results.json("cpu/gl_iteration.json").data
-    stack = dig(doc, "stack") or {}
+    stack = dig(doc, "settings", "stack") or {}
     rows = []
-    for name, row in (dig(doc, "rows") or {}).items():
+    for name, row in (dig(doc, "models") or {}).items():
         metric, mode = name.split("-", 1)
         rows.append(
             [
