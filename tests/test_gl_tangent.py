@@ -79,12 +79,15 @@ def test_batched_operations_are_the_reference_formulas(
         rgrad = fast.egrad2rgrad_(c.clone())
         point, pullback = fast.retr_vjp(u, torch.full_like(x, float("nan")))
         pulled = pullback(c.clone())
+        retracted = fast.retr(u)  # the path gap's: the same point, a new tensor
+    assert torch.equal(retracted, point) and retracted.data_ptr() != point.data_ptr()
     expected_gram = reference.gram(vectors)
     close(gram, expected_gram, dtype, float(expected_gram.abs().max()) * scale)
     assert torch.equal(gram, gram.mT)
     close(rgrad, reference.egrad2rgrad(c), dtype, float(c.abs().max()) * scale)
     expected_point, expected_pullback = reference.retr_vjp(u, torch.empty_like(x))
     close(point, expected_point, dtype, scale)
+    close(retracted, reference.retr(u), dtype, scale)
     close(pulled, expected_pullback(c.clone()), dtype, float(c.abs().max()) * scale)
     if zero_rows:  # a stack's padding stays exactly zero
         n, m = rows

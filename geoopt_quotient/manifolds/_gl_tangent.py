@@ -454,6 +454,22 @@ class GLTangentSpace(CachedTangentSpace):
         return pos
 
     # ------------------------------------------------------------------ retraction
+    def retr(self, u: torch.Tensor) -> torch.Tensor:
+        r"""The second-order retraction :math:`F + \xi_F E_F - \tfrac12 F Y_F`
+        (:func:`_retract`) into a new tensor, a slice of the batch at a time, where the
+        batched formulas apply (the path gap's retraction): the same point as
+        :meth:`retr_vjp`'s, without the reference's temporaries of the vectors' size;
+        the reference otherwise."""
+        if self.manifold.retraction == "first_order" or not self._applies(u):
+            return super().retr(u)
+        out, mix = torch.empty_like(u), self.manifold.metric == "mix"
+        cross, start = self._crosses.get(u), 0
+        for kernel, (u_, o_) in self._parts(u, out):
+            stop = start + u_.shape[0]
+            _retract(kernel, self._split, u_, o_, mix, _rows(cross, start, stop))
+            start = stop
+        return out
+
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
     ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
