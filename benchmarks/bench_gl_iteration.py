@@ -16,7 +16,8 @@ once, as on an accelerator).
 ``--baseline DIR`` loads ``geoopt_quotient/manifolds/_gl_tangent.py`` of another
 checkout beside this one's and runs both on the same point and vectors, interleaved,
 after checking that they give the same perturbed point and gradient (bit for bit where
-the two compute alike).
+the two compute alike). With the CPU's slices, it also times the path gap's retraction
+of one vector (``retraction``), the tangent space's against the reference formulas.
 
     python benchmarks/bench_gl_iteration.py --baseline ../main --repeats 8 \\
         --json benchmarks/results/cpu/gl_iteration.json
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _gl_tangent, _linalg
 from geoopt_quotient.manifolds.gl_quotient import PointState
+from geoopt_quotient.manifolds.tangent import CachedTangentSpace
 from geoopt_quotient.sharpness import apgd
 
 #: BERT-base's stacked groups: points, rows per factor, rank.
@@ -156,6 +158,39 @@ def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> 
     return row
 
 
+def retraction(args, shape, metric: str) -> Dict[str, Any]:
+    """The path gap's retraction of one vector (``TangentSpace.retr``): this checkout's
+    tangent space against the reference formulas, interleaved; median process seconds
+    and minor faults per call, and the largest difference of the points."""
+    points, rows, rank = shape
+    generator = torch.Generator().manual_seed(1)
+    x = 0.05 * torch.randn(points, 2 * rows, rank, generator=generator)
+    manifold = gq.GLQuotient(rows, rows, metric=metric)
+    spaces = {
+        "reference": CachedTangentSpace(manifold, x, PointState(manifold, x)),
+        "this": manifold.tangent_space(x),
+    }
+    u = manifold.proju(x, 1e-3 * torch.randn(x.shape, generator=generator))
+    samples: Dict[str, List[tuple]] = {label: [] for label in spaces}
+    for repeat in range(max(args.repeats // 2, 1)):
+        for label in list(spaces)[:: 1 if repeat % 2 == 0 else -1]:
+            before, start = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
+            spaces[label].retr(u)
+            seconds = time.process_time() - start
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before.ru_minflt
+            samples[label].append((seconds, faults))
+    row: Dict[str, Any] = {
+        label: {
+            "seconds": statistics.median(s for s, _ in samples[label]),
+            "minor_page_faults": statistics.median(f for _, f in samples[label]),
+        }
+        for label in spaces
+    }
+    difference = spaces["this"].retr(u) - spaces["reference"].retr(u)
+    row["max_difference"] = float(difference.abs().max())
+    return row
+
+
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", default="inv,mix")
@@ -177,6 +212,8 @@ def main(argv=None) -> Dict[str, Any]:
         for metric in args.metrics.split(","):
             for mode in args.modes.split(","):
                 row = measure(args, shape, metric, mode == "capped", modules)
+                if mode == "sliced":
+                    row["retraction"] = retraction(args, shape, metric)
                 rows[f"{metric}-{mode}"] = row
                 print(f"{metric} {mode}: " + format_row(row, list(modules)))
     finally:
@@ -194,6 +231,13 @@ def format_row(row: Dict[str, Any], labels: List[str]) -> str:
         parts.append(
             f"{label} {r['seconds'] * 1e3:.1f} ms, {r['minor_page_faults']:.0f} faults, "
             f"{r['allocations_gram']['count']}/{r['allocations_column']['count']} allocations"
+        )
+    if "retraction" in row:
+        r = row["retraction"]
+        parts.append(
+            f"retraction {r['reference']['seconds'] * 1e3:.0f} -> {r['this']['seconds'] * 1e3:.0f}"
+            f" ms, {r['reference']['minor_page_faults']:.0f} -> "
+            f"{r['this']['minor_page_faults']:.0f} faults"
         )
     if "ratio" in row:
         parts.append(f"ratio {row['ratio']:.3f}, same point {row['same_perturbed_point']}")

@@ -116,6 +116,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             assert row["same_perturbed_point"] and row["max_gradient_difference"] == 0
             assert row["this"]["allocations_gram"]["count"] == 0
             assert row["this"]["allocations_column"]["count"] == 0
+        for metric in ("inv", "mix"):
+            assert report["models"][f"{metric}-sliced"]["retraction"]["max_difference"] < 1e-5
     if name == "bench_discovery":
         for model in ("llama-7b", "mistral-7b", "vit-b32", "bert-base"):
             for kinds in ("default", "all"):
