@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
@@ -214,18 +216,23 @@ def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factor
     assert point.numel() >= sum(g.point.numel() for g in quotients)
 
 
+def inv_layout(model) -> layout_module.BallLayout:
+    """The layout of ``model``'s inv ball on the second-order path."""
+    plan = gq.find_symmetries(model, metric="inv").bind(model)
+    base = {name: p.detach() for name, p in model.named_parameters()}
+    groups = measure_module._ball_groups(
+        plan, [p.detach() for p in plan.gather(base)], "second_order", True
+    )
+    return layout_module.BallLayout(plan, base, groups)
+
+
 def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     """The layout writes the stacked points into the parameters' flat buffer with a
     gather over int32 positions, the entries and the zero gaps those of the index copy
     (the padding rows of the value-output stack go to no parameter); the negative: a
     parameter entry written twice leaves the index copy."""
     model, _ = tiny_bert()
-    plan = gq.find_symmetries(model, metric="inv").bind(model)
-    base = {name: p.detach() for name, p in model.named_parameters()}
-    groups = measure_module._ball_groups(
-        plan, [p.detach() for p in plan.gather(base)], "second_order", True
-    )
-    layout = layout_module.BallLayout(plan, base, groups)
+    layout = inv_layout(model)
     (rest,) = layout._rests
     assert rest.source is not None and rest.source.dtype == rest.destination.dtype == torch.int32
     points = [torch.randn_like(layout.groups[p].point) for p in rest.groups]
@@ -242,6 +249,61 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     twice[1] = twice[0]  # the second entry of the first parameter is no longer written
     destination, source = layout_module._index_maps(twice, rest.flat)
     assert source is None and destination.dtype == torch.int32
+
+
+class FreshTensors(TorchDispatchMode):
+    """Records the number of entries of every tensor an operator returns in storage of
+    its own (not one of its inputs' or its ``out=``'s): the operator allocated it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        self.sizes += [
+            t.numel()
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+        ]
+        return out
+
+
+def test_several_groups_are_written_through_one_joined_buffer_of_the_layout():
+    """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
+    their points are joined into a buffer of the layout's own, the same at every write
+    (a new one per evaluation, as large as those groups, would be faulted in page by
+    page); the buffer written is the index copy's, bit for bit."""
+    from conftest import tiny_llama_causal_lm
+
+    model = tiny_llama_causal_lm()
+    layout = inv_layout(model)
+    (rest,) = layout._rests
+    assert len(rest.groups) == 2  # the rotary stack and the value-output stack
+    size = rest.destination.numel()
+    out = torch.empty(rest.flat.size, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    joined_ptrs = []
+    for step in range(3):
+        points = [
+            torch.randn(layout.groups[p].point.shape, dtype=torch.float64, generator=generator)
+            for p in rest.groups
+        ]
+        with FreshTensors() as fresh:
+            rest.write(points, out)
+        if step:  # the first write allocates the joined buffer, no later one
+            assert max(fresh.sizes, default=0) < size
+        joined_ptrs.append(getattr(rest, "_joined", None))
+        expected = torch.zeros(rest.flat.size, dtype=torch.float64)
+        expected.index_copy_(0, rest.destination.long(), torch.cat([p.reshape(-1) for p in points]))
+        for written, reference in zip(rest.flat.pieces(out)[0], rest.flat.pieces(expected)[0]):
+            assert torch.equal(written, reference)
+    assert joined_ptrs[0] is not None and all(j is joined_ptrs[0] for j in joined_ptrs)
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])

@@ -202,16 +202,21 @@ class _Rest:
     #: position in the joined points of each buffer entry (:func:`_index_maps`), or None
     source: torch.Tensor | None = None
     _gaps: Tuple[torch.Tensor, List[torch.Tensor]] | None = None  # a buffer, its gap views
+    #: The points of several groups joined, the same buffer at every write: a new one of
+    #: their size per evaluation would be faulted in page by page (glibc maps a block
+    #: above 32 MiB afresh at each allocation)
+    _joined: torch.Tensor | None = None
 
     def write(self, points: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """The points written into the flat buffer ``out``: one gather where every
         entry of a parameter comes from one entry of the points (its gaps then zeroed),
-        else one index copy."""
+        else one index copy; the points of several groups first joined into one
+        buffer of the rest's own."""
         if len(points) == 1:
-            joined = points[0].reshape(-1)
+            joined = points[0].reshape(-1).to(out.dtype)
         else:
-            joined = torch.cat([p.reshape(-1) for p in points])
-        joined = joined.to(out.dtype)
+            joined = self._joined_buffer(out.dtype, out.device)
+            torch.cat([p.reshape(-1) for p in points], out=joined)
         if self.source is None:
             out.index_copy_(0, self.destination, joined)
             return
@@ -219,6 +224,13 @@ class _Rest:
         if self._gaps is None or self._gaps[0] is not out:
             self._gaps = (out, self.flat.pieces(out)[1])
         _zero(self._gaps[1])
+
+    def _joined_buffer(self, dtype: torch.dtype, device) -> torch.Tensor:
+        size = self.destination.numel()
+        joined = self._joined
+        if joined is None or joined.dtype != dtype or joined.device != device:
+            joined = self._joined = torch.empty(size, dtype=dtype, device=device)
+        return joined
 
     def read(
         self, grad: torch.Tensor, out: Sequence[torch.Tensor] | None = None
