@@ -309,6 +309,8 @@ def profile_model(name: str, args) -> Dict[str, Any]:
         for measure in measures:
             run = functools.partial(sharpness_run, model, batches, loss, measure, plans, options)
             row[measure]["phases_s"] = phase_times(run, loss_seconds, active, count)
+    # the process's peak resident memory so far (KiB on Linux): what --malloc retain holds
+    row["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
 
 
@@ -323,7 +325,10 @@ def _usage_line(cell: Dict[str, float]) -> str:
 def format_rows(rows: Dict[str, Dict[str, Any]], threads: int, malloc: str) -> str:
     lines = [f"per iteration (plain: per pass), {threads} thread(s), malloc {malloc}"]
     for name, row in rows.items():
-        lines.append(f"{name} ({row['parameters']:,} parameters)")
+        lines.append(
+            f"{name} ({row['parameters']:,} parameters; the process's peak resident memory "
+            f"{row['max_rss_mib']:,.0f} MiB)"
+        )
         for key, cell in row.items():
             if not isinstance(cell, dict):
                 continue
