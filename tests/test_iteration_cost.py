@@ -274,36 +274,37 @@ class FreshTensors(TorchDispatchMode):
         return out
 
 
-def test_several_groups_are_written_through_one_joined_buffer_of_the_layout():
+def test_several_groups_perturbed_points_are_joined_where_they_are_written():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
-    their points are joined into a buffer of the layout's own, the same at every write
-    (a new one per evaluation, as large as those groups, would be faulted in page by
-    page); the buffer written is the index copy's, bit for bit."""
+    their perturbed points are views of one buffer of the layout's own, the same at every
+    evaluation, which the write gathers from: no buffer as large as those groups is
+    allocated per evaluation (it would be faulted in page by page), points written
+    elsewhere are copied into it; the flat buffer written is the index copy's, bit for
+    bit."""
     from conftest import tiny_llama_causal_lm
 
-    model = tiny_llama_causal_lm()
-    layout = inv_layout(model)
+    layout = inv_layout(tiny_llama_causal_lm())
     (rest,) = layout._rests
     assert len(rest.groups) == 2  # the rotary stack and the value-output stack
-    size = rest.destination.numel()
+    buffers = [layout.perturbed_buffer(p) for p in rest.groups]
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    assert len(storages) == 1 and all(b.is_contiguous() for b in buffers)
+    smallest = min(b.numel() for b in buffers)
     out = torch.empty(rest.flat.size, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
-    joined_ptrs = []
-    for step in range(3):
-        points = [
-            torch.randn(layout.groups[p].point.shape, dtype=torch.float64, generator=generator)
-            for p in rest.groups
-        ]
+    for in_place in (False, True, True, False):
+        points = [torch.randn(b.shape, dtype=torch.float64, generator=generator) for b in buffers]
+        if in_place:  # as the explicit paths write them
+            points = [b.copy_(p) for b, p in zip(buffers, points)]
         with FreshTensors() as fresh:
             rest.write(points, out)
-        if step:  # the first write allocates the joined buffer, no later one
-            assert max(fresh.sizes, default=0) < size
-        joined_ptrs.append(getattr(rest, "_joined", None))
+        assert max(fresh.sizes, default=0) < smallest
         expected = torch.zeros(rest.flat.size, dtype=torch.float64)
-        expected.index_copy_(0, rest.destination.long(), torch.cat([p.reshape(-1) for p in points]))
+        joined = torch.cat([p.reshape(-1) for p in points])
+        expected.index_copy_(0, rest.destination.long(), joined)
         for written, reference in zip(rest.flat.pieces(out)[0], rest.flat.pieces(expected)[0]):
             assert torch.equal(written, reference)
-    assert joined_ptrs[0] is not None and all(j is joined_ptrs[0] for j in joined_ptrs)
+    assert layout.perturbed_buffer(rest.groups[0]) is buffers[0]
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])
