@@ -36,6 +36,13 @@ nothing is downloaded.
         --json benchmarks/results/cpu/iteration_overhead.json
     python benchmarks/bench_iteration_overhead.py --models tiny-vit --repeats 7
     python benchmarks/bench_iteration_overhead.py --quick      # seconds, for CI
+    python benchmarks/bench_iteration_overhead.py --malloc retain \\
+        --json benchmarks/results/cpu/iteration_overhead_retain.json
+
+``--malloc retain`` keeps freed memory in the process (glibc's ``mallopt``, see
+``_malloc.py``), for the plain passes and the sharpness runs alike: without it a
+temporary above glibc's mmap threshold (at most 32 MiB) is faulted in page by page at
+each allocation, which on BERT-base shows as seconds of system time per run.
 
 ``--breakdown`` also times, on vectors as large as each model, the element-wise work of
 one adaptive iteration outside the pass (see ``update_breakdown``), next to a copy of
@@ -53,6 +60,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 import torch
+from _malloc import MALLOC_CHOICES, configure_malloc
 from bench_sharpness_iteration import build_model
 
 import geoopt_quotient as gq
@@ -391,7 +399,16 @@ def main(argv=None) -> Dict[str, Any]:
         "(each model's row records its own iterations, repeats and batch shape), e.g. "
         "BERT-base at a smaller batch beside the other models",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=MALLOC_CHOICES,
+        default="default",
+        help="glibc malloc: its defaults, or retain freed memory (no mmap per large "
+        "block, no trimming: no page faults for a freed block used again; "
+        "benchmarks/_malloc.py), for the plain passes and the runs alike; default: default",
+    )
     args = parser.parse_args(argv)
+    malloc = configure_malloc(args.malloc)  # before the models are built
     global _clock
     _clock = CLOCKS[args.clock]
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -413,13 +430,20 @@ def main(argv=None) -> Dict[str, Any]:
         print(format_breakdown(rows))
     if args.merge and args.json and os.path.exists(args.json):
         with open(args.json) as f:
-            rows = {**json.load(f).get("models", {}), **rows}
-    return write_document("iteration_overhead", args, rows)
+            kept = json.load(f)
+        kept_malloc = (kept.get("malloc") or {}).get("malloc", "default")
+        if kept_malloc != args.malloc:
+            parser.error(f"--merge: {args.json} was measured with --malloc {kept_malloc}")
+        rows = {**kept.get("models", {}), **rows}
+    return write_document("iteration_overhead", args, rows, malloc)
 
 
-def write_document(benchmark: str, args, rows: Dict[str, Any]) -> Dict[str, Any]:
-    """The benchmark's JSON document (settings, rows, threads, versions), written to
-    ``args.json`` when given."""
+def write_document(
+    benchmark: str, args, rows: Dict[str, Any], malloc: Dict[str, Any] | None = None
+) -> Dict[str, Any]:
+    """The benchmark's JSON document (settings, rows, threads, versions, and the malloc
+    setting of :func:`~_malloc.configure_malloc` where given), written to ``args.json``
+    when given."""
     document = {
         "benchmark": benchmark,
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge")},
@@ -428,6 +452,8 @@ def write_document(benchmark: str, args, rows: Dict[str, Any]) -> Dict[str, Any]
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
+    if malloc is not None:
+        document["malloc"] = malloc
     if args.json:
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)

@@ -19,11 +19,23 @@ one):
   layout's copies), the quotients' retraction and its pullback, the Riemannian gradient
   with its Gram entries, the update. Their sum is the loop's cost without the run's fixed
   work, measured directly instead of by a difference of two runs, so that two measures
-  compare phase by phase.
+  compare phase by phase;
+- with ``--marginal``, the same usage for one more iteration: a run of ``--iters / 2``
+  iterations too, and the difference per iteration, so that a run's fixed work (the
+  ball's vectors, the layout, the clean loss, the path gap: each faulted in once per
+  run) is told apart from what every iteration costs;
+- with ``--by-operator N``, the ``N`` operator call sites with the most minor page
+  faults per iteration (per iteration more with ``--marginal``), in a further pair of
+  runs under a ``TorchDispatchMode`` that reads ``getrusage`` around each operator: a
+  fresh allocation is faulted in by the operator that first writes it;
+- ``--malloc retain`` sets glibc's malloc to keep freed memory (``_malloc.py``) before
+  the model is built, for the plain passes and the runs alike; the result JSON records it.
 
     python benchmarks/profile_cpu_iteration.py --models bert-base --measures adaptive,inv
     python benchmarks/profile_cpu_iteration.py --models bert-base --measures inv,mix \\
         --batch-size 4 --iters 8 --operators 0 --phases
+    python benchmarks/profile_cpu_iteration.py --models bert-base --measures adaptive,inv \\
+        --batch-size 2 --iters 8 --operators 0 --marginal --by-operator 12 --malloc retain
     python benchmarks/profile_cpu_iteration.py --quick            # seconds, for CI
 
 Linux and macOS only (``resource``).
@@ -32,14 +44,18 @@ Linux and macOS only (``resource``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
+import os
 import resource
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+from _malloc import MALLOC_CHOICES, configure_malloc
 from bench_iteration_overhead import (
     KEEP,
     MEASURES,
@@ -50,6 +66,7 @@ from bench_iteration_overhead import (
     write_document,
 )
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _gl_tangent
@@ -88,6 +105,86 @@ def top_operators(
             "calls": e.count / count,
         }
         for e in events[:rows]
+    ]
+
+
+def marginal_usage(
+    run: Callable[[int], Any], iters: int, half: int, batches: int
+) -> Dict[str, float]:
+    """Per iteration, what one more iteration of ``run(iters)`` costs: the
+    :func:`usage` of a run of ``iters`` iterations minus that of a run of ``half``, over
+    ``(iters - half) x batches``; the work of a run that does not grow with its
+    iterations (set-up, the clean loss, the ball's first vectors) cancels."""
+    whole, part = usage(lambda: run(iters), 1), usage(lambda: run(half), 1)
+    return {k: (whole[k] - part[k]) / ((iters - half) * batches) for k in whole}
+
+
+class FaultsByOperator(TorchDispatchMode):
+    """Counts the minor page faults of each operator call (``getrusage`` before and
+    after), by ``(pass, operator, call site)``: the pass is ``backward`` inside autograd's
+    backward, else ``forward``; the call site is the innermost frame of this package
+    (``module:function``), else the innermost frame outside torch (the model's code).
+
+    A fresh allocation is faulted in where it is first written, so the faults of an
+    allocated buffer land on the operator that fills it, not on ``empty``."""
+
+    def __init__(self):
+        super().__init__()
+        self.faults: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = func(*args, **(kwargs or {}))
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        if faults:
+            backward = torch._C._current_graph_task_id() != -1
+            key = ("backward" if backward else "forward", str(func.overloadpacket), _site())
+            self.faults[key] += faults
+            self.calls[key] += 1
+        return out
+
+
+def _site() -> str:
+    """The call site of :class:`FaultsByOperator`: ``module:function``."""
+    frame, outside_torch = sys._getframe(2), None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"geoopt_quotient{os.sep}" in path:
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        if outside_torch is None and f"{os.sep}torch{os.sep}" not in path:
+            outside_torch = f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return outside_torch or "?"
+
+
+def faults_by_operator(
+    run: Callable[[int], Any], iters: int, half: int | None, batches: int, rows: int
+) -> List[Dict[str, Any]]:
+    """The ``rows`` call sites (:class:`FaultsByOperator`) with the most minor page faults
+    per iteration of ``run(iters)``; with ``half``, per iteration more (the faults of
+    ``run(iters)`` minus those of ``run(half)``, as :func:`marginal_usage`), so that
+    the run's fixed work cancels. ``outside operators``: the rest of the run's faults
+    (the interpreter, autograd's bookkeeping)."""
+
+    def counted(n: int) -> collections.Counter:
+        mode = FaultsByOperator()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        with mode:
+            run(n)
+        total = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        mode.faults[("-", "outside operators", "-")] = total - sum(mode.faults.values())
+        return mode.faults
+
+    faults = counted(iters)
+    count = iters * batches
+    if half is not None:
+        faults.subtract(counted(half))
+        count = (iters - half) * batches
+    top = sorted(faults.items(), key=lambda item: -abs(item[1]))[:rows]
+    return [
+        {"pass": p, "operator": op, "site": site, "minor_page_faults": n / count}
+        for (p, op, site), n in top
     ]
 
 
@@ -178,20 +275,32 @@ def profile_model(name: str, args) -> Dict[str, Any]:
     options = SimpleNamespace(
         rho=args.rho, iters=args.iters, keep_best_gradient=args.keep_best_gradient
     )
-    runs: Dict[str, Callable[[], Any]] = {
-        "plain": lambda: [plain_pass(model, batches, loss_fn) for _ in range(args.iters)]
+    # each run as a function of its iterations (plain: as many passes)
+    runs: Dict[str, Callable[[int], Any]] = {
+        "plain": lambda n: plain_pass(model, batches, loss_fn, n)
     }
     for measure in measures:
-        runs[measure] = lambda m=measure: sharpness_run(model, batches, loss_fn, m, plans, options)
+        runs[measure] = lambda n, m=measure: sharpness_run(
+            model, batches, loss_fn, m, plans, options, iters=n
+        )
     plain_pass(model, batches, loss_fn)  # warm-up
     for measure in measures:
         sharpness_run(model, batches, loss_fn, measure, plans, options, iters=2)
     count = args.iters * len(batches)
+    half = max(args.iters // 2, 1) if args.marginal else None
     row: Dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
     for key, run in runs.items():
-        row[key] = usage(run, count)
+        row[key] = usage(functools.partial(run, args.iters), count)
+        if half is not None and half < args.iters:
+            row[key]["marginal"] = marginal_usage(run, args.iters, half, len(batches))
+        if args.by_operator:
+            row[key]["faults_by_operator"] = faults_by_operator(
+                run, args.iters, half, len(batches), args.by_operator
+            )
         if args.operators:
-            calls, operators = top_operators(run, count, args.operators)
+            calls, operators = top_operators(
+                functools.partial(run, args.iters), count, args.operators
+            )
             row[key]["operator_calls"], row[key]["operators"] = calls, operators
     if args.phases:
         loss_seconds: Dict[str, float] = {}
@@ -200,21 +309,39 @@ def profile_model(name: str, args) -> Dict[str, Any]:
         for measure in measures:
             run = functools.partial(sharpness_run, model, batches, loss, measure, plans, options)
             row[measure]["phases_s"] = phase_times(run, loss_seconds, active, count)
+    # the process's peak resident memory so far (KiB on Linux): what --malloc retain holds
+    row["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
 
 
-def format_rows(rows: Dict[str, Dict[str, Any]], threads: int) -> str:
-    lines = [f"per iteration (plain: per pass), {threads} thread(s)"]
+def _usage_line(cell: Dict[str, float]) -> str:
+    return (
+        f"wall {1e3 * cell['wall_s']:8.1f} ms  user {1e3 * cell['user_s']:8.1f} ms  "
+        f"system {1e3 * cell['system_s']:7.1f} ms  "
+        f"minor page faults {cell['minor_page_faults']:9,.0f}"
+    )
+
+
+def format_rows(rows: Dict[str, Dict[str, Any]], threads: int, malloc: str) -> str:
+    lines = [f"per iteration (plain: per pass), {threads} thread(s), malloc {malloc}"]
     for name, row in rows.items():
-        lines.append(f"{name} ({row['parameters']:,} parameters)")
+        lines.append(
+            f"{name} ({row['parameters']:,} parameters; the process's peak resident memory "
+            f"{row['max_rss_mib']:,.0f} MiB)"
+        )
         for key, cell in row.items():
             if not isinstance(cell, dict):
                 continue
-            lines.append(
-                f"  {key:<9} wall {1e3 * cell['wall_s']:8.1f} ms  user "
-                f"{1e3 * cell['user_s']:8.1f} ms  system {1e3 * cell['system_s']:7.1f} ms  "
-                f"minor page faults {cell['minor_page_faults']:9,.0f}"
-            )
+            lines.append(f"  {key:<9} " + _usage_line(cell))
+            if "marginal" in cell:
+                lines.append(f"  {'  one more':<9} " + _usage_line(cell["marginal"]))
+            if "faults_by_operator" in cell:
+                lines.append("      minor page faults per iteration, by operator and call site:")
+            for op in cell.get("faults_by_operator", []):
+                lines.append(
+                    f"      {op['minor_page_faults']:9,.0f}  {op['pass']:<8} "
+                    f"{op['operator'][:32]:<32} {op['site']}"
+                )
             if "operator_calls" in cell:
                 lines.append(
                     f"      {cell['operator_calls']:,.0f} operator calls, the most costly:"
@@ -256,10 +383,31 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument(
         "--phases", action="store_true", help="also time the loop's phases (process time)"
     )
+    parser.add_argument(
+        "--marginal",
+        action="store_true",
+        help="also run --iters / 2 iterations and report one more iteration's cost "
+        "(the difference), without the run's fixed work",
+    )
+    parser.add_argument(
+        "--by-operator",
+        type=int,
+        default=0,
+        help="list this many operator call sites by minor page faults per iteration "
+        "(per iteration more with --marginal; 0: none)",
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=MALLOC_CHOICES,
+        default="default",
+        help="glibc malloc: its defaults, or retain freed memory (no mmap per large "
+        "block, no trimming; benchmarks/_malloc.py); default: default",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
+    malloc = configure_malloc(args.malloc)  # before the models are built
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS)) + sorted(
         set(args.measures.split(",")) - set(MEASURES) - {""}
@@ -268,11 +416,12 @@ def main(argv=None) -> Dict[str, Any]:
         parser.error(f"unknown models or measures {unknown}")
     if args.quick:
         args.iters, args.operators, args.phases = 2, 3, True
+        args.marginal, args.by_operator = True, 3
         names = ["tiny-vit"]
     torch.set_num_threads(args.threads)
     rows = {name: profile_model(name, args) for name in names}
-    print(format_rows(rows, args.threads))
-    return write_document("profile_cpu_iteration", args, rows)
+    print(format_rows(rows, args.threads, args.malloc))
+    return write_document("profile_cpu_iteration", args, rows, malloc)
 
 
 if __name__ == "__main__":

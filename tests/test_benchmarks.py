@@ -88,6 +88,12 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             row[k]["operator_calls"] >= sum(op["calls"] for op in row[k]["operators"]) > 0
             for k in ("plain", "mix")
         )
+        assert report["malloc"]["malloc"] == "default" and report["malloc"]["applied"]
+        for key in ("plain", "mix"):  # one more iteration, and its faults by call site
+            assert set(row[key]["marginal"]) == set(row[key]) & set(row[key]["marginal"])
+            assert {"wall_s", "minor_page_faults"} <= set(row[key]["marginal"])
+            sites = row[key]["faults_by_operator"]
+            assert len(sites) == 3 and all({"operator", "site"} <= set(s) for s in sites)
         phases = row["mix"]["phases_s"]
         assert phases["loop"] == pytest.approx(sum(v for k, v in phases.items() if k != "loop"))
         assert phases["forward"] > 0 and phases["retraction"] > 0
@@ -194,3 +200,34 @@ def test_flat_ball_gpu_script_dry_run_writes_its_document(tmp_path):
         assert row["engine"] == "abc1234"
     with pytest.raises(SystemExit):  # an unknown model is refused before anything runs
         module.main([str(out), "--dry-run", "--models", "vit-b16"])
+
+
+def test_malloc_retain_is_set_through_mallopt_and_recorded():
+    """``--malloc retain`` in a process of its own (it is process-wide): glibc takes both
+    thresholds, and the record says so; elsewhere the record says why not."""
+    import platform
+    import subprocess
+
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from _malloc import configure_malloc;"
+        "print(json.dumps(configure_malloc('retain')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True, text=True, check=True
+    )
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["malloc"] == "retain"
+    if platform.libc_ver()[0] == "glibc":
+        assert record["applied"] and record["mmap_threshold"] == record["trim_threshold"]
+        assert record["mmap_threshold"] >= 1 << 30
+    else:
+        assert not record["applied"] and "glibc" in record["note"]
+    from _malloc import configure_malloc
+
+    assert configure_malloc("default") == {
+        "malloc": "default",
+        "applied": True,
+        "libc": record["libc"],
+    }
+    with pytest.raises(ValueError, match="malloc"):
+        configure_malloc("jemalloc")

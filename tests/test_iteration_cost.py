@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
@@ -214,18 +216,23 @@ def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factor
     assert point.numel() >= sum(g.point.numel() for g in quotients)
 
 
+def inv_layout(model) -> layout_module.BallLayout:
+    """The layout of ``model``'s inv ball on the second-order path."""
+    plan = gq.find_symmetries(model, metric="inv").bind(model)
+    base = {name: p.detach() for name, p in model.named_parameters()}
+    groups = measure_module._ball_groups(
+        plan, [p.detach() for p in plan.gather(base)], "second_order", True
+    )
+    return layout_module.BallLayout(plan, base, groups)
+
+
 def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     """The layout writes the stacked points into the parameters' flat buffer with a
     gather over int32 positions, the entries and the zero gaps those of the index copy
     (the padding rows of the value-output stack go to no parameter); the negative: a
     parameter entry written twice leaves the index copy."""
     model, _ = tiny_bert()
-    plan = gq.find_symmetries(model, metric="inv").bind(model)
-    base = {name: p.detach() for name, p in model.named_parameters()}
-    groups = measure_module._ball_groups(
-        plan, [p.detach() for p in plan.gather(base)], "second_order", True
-    )
-    layout = layout_module.BallLayout(plan, base, groups)
+    layout = inv_layout(model)
     (rest,) = layout._rests
     assert rest.source is not None and rest.source.dtype == rest.destination.dtype == torch.int32
     points = [torch.randn_like(layout.groups[p].point) for p in rest.groups]
@@ -242,6 +249,62 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     twice[1] = twice[0]  # the second entry of the first parameter is no longer written
     destination, source = layout_module._index_maps(twice, rest.flat)
     assert source is None and destination.dtype == torch.int32
+
+
+class FreshTensors(TorchDispatchMode):
+    """Records the number of entries of every tensor an operator returns in storage of
+    its own (not one of its inputs' or its ``out=``'s): the operator allocated it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        self.sizes += [
+            t.numel()
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+        ]
+        return out
+
+
+def test_several_groups_perturbed_points_are_joined_where_they_are_written():
+    """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
+    their perturbed points are views of one buffer of the layout's own, the same at every
+    evaluation, which the write gathers from: no buffer as large as those groups is
+    allocated per evaluation (it would be faulted in page by page), points written
+    elsewhere are copied into it; the flat buffer written is the index copy's, bit for
+    bit."""
+    from conftest import tiny_llama_causal_lm
+
+    layout = inv_layout(tiny_llama_causal_lm())
+    (rest,) = layout._rests
+    assert len(rest.groups) == 2  # the rotary stack and the value-output stack
+    buffers = [layout.perturbed_buffer(p) for p in rest.groups]
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    assert len(storages) == 1 and all(b.is_contiguous() for b in buffers)
+    smallest = min(b.numel() for b in buffers)
+    out = torch.empty(rest.flat.size, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    for in_place in (False, True, True, False):
+        points = [torch.randn(b.shape, dtype=torch.float64, generator=generator) for b in buffers]
+        if in_place:  # as the explicit paths write them
+            points = [b.copy_(p) for b, p in zip(buffers, points)]
+        with FreshTensors() as fresh:
+            rest.write(points, out)
+        assert max(fresh.sizes, default=0) < smallest
+        expected = torch.zeros(rest.flat.size, dtype=torch.float64)
+        joined = torch.cat([p.reshape(-1) for p in points])
+        expected.index_copy_(0, rest.destination.long(), joined)
+        for written, reference in zip(rest.flat.pieces(out)[0], rest.flat.pieces(expected)[0]):
+            assert torch.equal(written, reference)
+    assert layout.perturbed_buffer(rest.groups[0]) is buffers[0]
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])

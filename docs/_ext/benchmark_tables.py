@@ -102,6 +102,8 @@ def environment(source: Source) -> str:
         parts.append(f"CUDA {env['cuda']}")
     if env.get("transformers"):
         parts.append(f"transformers {env['transformers']}")
+    if isinstance(doc.get("malloc"), dict):
+        parts.append(f"malloc {malloc_setting(doc)} ({doc['malloc'].get('libc', 'libc unknown')})")
     status = doc.get("status")
     if status and status != "complete":
         parts.append(f"run status {status!r}: the run stopped before its end")
@@ -641,15 +643,42 @@ def _with_spread(median, values) -> str:
     return f"{cell} ({min(values):.2f}–{max(values):.2f})"
 
 
+def malloc_setting(doc: Any) -> str:
+    """The glibc malloc setting a result file records (``--malloc``); a file without the
+    record was written before the option, with glibc's defaults."""
+    record = dig(doc, "malloc")
+    if not isinstance(record, dict):
+        return "default"
+    if not record.get("applied", False):
+        return f"{record.get('malloc')} (not applied: {record.get('note', 'no reason recorded')})"
+    return str(record.get("malloc"))
+
+
+#: The files of :func:`cpu_iteration_overhead`: glibc's malloc as it is, and retaining
+#: freed memory (``--malloc retain``).
+ITERATION_OVERHEAD_FILES = ("cpu/iteration_overhead.json", "cpu/iteration_overhead_retain.json")
+
+
 def cpu_iteration_overhead(results: Results) -> Table:
-    doc = results.json("cpu/iteration_overhead.json").data
+    """The rows of glibc's default malloc, then those of ``--malloc retain``."""
+    default, retain = (results.json(path) for path in ITERATION_OVERHEAD_FILES)
+    rows = _iteration_overhead_rows(default.data, "default")
+    rows += _iteration_overhead_rows(retain.data, "retain")
+    clocks = {dig(s.data, "settings", "clock") for s in (default, retain) if s.exists}
+    return _iteration_overhead_table(rows, clocks)
+
+
+def _iteration_overhead_rows(doc: Any, malloc: str) -> List[List[str]]:
+    """One row per model of a file written with ``--malloc malloc`` (``doc``: ``None``
+    where there is no such file)."""
     rows = []
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
     measures = ("adaptive", "inv", "mix")
+    malloc = malloc_setting(doc) if doc is not None else malloc
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, *[NOT_MEASURED] * 8])
+            rows.append([label, malloc, *[NOT_MEASURED] * 8])
             continue
         passes = sorted(
             {
@@ -664,6 +693,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
         rows.append(
             [
                 label,
+                malloc,
                 f"{iters} vs {half}, {m['batches']} × ({' × '.join(map(str, m['batch_shape']))})",
                 fmt(m["plain_ms"], ".1f", " ms"),
                 *(_with_spread(marginal[k], dig(m, k, "marginal_ratios")) for k in measures),
@@ -678,9 +708,14 @@ def cpu_iteration_overhead(results: Results) -> Table:
                 ", ".join(passes),
             ]
         )
+    return rows
+
+
+def _iteration_overhead_table(rows: List[List[str]], clocks: set) -> Table:
     return Table(
         [
             "model",
+            "glibc malloc",
             "iterations, batches",
             "plain forward+backward",
             "adaptive",
@@ -698,6 +733,12 @@ def cpu_iteration_overhead(results: Results) -> Table:
             "BERT-base, added to the same file: python benchmarks/bench_iteration_overhead.py "
             "--models bert-base --bert-batch-size 4 --iters 8 --repeats 3 --clock process "
             "--merge --json benchmarks/results/cpu/iteration_overhead.json.",
+            "glibc malloc: default, glibc's own (a freed block above its mmap threshold, "
+            "at most 32 MiB, goes back to the kernel and is faulted in again page by page "
+            "at its next allocation); retain, freed memory kept in the process "
+            "(--malloc retain: mallopt's mmap and trim thresholds at 2 GiB, for the plain "
+            "passes and the runs alike), written by the same commands with --malloc retain "
+            "--json benchmarks/results/cpu/iteration_overhead_retain.json.",
             "adaptive, inv, mix: what one more Auto-PGD iteration costs, over a plain "
             "forward and backward pass of the same loss: the time of a run of n iterations "
             "minus that of a run of n/2, over n/2 (iterations: n vs n/2; interleaved, "
@@ -709,7 +750,7 @@ def cpu_iteration_overhead(results: Results) -> Table:
             "both together; "
             + (
                 "the process's CPU time (--clock process: the machine was shared)."
-                if dig(doc, "settings", "clock") == "process"
+                if clocks == {"process"}
                 else "wall time."
             ),
         ],

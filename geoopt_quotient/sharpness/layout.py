@@ -202,16 +202,36 @@ class _Rest:
     #: position in the joined points of each buffer entry (:func:`_index_maps`), or None
     source: torch.Tensor | None = None
     _gaps: Tuple[torch.Tensor, List[torch.Tensor]] | None = None  # a buffer, its gap views
+    #: The groups' perturbed points joined in one buffer, and its views in the groups'
+    #: shapes (:meth:`perturbed_points`)
+    _joined: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
+
+    def perturbed_points(self) -> List[torch.Tensor]:
+        """Buffers for the groups' perturbed points (contiguous, of the groups' shapes and
+        the flat buffer's dtype), the same at every call: views of one buffer, their
+        concatenation, so that points written there are joined already. A new joined
+        buffer per evaluation, as large as the groups, would be faulted in page by page
+        (glibc maps a block above its mmap threshold, at most 32 MiB, afresh each time)."""
+        if self._joined is None:
+            sizes = [s.numel() for s in self.shapes]
+            flat = self.flat
+            joined = torch.empty(sum(sizes), dtype=flat.dtype, device=flat.device)
+            views = [part.view(shape) for part, shape in zip(joined.split(sizes), self.shapes)]
+            self._joined = (joined, views)
+        return self._joined[1]
 
     def write(self, points: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """The points written into the flat buffer ``out``: one gather where every
         entry of a parameter comes from one entry of the points (its gaps then zeroed),
-        else one index copy."""
+        else one index copy; the points of several groups first joined in
+        :meth:`perturbed_points`, where those written there already are."""
         if len(points) == 1:
-            joined = points[0].reshape(-1)
+            joined = points[0].reshape(-1).to(out.dtype)
         else:
-            joined = torch.cat([p.reshape(-1) for p in points])
-        joined = joined.to(out.dtype)
+            for point, buffer in zip(points, self.perturbed_points()):
+                if point.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(point)
+            joined = self._joined[0]
         if self.source is None:
             out.index_copy_(0, self.destination, joined)
             return
@@ -373,17 +393,17 @@ class BallLayout:
 
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """Where the perturbed point of group ``index`` is written: the fused groups'
-        flat buffers are the ones the model reads."""
+        flat buffers are the ones the model reads; the other groups' points are views of
+        one buffer per flat buffer, joined as its write reads them
+        (:meth:`_Rest.perturbed_points`)."""
         unfused = len(self._rest_points)
         if index >= unfused:
             return self._perturbed_buffers()[index - unfused]
-        buffer = self._rest_points[index]
-        if buffer is None:
-            point = self.groups[index].point
-            buffer = self._rest_points[index] = torch.empty_like(
-                point, memory_format=torch.contiguous_format
-            )
-        return buffer
+        if self._rest_points[index] is None:
+            rest = next(r for r in self._rests if index in r.groups)
+            for position, view in zip(rest.groups, rest.perturbed_points()):
+                self._rest_points[position] = view
+        return self._rest_points[index]  # type: ignore[return-value]
 
     def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> _LayoutObjective:
         """The objective of :func:`~geoopt_quotient.maximize_in_ball` for ``loss(params)``
