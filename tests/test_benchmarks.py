@@ -41,6 +41,7 @@ QUICK = [
     "bench_discovery",
     "bench_geodesic",
     "bench_path_gap_cost",
+    "bench_gl_iteration",
 ]
 
 
@@ -53,6 +54,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         argv += ["--iters", "1", "--repeats", "1"]
     if name == "bench_precision":
         argv += ["--device", "cpu"]
+    if name == "bench_gl_iteration":  # this checkout beside itself
+        argv += ["--repeats", "2", "--baseline", str(pathlib.Path(__file__).resolve().parents[1])]
     report = module.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     if name == "bench_sharpness_iteration":
@@ -113,6 +116,14 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             assert set(row["seconds"]) == {"reference", "span"}
     if name == "bench_sam":
         assert report["models"]["bert"]["ratio_to_sam"]["sam"] == 1.0
+    if name == "bench_gl_iteration":  # after the first iteration, no slice-sized tensor
+        assert set(report["models"]) == {"inv-sliced", "inv-capped", "mix-sliced", "mix-capped"}
+        for row in report["models"].values():
+            assert row["same_perturbed_point"] and row["max_gradient_difference"] == 0
+            assert row["this"]["allocations_gram"]["count"] == 0
+            assert row["this"]["allocations_column"]["count"] == 0
+        for metric in ("inv", "mix"):
+            assert report["models"][f"{metric}-sliced"]["retraction"]["max_difference"] < 1e-5
     if name == "bench_discovery":
         for model in ("llama-7b", "mistral-7b", "vit-b32", "bert-base"):
             for kinds in ("default", "all"):

@@ -79,12 +79,15 @@ def test_batched_operations_are_the_reference_formulas(
         rgrad = fast.egrad2rgrad_(c.clone())
         point, pullback = fast.retr_vjp(u, torch.full_like(x, float("nan")))
         pulled = pullback(c.clone())
+        retracted = fast.retr(u)  # the path gap's: the same point, a new tensor
+    assert torch.equal(retracted, point) and retracted.data_ptr() != point.data_ptr()
     expected_gram = reference.gram(vectors)
     close(gram, expected_gram, dtype, float(expected_gram.abs().max()) * scale)
     assert torch.equal(gram, gram.mT)
     close(rgrad, reference.egrad2rgrad(c), dtype, float(c.abs().max()) * scale)
     expected_point, expected_pullback = reference.retr_vjp(u, torch.empty_like(x))
     close(point, expected_point, dtype, scale)
+    close(retracted, reference.retr(u), dtype, scale)
     close(pulled, expected_pullback(c.clone()), dtype, float(c.abs().max()) * scale)
     if zero_rows:  # a stack's padding stays exactly zero
         n, m = rows
@@ -460,3 +463,70 @@ def test_a_combination_knows_its_products_with_the_point(
         assert fast.combination((u, torch.randn_like(x), u), [torch.tensor(1.0)] * 3) is None
         u.mul_(2)
         assert fast._crosses.get(u) is None
+
+
+class _Allocations(TorchDispatchMode):
+    """The results of at least ``size`` bytes that operators write into new memory (not
+    into one of their operands: ``out=`` and in-place calls, views), by operator."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.counts = size, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        operands = {t.untyped_storage().data_ptr() for t in tensors}
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is not None and storage.data_ptr() not in operands:
+                if storage.nbytes() >= self.size:
+                    self.counts[func.overloadpacket.__name__] += 1
+        return out
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("capped", [False, True])
+@pytest.mark.parametrize("rows", [(32, 32), (16, 32)])
+def test_an_auto_pgd_iteration_allocates_nothing_of_the_vectors_size(
+    metric, capped, rows, monkeypatch
+):
+    """After the first iteration at a point, the retraction, its pullback, the Riemannian
+    gradient with either of Auto-PGD's Gram entries and the combination write their
+    results into the vectors, a workspace of the space and ``h x h`` matrices: no new
+    tensor as large as a slice of the vectors (the whole batch where slices are capped,
+    as on a GPU), so that no allocation of that size is faulted in anew at each
+    iteration. The negatives: the reference's Riemannian gradient allocates such
+    tensors, and so does the first iteration, which makes the workspace."""
+    from geoopt_quotient.manifolds import _linalg
+
+    monkeypatch.setattr(_linalg, "CAP_ON_CPU", capped)
+    batch, rank = 8, 3
+    manifold = gq.GLQuotient(*rows, metric)
+    x, fast, reference, previous, c = case(manifold, (batch,), rank, 0)
+    point_bytes = x[0].numel() * x.element_size()
+    monkeypatch.setattr(_gl_tangent, "CHUNK_BYTES", 2 * point_bytes)  # slices of 2 points
+    slice_bytes = (batch if capped else 2) * point_bytes
+    assert 2 * batch * rank * rank * x.element_size() < slice_bytes  # the h x h products
+    scalars = [torch.tensor(w, dtype=x.dtype) for w in (0.75, 0.5, 0.25)]
+
+    def iteration(u, column, perturbed, grad, out):
+        fast.retr_vjp(u, perturbed)[1](grad.copy_(c))
+        vectors = (u, grad, previous)
+        (fast.egrad2rgrad_column_ if column else fast.egrad2rgrad_gram_)(vectors, 1)
+        written = fast.combination(vectors, scalars)
+        torch.mul(previous, scalars[2], out=out).add_(u, alpha=0.75).add_(grad, alpha=0.5)
+        written(out)
+
+    allocations, u = [], previous
+    for column in (False, True, False, True):
+        buffers = [torch.empty_like(x) for _ in range(3)]  # Auto-PGD's, made once
+        with _Allocations(slice_bytes) as counter:
+            iteration(u, column, *buffers)
+        allocations.append(sum(counter.counts.values()))
+        u = buffers[-1]
+    assert allocations[0] > 0  # the workspace
+    assert allocations[1:] == [0, 0, 0]
+    with _Allocations(slice_bytes) as counter:
+        reference.egrad2rgrad(c)
+    assert sum(counter.counts.values()) > 0

@@ -1148,6 +1148,46 @@ def cpu_geodesic(results: Results) -> Table:
     )
 
 
+def _before_after(row: Dict, key: str, spec: str, suffix: str = "", scale: float = 1.0) -> str:
+    """``key`` (dotted) of a row's ``baseline`` and ``this`` runs, as ``before / after``."""
+    values = [dig(row, label, *key.split(".")) for label in ("baseline", "this")]
+    return " / ".join(fmt(None if v is None else v * scale, spec, suffix) for v in values)
+
+
+def cpu_gl_iteration(results: Results) -> Table:
+    doc = results.json("cpu/gl_iteration.json").data
+    stack = dig(doc, "settings", "stack") or {}
+    rows = []
+    for name, row in (dig(doc, "models") or {}).items():
+        metric, mode = name.split("-", 1)
+        rows.append(
+            [
+                f"{metric}, {'sliced (CPU)' if mode == 'sliced' else 'whole batch'}",
+                _before_after(row, "seconds", ".0f", " ms", 1e3),
+                fmt(row.get("ratio"), ".2f", "x"),
+                _before_after(row, "minor_page_faults", ".0f"),
+                _before_after(row, "allocations_column.count", ".0f"),
+            ]
+        )
+    if not rows:
+        rows = [["inv", *[NOT_MEASURED] * 4]]
+    shape = f"{stack.get('points')} points of 2 x {stack.get('rows')} x {stack.get('rank')}"
+    return Table(
+        ["metric, slices", "time before / after", "ratio", "faults", "allocations"],
+        rows,
+        "python benchmarks/bench_gl_iteration.py --baseline CHECKOUT_BEFORE --repeats 8 "
+        "--json benchmarks/results/cpu/gl_iteration.json",
+        [
+            f"The GL(h) geometry of one Auto-PGD iteration on a stack of BERT-base's size "
+            f"({shape}, float32, 1 thread): retraction, pullback, Riemannian gradient with "
+            "its Gram entries, combination; process time and minor page faults per "
+            "iteration (medians), and the tensors shaped like slices of the vectors that an "
+            "iteration with derived Gram entries allocates, before / after the kernels "
+            "wrote into a workspace, both in one process, interleaved."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1468,6 +1508,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
     "cpu-geodesic": cpu_geodesic,
+    "cpu-gl-iteration": cpu_gl_iteration,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,

@@ -63,7 +63,12 @@ cotangent, the point and :math:`\xi`, copied into the cotangent); the Riemannian
 gradient 13 (two dot products with the iterates, two products, a dot product and a
 copy): 46 ``N`` (50 with the retraction's product with the point and int64 positions).
 Within a slice of :data:`CHUNK_BYTES` most of these hit the cache; the products, each
-:math:`2 N h` flops, take most of the time.
+:math:`2 N h` flops, take most of the time. The slice-sized results are written into one
+workspace of the tangent space (:meth:`GLTangentSpace._workspace`) and the products with
+the point into their joined ``(2 B, h, h)`` tensor, so that after the first iteration at
+a point none allocates memory of the vectors' size (fresh memory of that size is faulted
+in page by page where the allocator returns it to the system, as glibc's does above its
+mmap threshold, on BERT-base's stack with the whole batch one slice).
 
 Both metrics make the same products and move the same bytes on the :math:`n \times h`
 factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
@@ -220,6 +225,10 @@ class GLTangentSpace(CachedTangentSpace):
         self._norms = _Derived()
         self._orders: dict = {}  # the index tensors of egrad2rgrad_gram_
         self._grams: torch.Tensor | None = None  # F^T F of both factors, kept
+        #: A buffer of the largest slice's shape (:meth:`_parts`) for the kernels'
+        #: slice-sized results before they are copied into their vector: made once per
+        #: point, so that an iteration allocates nothing of the vectors' size
+        self._work: torch.Tensor | None = None
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
         return self.manifold._can_fuse(self.state, *tensors)
@@ -251,6 +260,20 @@ class GLTangentSpace(CachedTangentSpace):
                 part = self._slices[start, stop] = self._split.keep(kernel.part(start, stop))
             yield part, [f[start:stop] for f in flats]
 
+    def _workspace(self, piece: torch.Tensor) -> torch.Tensor:
+        """The buffer :attr:`_work` as a tensor like ``piece`` (a slice of :meth:`_parts`),
+        made at the first call (the first slice is the largest)."""
+        count = piece.shape[0]
+        if self._work is None or self._work.shape[0] < count or self._work.dtype != piece.dtype:
+            self._work = torch.empty_like(piece, memory_format=torch.contiguous_format)
+        return self._work[:count]
+
+    def _new_crosses(self) -> torch.Tensor:
+        r"""An uninitialised ``(2 B, h, h)`` tensor for :math:`F^\top v_F` of a vector,
+        which the slices' kernels write into (:func:`_rows`)."""
+        x = self._whole().x
+        return x.new_empty(2 * x.shape[0], x.shape[-1], x.shape[-1])
+
     # ------------------------------------------------------------------ metric
     def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not self._applies(*vectors):
@@ -275,15 +298,17 @@ class GLTangentSpace(CachedTangentSpace):
         if self._own_projection:
             converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
             return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
-        cross, start, crosses = self._crosses.get(u), 0, []
+        cross, start, crosses = self._crosses.get(u), 0, self._new_crosses()
         for kernel, (piece,) in self._parts(u):
             stop = start + piece.shape[0]
             known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
-            rgrad, rgrad_cross = _riemannian_gradient(kernel, self._split, piece, known, grams)
+            rgrad = self._workspace(piece)
+            _riemannian_gradient(
+                kernel, self._split, piece, known, grams, rgrad, _rows(crosses, start, stop)
+            )
             piece.copy_(rgrad)
-            crosses.append(rgrad_cross)
             start = stop
-        self._crosses.put(u, _joined(crosses))
+        self._crosses.put(u, crosses)
         return u
 
     def egrad2rgrad_gram_(
@@ -356,25 +381,27 @@ class GLTangentSpace(CachedTangentSpace):
         :math:`\langle \nabla, v_j \rangle_F` for every ``j`` and :math:`\langle
         \nabla, g \rangle_F`: one pass over the vectors a slice of the batch at a
         time, the slices' sums added in float64."""
-        cross, start, total, crosses = self._crosses.get(grad), 0, None, []
+        cross, start, total = self._crosses.get(grad), 0, None
+        crosses = self._new_crosses()
         for kernel, pieces in self._parts(grad, *unique):
             stop = start + pieces[0].shape[0]
             known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
             flats = [p.view(-1) for p in pieces[1:]]
-            euclidean = pieces[0].view(-1)
+            euclidean, work = pieces[0].view(-1), self._workspace(pieces[0])
             dots = []
-            for i in weighted:
-                products = self._split.times(pieces[i + 1], kernel.metric).view(-1)
+            for i in weighted:  # the products are read before the gradient reuses the buffer
+                products = self._split.times(pieces[i + 1], kernel.metric, out=work).view(-1)
                 dots += [torch.dot(products, f) for f in flats]
             dots += [torch.dot(euclidean, f) for f in flats]
-            rgrad, rgrad_cross = _riemannian_gradient(kernel, self._split, pieces[0], known, grams)
+            rgrad = _riemannian_gradient(
+                kernel, self._split, pieces[0], known, grams, work, _rows(crosses, start, stop)
+            )
             dots.append(torch.dot(euclidean, rgrad.view(-1)))
             pieces[0].copy_(rgrad)
-            crosses.append(rgrad_cross)
             part = torch.stack(dots).double()
             total = part if total is None else total + part
             start = stop
-        self._crosses.put(grad, _joined(crosses))
+        self._crosses.put(grad, crosses)
         return total
 
     def _order(self, order: List[int]) -> torch.Tensor:
@@ -427,6 +454,22 @@ class GLTangentSpace(CachedTangentSpace):
         return pos
 
     # ------------------------------------------------------------------ retraction
+    def retr(self, u: torch.Tensor) -> torch.Tensor:
+        r"""The second-order retraction :math:`F + \xi_F E_F - \tfrac12 F Y_F`
+        (:func:`_retract`) into a new tensor, a slice of the batch at a time, where the
+        batched formulas apply (the path gap's retraction): the same point as
+        :meth:`retr_vjp`'s, without the reference's temporaries of the vectors' size;
+        the reference otherwise."""
+        if self.manifold.retraction == "first_order" or not self._applies(u):
+            return super().retr(u)
+        out, mix = torch.empty_like(u), self.manifold.metric == "mix"
+        cross, start = self._crosses.get(u), 0
+        for kernel, (u_, o_) in self._parts(u, out):
+            stop = start + u_.shape[0]
+            _retract(kernel, self._split, u_, o_, mix, _rows(cross, start, stop))
+            start = stop
+        return out
+
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
     ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
@@ -447,13 +490,13 @@ class GLTangentSpace(CachedTangentSpace):
         def pullback(c: torch.Tensor) -> torch.Tensor:
             if not self._applies(c):
                 raise ValueError("the cotangent must be a contiguous tensor like the point")
-            crosses, start = [], 0
+            crosses, start = self._new_crosses(), 0
             for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c), saved):
                 stop = start + u_.shape[0]
-                s = _rows(grams, start, stop)
-                crosses.append(_pull_back_(kernel, split, u_, c_, e, k, s, mix))
+                s, out = _rows(grams, start, stop), _rows(crosses, start, stop)
+                _pull_back_(kernel, split, u_, c_, e, k, s, mix, self._workspace(u_), out)
                 start = stop
-            self._crosses.put(c, _joined(crosses))
+            self._crosses.put(c, crosses)
             return c
 
         return out, pullback
@@ -661,9 +704,20 @@ class _Split:
         sums = [blocks[:, :first].sum(1), blocks[:, first:].sum(1)]
         return torch.stack(sums[::-1] if swapped else sums, dim=1).view(-1, rank, rank)
 
-    def times(self, big: torch.Tensor, s: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-        """A new tensor: ``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors."""
+    def times(
+        self,
+        big: torch.Tensor,
+        s: torch.Tensor,
+        transposed: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``big_F s_F`` (``s_F^T`` if ``transposed``) for both factors, written into
+        ``out`` (contiguous, like ``big``), or a new tensor."""
         smalls = [w.mT if transposed else w for w in self.small(s)]
+        if out is not None:
+            for o, p, w in zip(self.factors(out), self.factors(big), smalls):
+                torch.bmm(p, w, out=o)
+            return out
         parts = [torch.bmm(p, w) for p, w in zip(self.factors(big), smalls)]
         return parts[0].view(big.shape) if self.rows else torch.cat(parts, dim=1)
 
@@ -686,11 +740,14 @@ def _riemannian_gradient(
     grad: torch.Tensor,
     cross: torch.Tensor | None,
     grams: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    r""":math:`g_F = \nabla_F K_F + F\,O_F` (module docstring), a new tensor, and its
-    :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F` from ``h x h``
-    products alone; ``cross``: :math:`F^\top \nabla_F` where known
-    (:func:`_pull_back_`), ``grams``: :math:`F^\top F`, both ``(2 B, h, h)``."""
+    out: torch.Tensor,
+    out_cross: torch.Tensor,
+) -> torch.Tensor:
+    r""":math:`g_F = \nabla_F K_F + F\,O_F` (module docstring), written into ``out``
+    (like ``grad``, returned), and its :math:`F^\top g_F = (F^\top \nabla_F) K_F +
+    F^\top F\,O_F` from ``h x h`` products alone, into ``out_cross``; ``cross``:
+    :math:`F^\top \nabla_F` where known (:func:`_pull_back_`), ``grams``:
+    :math:`F^\top F`, all three ``(2 B, h, h)``."""
     if cross is None:
         cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
@@ -704,11 +761,12 @@ def _riemannian_gradient(
             t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
     t = t.to(grad.dtype)
     o = torch.stack((t.mT, -t), dim=1)
-    out = split.times(grad, kernel.convert)
+    split.times(grad, kernel.convert, out=out)
     split.add_times_(out, kernel.x, o, 1.0)
     rank = t.shape[-1]
-    rgrad_cross = torch.bmm(cross, split.flat(kernel.convert))
-    return out, rgrad_cross.baddbmm_(grams, o.view(-1, rank, rank))
+    torch.bmm(cross, split.flat(kernel.convert), out=out_cross)
+    out_cross.baddbmm_(grams, o.view(-1, rank, rank))
+    return out
 
 
 def _coefficients(
@@ -766,8 +824,11 @@ def _pull_back_(
     k: torch.Tensor,
     grams: torch.Tensor,
     mix: bool,
+    work: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    r""":math:`(D_\xi R_X)^\top c`, written into ``c``: with :math:`\bar X_F = \xi_F^\top
+    r""":math:`(D_\xi R_X)^\top c`, written into ``c`` (by way of ``work``, a buffer
+    like ``c``, or a new tensor): with :math:`\bar X_F = \xi_F^\top
     c_F`, :math:`\bar Y_F = F^\top c_F` and the cotangents inv: :math:`\bar M_F =
     -S_F^{-1} \bar X_F`, :math:`\bar B_F = S_F^{-1} \bar Y_F`; mix: :math:`\bar M_H = \bar
     X_G S_H^{-1}`, :math:`\bar B_H = -\bar Y_G S_H^{-1}` (and exchanged),
@@ -779,7 +840,8 @@ def _pull_back_(
 
     The signs of :math:`\bar M, \bar B` are carried by the products' ``alpha``.
 
-    Returns :math:`F^\top` of the result, which the Riemannian gradient reads next
+    Returns :math:`F^\top` of the result (written into ``out`` if given), which the
+    Riemannian gradient reads next
     (:func:`_riemannian_gradient`), from :math:`h \times h` products alone: with
     ``k`` :math:`= F^\top \xi_F` (:func:`_coefficients`) and
     ``grams`` :math:`= F^\top F`, it is :math:`\bar Y_F E_F^\top - \tfrac12 F^\top F
@@ -795,10 +857,10 @@ def _pull_back_(
         m_bar, b_bar = torch.bmm(inverses, x_bar), torch.bmm(inverses, y_bar)
         m_alpha, b_alpha = 0.5, -0.5
     m_sym, b_sym = m_bar + m_bar.mT, b_bar + b_bar.mT
-    result = split.times(c, e, transposed=True)
+    result = split.times(c, e, transposed=True, out=work)
     split.add_times_(result, kernel.x, m_sym, m_alpha)
     split.add_times_(result, u, b_sym, b_alpha)
     c.copy_(result)
-    cross = torch.bmm(y, e.mT)
+    cross = torch.bmm(y, e.mT, out=out) if out is not None else torch.bmm(y, e.mT)
     cross.baddbmm_(grams, m_sym, alpha=m_alpha)
     return cross.baddbmm_(k, b_sym, alpha=b_alpha)
