@@ -6,6 +6,8 @@ import pytest
 import torch
 from device_mode import TensorsOnDevice
 from hypothesis import settings
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def pytest_addoption(parser):
@@ -101,6 +103,26 @@ def assert_close(actual, expected, rtol, scale=None, what=""):
     if scale is not None:
         ref = max(ref, float(scale))
     assert err <= rtol * ref, f"{what}: error {err:.3g} > {rtol:g} * {ref:.3g}"
+
+
+class FreshTensors(TorchDispatchMode):
+    """Records every tensor an operator returns in storage of its own (not one of its
+    operands': ``out=`` and in-place calls, views), that is, that it allocated:
+    ``records`` holds ``(operator, entries, bytes of the storage)`` of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        operands = {t.untyped_storage().data_ptr() for t in tensors}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in operands:
+                storage = t.untyped_storage()
+                self.records.append((func.overloadpacket.__name__, t.numel(), storage.nbytes()))
+        return out
 
 
 def cross_entropy_loss(model, batch):

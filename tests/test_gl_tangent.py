@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import FreshTensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -465,26 +466,6 @@ def test_a_combination_knows_its_products_with_the_point(
         assert fast._crosses.get(u) is None
 
 
-class _Allocations(TorchDispatchMode):
-    """The results of at least ``size`` bytes that operators write into new memory (not
-    into one of their operands: ``out=`` and in-place calls, views), by operator."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size, self.counts = size, Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        operands = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in tree_leaves(out):
-            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
-            if storage is not None and storage.data_ptr() not in operands:
-                if storage.nbytes() >= self.size:
-                    self.counts[func.overloadpacket.__name__] += 1
-        return out
-
-
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 @pytest.mark.parametrize("capped", [False, True])
 @pytest.mark.parametrize("rows", [(32, 32), (16, 32)])
@@ -521,12 +502,12 @@ def test_an_auto_pgd_iteration_allocates_nothing_of_the_vectors_size(
     allocations, u = [], previous
     for column in (False, True, False, True):
         buffers = [torch.empty_like(x) for _ in range(3)]  # Auto-PGD's, made once
-        with _Allocations(slice_bytes) as counter:
+        with FreshTensors() as fresh:
             iteration(u, column, *buffers)
-        allocations.append(sum(counter.counts.values()))
+        allocations.append(sum(size >= slice_bytes for _, _, size in fresh.records))
         u = buffers[-1]
     assert allocations[0] > 0  # the workspace
     assert allocations[1:] == [0, 0, 0]
-    with _Allocations(slice_bytes) as counter:
+    with FreshTensors() as fresh:
         reference.egrad2rgrad(c)
-    assert sum(counter.counts.values()) > 0
+    assert any(size >= slice_bytes for _, _, size in fresh.records)

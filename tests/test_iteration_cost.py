@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
+from conftest import FreshTensors, tiny_llama_causal_lm
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
@@ -251,29 +250,6 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     assert source is None and destination.dtype == torch.int32
 
 
-class FreshTensors(TorchDispatchMode):
-    """Records the number of entries of every tensor an operator returns in storage of
-    its own (not one of its inputs' or its ``out=``'s): the operator allocated it."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        self.sizes += [
-            t.numel()
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
-        ]
-        return out
-
-
 def test_several_groups_perturbed_points_are_joined_where_they_are_written():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
     their perturbed points are views of one buffer of the layout's own, the same at every
@@ -281,8 +257,6 @@ def test_several_groups_perturbed_points_are_joined_where_they_are_written():
     allocated per evaluation (it would be faulted in page by page), points written
     elsewhere are copied into it; the flat buffer written is the index copy's, bit for
     bit."""
-    from conftest import tiny_llama_causal_lm
-
     layout = inv_layout(tiny_llama_causal_lm())
     (rest,) = layout._rests
     assert len(rest.groups) == 2  # the rotary stack and the value-output stack
@@ -298,7 +272,7 @@ def test_several_groups_perturbed_points_are_joined_where_they_are_written():
             points = [b.copy_(p) for b, p in zip(buffers, points)]
         with FreshTensors() as fresh:
             rest.write(points, out)
-        assert max(fresh.sizes, default=0) < smallest
+        assert max((entries for _, entries, _ in fresh.records), default=0) < smallest
         expected = torch.zeros(rest.flat.size, dtype=torch.float64)
         joined = torch.cat([p.reshape(-1) for p in points])
         expected.index_copy_(0, rest.destination.long(), joined)
