@@ -462,13 +462,23 @@ class GLTangentSpace(CachedTangentSpace):
         the reference otherwise."""
         if self.manifold.retraction == "first_order" or not self._applies(u):
             return super().retr(u)
-        out, mix = torch.empty_like(u), self.manifold.metric == "mix"
-        cross, start = self._crosses.get(u), 0
+        out = torch.empty_like(u)
+        self._retract_slices(u, out, self._crosses.get(u))
+        return out
+
+    def _retract_slices(
+        self, u: torch.Tensor, out: torch.Tensor, cross: torch.Tensor | None
+    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        r"""The second-order retraction written into ``out`` a slice of the batch at a
+        time (``cross``: :math:`F^\top u_F` where known); each slice's ``(E, K)``
+        (:func:`_retract`), for the pullback."""
+        mix = self.manifold.metric == "mix"
+        start, saved = 0, []
         for kernel, (u_, o_) in self._parts(u, out):
             stop = start + u_.shape[0]
-            _retract(kernel, self._split, u_, o_, mix, _rows(cross, start, stop))
+            saved.append(_retract(kernel, self._split, u_, o_, mix, _rows(cross, start, stop)))
             start = stop
-        return out
+        return saved
 
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
@@ -476,13 +486,9 @@ class GLTangentSpace(CachedTangentSpace):
         manifold, split = self.manifold, self._split
         if manifold.retraction == "first_order" or not self._applies(u, out):
             return super().retr_vjp(u, out)
-        saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         mix = manifold.metric == "mix"
-        cross, start = self._crosses.get(u), 0
-        for kernel, (u_, o_) in self._parts(u, out):
-            stop = start + u_.shape[0]
-            saved.append(_retract(kernel, split, u_, o_, mix, _rows(cross, start, stop)))
-            start = stop
+        cross = self._crosses.get(u)
+        saved = self._retract_slices(u, out, cross)
         if cross is None:
             self._crosses.put(u, _joined([k for _, k in saved]))
         grams = self._point_grams()
