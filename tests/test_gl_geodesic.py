@@ -168,3 +168,35 @@ def test_a_factor_with_nan_entries_reported_as_success_takes_householder(monkeyp
     monkeypatch.setattr(torch.linalg, "cholesky_ex", reporting_success)
     assert _gl_geodesic.SpanGeodesic(manifold, x, u).lower is None
     assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_checks_norms_from_the_span_coordinates_are_the_rows_ones(metric, eps):
+    """The speeds the span's check compares and the change between two end points, from
+    the 2h x 2h coordinates, are the metric's on the rows (to float rounding); the
+    negative: a speed change beyond 2% raises."""
+    manifold = gq.GLQuotient(8, 7, metric, eps)
+    x, u, _, _ = case(manifold, (3,), 2, 5, 1.0)
+    span = _gl_geodesic.SpanGeodesic(manifold, x, u)
+    coarse, _ = span.integrate(1.0, 1)
+    fine, failures = span.integrate(1.0, 2)
+    (pos, vel), (pos_1,) = span.ends(fine, with_velocity=True), span.ends(coarse)
+    tolerance = 1e3 * torch.finfo(torch.float64).eps
+    speeds = span.squared_speeds(fine, failures)
+    assert torch.allclose(speeds, manifold.inner(pos, vel, vel), rtol=tolerance, atol=0)
+    start, _ = span.start_speeds()
+    assert torch.allclose(start, manifold.inner(x, u, u), rtol=tolerance, atol=0)
+    change = float(manifold.inner(x, pos - pos_1, pos - pos_1).sum())
+    assert span.squared_change(fine, coarse) == pytest.approx(change, rel=1e-6)
+    assert change > 1e-12  # the negative: the end points differ
+    assert span.squared_change(span.start, None) == pytest.approx(
+        float(manifold.inner(x, x, x).sum()), rel=tolerance
+    )
+    span.check(fine, failures, 2, pos)  # a good integration passes
+    with pytest.raises(GeodesicDomainError):
+        span.check(fine, failures, 2, pos * float("nan"))
+    slow = fine.clone()
+    slow[:, 2:] *= 0.985  # each squared speed 3% lower
+    with pytest.raises(GeodesicDomainError):
+        span.check(slow, failures, 2, pos)

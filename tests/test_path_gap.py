@@ -163,13 +163,13 @@ def spy_steps(monkeypatch):
     """The step counts of every span integration made from now on."""
     from geoopt_quotient.manifolds import _gl_geodesic
 
-    steps, original = [], _gl_geodesic.SpanGeodesic.__call__
+    steps, original = [], _gl_geodesic.SpanGeodesic.integrate
 
-    def recorded(self, t, count, with_velocity=True):
+    def recorded(self, t, count):
         steps.append(count)
-        return original(self, t, count, with_velocity)
+        return original(self, t, count)
 
-    monkeypatch.setattr(_gl_geodesic.SpanGeodesic, "__call__", recorded)
+    monkeypatch.setattr(_gl_geodesic.SpanGeodesic, "integrate", recorded)
     return steps
 
 

@@ -135,6 +135,8 @@ class SpanGeodesic:
                 grams.diagonal(dim1=-2, dim2=-1) == 0, 0.0
             )
         self._first: Tuple[torch.Tensor, torch.Tensor] | None = None  # Gamma^T at the start
+        self._start_weights: torch.Tensor | None = None  # W_F at the start
+        self._start_speeds: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
 
     def _first_stage(self, gamma: _SpanChristoffel, failures: List[torch.Tensor]):
         r""":math:`\Gamma^\top` at the start (a new tensor), computed on the first call
@@ -151,6 +153,14 @@ class SpanGeodesic:
     ) -> Tuple[torch.Tensor, torch.Tensor | None, List[torch.Tensor]]:
         """``(position, velocity, failures)`` as :func:`geodesic`'s; the velocity
         ``None`` unless asked for."""
+        state, failures = self.integrate(t, steps)
+        ends = self.ends(state, with_velocity)
+        return ends[0], (ends[1] if with_velocity else None), failures
+
+    def integrate(self, t: float, steps: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        r"""``(state, failures)``: the transposed state :math:`M^\top` ``(2 B, 2h, 2h)``
+        at time ``t`` after ``steps`` RK4 steps (:func:`geodesic`), in the span's
+        coordinates, and the ``info`` of every Cholesky factorisation on the way."""
         start, rank = self.start, self.x.shape[-1]
         state = start.clone()
         failures: List[torch.Tensor] = []
@@ -170,10 +180,115 @@ class SpanGeodesic:
                 stage, spare = spare, stage
             state[:, :rank].add_(sum_p, alpha=dt / 6)
             state[:, rank:].add_(sum_g, alpha=-dt / 6)
-        kept = slice(None) if with_velocity else slice(0, rank)  # P^T (and V^T)
-        change = state[:, kept] - start[:, kept]  # small
-        ends = self._moved(change)
-        return ends[0], (ends[1] if with_velocity else None), failures
+        return state, failures
+
+    def ends(self, state: torch.Tensor, with_velocity: bool = False) -> List[torch.Tensor]:
+        """The end point of the state of :meth:`integrate` in the point's coordinates
+        (and its velocity with ``with_velocity``), new tensors of the point's shape."""
+        kept = slice(None) if with_velocity else slice(0, self.x.shape[-1])  # P^T (and V^T)
+        change = state[:, kept] - self.start[:, kept]  # small
+        return self._moved(change)
+
+    def squared_speeds(self, state: torch.Tensor, failures: List[torch.Tensor]) -> torch.Tensor:
+        r"""The squared metric speed :math:`|\dot X|_X^2` of each point (batch shape
+        ``(B,)``) at a state of :meth:`integrate` (or :attr:`start`), from its
+        coordinates: with :math:`[F, \xi_F] = Q_F [P, V]` and :math:`Q_F^\top Q_F = I`
+        (up to the raised diagonal, a relative :math:`n \epsilon`), :math:`F^\top F =
+        P^\top P` and :math:`\xi_F^\top \xi_F = V^\top V`, so
+
+        .. math::
+
+            |\xi|_X^2 = \sum_F \operatorname{tr}(W_F\, V_F^\top V_F), \qquad
+            W_G = S_G^{-1},\ W_H = S_H^{-1}\ \text{(inv)}, \quad
+            W_G = S_H,\ W_H = S_G\ \text{(mix)},
+
+        :math:`S_F = P_F^\top P_F + \varepsilon I`: :math:`8 h^3` multiply-adds per
+        factor in place of the rows' :math:`n h^2`. The ``info`` of the inv metric's
+        Cholesky factorisation of :math:`S_F` is appended to ``failures`` (a factor that
+        lost rank), as :class:`~geoopt_quotient.GLQuotient`'s check of the integration
+        does at the end point."""
+        rank = self.x.shape[-1]
+        velocity = state[:, rank:]
+        b = torch.bmm(velocity, velocity.mT)  # V^T V
+        squares = (self._weights(state, failures) * b).sum((-2, -1))  # tr(W B), symmetric
+        return squares.view(-1, 2).sum(1)
+
+    def _weights(self, state: torch.Tensor, failures: List[torch.Tensor]) -> torch.Tensor:
+        r"""The metric's :math:`W_F` (:meth:`squared_speeds`) at a state, ``(2 B, h, h)``;
+        the inv metric's Cholesky ``info`` appended to ``failures``."""
+        rank = self.x.shape[-1]
+        position = state[:, :rank]
+        s = torch.bmm(position, position.mT)  # P^T P
+        if self.manifold.eps:
+            s.diagonal(dim1=-2, dim2=-1).add_(self.manifold.eps)
+        if self.manifold.metric == "mix":
+            return exchanged(s)
+        chol, info = torch.linalg.cholesky_ex(s)
+        failures.append(info)
+        return torch.cholesky_inverse(chol)
+
+    def end_point(
+        self, steps: int, checked: bool = True
+    ) -> Tuple[torch.Tensor, torch.Tensor | None]:
+        r"""``(state, position)`` at time 1 after ``steps`` RK4 steps: the state of
+        :meth:`integrate` and, with ``checked``, the end point, the integration checked
+        as :class:`~geoopt_quotient.GLQuotient` checks its own (:meth:`check`); without,
+        the position is ``None`` (:meth:`ends` makes it) and nothing is checked.
+
+        Raises
+        ------
+        GeodesicDomainError
+            Where the checked integration breaks down."""
+        from .gl_quotient import _integration_error
+
+        try:
+            state, failures = self.integrate(1.0, steps)
+            if not checked:
+                return state, None
+            (position,) = self.ends(state)
+            self.check(state, failures, steps, position)
+        except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
+            raise _integration_error(steps) from error
+        return state, position
+
+    def check(
+        self, state: torch.Tensor, failures: List[torch.Tensor], steps: int, position: torch.Tensor
+    ) -> None:
+        r"""The reference's check of an integration
+        (:meth:`~geoopt_quotient.GLQuotient._check_integration`) from the coordinates: a
+        finite end ``position`` and ``state``, each point's squared speed
+        (:meth:`squared_speeds`) within 2% of its start's, and every Cholesky
+        factorisation of ``failures`` and of the speeds positive definite. Raises
+        :class:`~geoopt_quotient.manifolds.GeodesicDomainError` otherwise."""
+        from .gl_quotient import _check_speeds
+
+        start, start_failures = self.start_speeds()
+        end = self.squared_speeds(state, failures)
+        _check_speeds(steps, start, end, [*start_failures, *failures], position, state)
+
+    def start_speeds(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """:meth:`squared_speeds` at the start, :math:`|u|_x^2` of each point, and the
+        ``info`` of its factorisations: computed on the first call only."""
+        if self._start_speeds is None:
+            failures: List[torch.Tensor] = []
+            self._start_speeds = (self.squared_speeds(self.start, failures), failures)
+        return self._start_speeds
+
+    def squared_change(self, a: torch.Tensor, b: torch.Tensor | None) -> float:
+        r""":math:`|X_a - X_b|_w^2`, summed over the batch, of the end points of two states
+        of :meth:`integrate` (:math:`X_b = 0` for ``b=None``: :math:`|x|_x^2` at
+        :attr:`start`), in the metric at the start :math:`w` and from the
+        coordinates: :math:`X_a - X_b = Q (P_a - P_b)` per factor, so
+        :math:`|X_a - X_b|_w^2 = \sum_F \operatorname{tr}(W_F\, \Delta_F^\top \Delta_F)`
+        with :math:`\Delta_F^\top \Delta_F = (P_a - P_b)^\top (P_a - P_b)` (up to the raised
+        diagonal, a relative :math:`n \epsilon`) and :math:`W_F` as in
+        :meth:`squared_speeds`, from :math:`S_F` at the start. Neither end point is
+        formed; one host synchronisation."""
+        rank = self.x.shape[-1]
+        if self._start_weights is None:
+            self._start_weights = self._weights(self.start, [])
+        change = a[:, :rank] if b is None else a[:, :rank] - b[:, :rank]
+        return float((self._start_weights * torch.bmm(change, change.mT)).sum())
 
     def _moved(self, change: torch.Tensor) -> List[torch.Tensor]:
         r"""The end points ``[x + Q M_x, u + Q M_u]`` (as many as ``change`` has blocks of

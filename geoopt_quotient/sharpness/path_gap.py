@@ -231,35 +231,87 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
     tried only where the estimate divided by 16 (its prediction for :math:`E_{4n}`)
     would pass. Otherwise, or where a coarse integration breaks down, the end point is
     :math:`E_N`, the exponential map (``expmap``) itself.
+
+    Where the span's integration applies (:mod:`~geoopt_quotient.manifolds._gl_geodesic`),
+    :math:`|E_{2n} - E_n|_w`, :math:`|w|_w`, :math:`|\xi|_w` and the check of each
+    accepted integration come from the span's :math:`2h \times 2h` coordinates
+    (:class:`_SpanEnds`): of the point's rows only :math:`R - E_{2n}` is formed.
     """
-    x, largest = space.x, space.manifold.expmap_steps
-    step_sq, x_sq = _squared_norms(space, v, x)
-    floor = ROUNDING_FLOOR_EPS * torch.finfo(x.dtype).eps * math.sqrt(max(x_sq, 0.0))
-    ends = space.expmaps(v)
+    largest = space.manifold.expmap_steps
+    ends = _SpanEnds(space, v)
+    step_sq, x_sq = ends.squared_norms()
+    floor = ROUNDING_FLOOR_EPS * torch.finfo(space.x.dtype).eps * math.sqrt(max(x_sq, 0.0))
     steps = 1
     coarse = ends(steps, checked=False) if 2 * steps < largest else None
-    differences = None
+    difference = None
     while coarse is not None and 2 * steps < largest:
         fine = ends(2 * steps)
         if fine is None:
             break
-        if differences is None:
-            differences = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
-        torch.sub(retracted, fine, out=differences[0])
-        torch.sub(fine, coarse, out=differences[1])
-        gap_sq, change_sq = _squared_norms(space, differences)
+        difference = torch.sub(retracted, ends.point(fine), out=difference)
+        change_sq = ends.squared_change(fine, coarse)
+        (gap_sq,) = _squared_norms(space, difference.unsqueeze(0))
         gap, error = math.sqrt(max(gap_sq, 0.0)), math.sqrt(max(change_sq, 0.0)) / 15
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
-            return gap**2, step_sq, fine
+            return gap**2, step_sq, ends.point(fine)
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
         steps, coarse = 2 * steps, fine
-    del differences
+    del difference
     end = ends(largest)  # the exponential map's own integration, bit for bit
     if end is None:
         raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
+    end = ends.point(end)
     difference = retracted - end
     return float(space.inner(difference, difference)), step_sq, end
+
+
+class _SpanEnds:
+    r"""The end points of the geodesic from ``space.x`` along ``v`` for the step counts
+    :func:`_controlled_gap` asks, the span's factorisation and first stage shared.
+
+    Where the span's integration applies, an end is its ``(state, position)``
+    (:meth:`~geoopt_quotient.manifolds._gl_geodesic.SpanGeodesic.end_point`, the
+    position formed only where it is checked or asked for), and the norms come from the
+    span's coordinates; elsewhere an end is the point of the tangent space's
+    ``expmaps`` and the norms are the metric's on the rows (:func:`_squared_norms`)."""
+
+    def __init__(self, space, v: torch.Tensor):
+        self.space, self.v = space, v
+        self.span = space._span(v)
+        self.expmaps = space.expmaps(v) if self.span is None else None
+
+    def __call__(self, steps: int, checked: bool = True) -> Any:
+        """The end after ``steps`` RK4 steps; ``None`` where its integration breaks
+        down (``checked``) or fails (unchecked: the check's other parts skipped)."""
+        if self.span is None:
+            return self.expmaps(steps, checked)
+        try:
+            return self.span.end_point(steps, checked)
+        except GeodesicDomainError:
+            return None
+
+    def point(self, end: Any) -> torch.Tensor:
+        """The end point of an end (formed on the first call)."""
+        if self.span is None:
+            return end
+        state, position = end
+        return position if position is not None else self.span.ends(state)[0]
+
+    def squared_norms(self) -> Tuple[float, float]:
+        r""":math:`|\xi|_w^2` and :math:`|w|_w^2`, summed over the batch."""
+        if self.span is None:
+            step_sq, x_sq = _squared_norms(self.space, self.v, self.space.x)
+            return step_sq, x_sq
+        speeds, _ = self.span.start_speeds()
+        return float(speeds.sum()), self.span.squared_change(self.span.start, None)
+
+    def squared_change(self, fine: Any, coarse: Any) -> float:
+        r""":math:`|E_{fine} - E_{coarse}|_w^2`, summed over the batch."""
+        if self.span is None:
+            (change_sq,) = _squared_norms(self.space, (fine - coarse).unsqueeze(0))
+            return change_sq
+        return self.span.squared_change(fine[0], coarse[0])
 
 
 def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
