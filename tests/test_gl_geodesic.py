@@ -131,7 +131,7 @@ def test_the_span_coordinates_come_from_a_cholesky_factor_whatever_the_span_rank
     elif kind == "zero_at_a_point":
         u[1] = 0
     spans = _gl_geodesic._spans(manifold, x.reshape(-1, 16, 3), u.reshape(-1, 16, 3))
-    grams = _gl_geodesic._stacked([s.mT @ s for s in spans], 4)
+    grams = _gl_geodesic._stacked([_gl_geodesic._span_gram(*s) for s in spans], 4)
     singular = bool(torch.linalg.cholesky_ex(grams)[1].any())
     assert singular == (kind not in ("full", "relaxed"))  # the negative: the plain one fails
     monkeypatch.setattr(torch.linalg, "qr", None)  # no Householder factorisation
@@ -149,7 +149,7 @@ def test_a_span_whose_gram_matrix_cannot_be_factorised_takes_householder():
     x, u, _, _ = case(manifold, (2,), 3, 1, 0.2)
     u[0, 0, 0] = float("nan")
     span = _gl_geodesic.SpanGeodesic(manifold, x, u)
-    assert span.lower is None and span.spans[0].shape == (4, 8, 6)  # the orthonormal frames
+    assert span.lower is None and span.frames[0].shape == (4, 8, 6)  # the orthonormal frames
     assert _gl_geodesic.SpanGeodesic(manifold, x, u.nan_to_num()).lower is not None
 
 
@@ -200,3 +200,17 @@ def test_the_checks_norms_from_the_span_coordinates_are_the_rows_ones(metric, ep
     slow[:, 2:] *= 0.985  # each squared speed 3% lower
     with pytest.raises(GeodesicDomainError):
         span.check(slow, failures, 2, pos)
+
+
+@pytest.mark.parametrize("rows", [(8, 8), (8, 9)])
+def test_the_householder_frames_move_the_point_as_the_reference(rows, monkeypatch):
+    """Where the span's Cholesky coordinates are not taken, its orthonormal frames give
+    the reference's end point (both factors in one batch and one span per factor)."""
+    manifold = gq.GLQuotient(*rows, "mix")
+    x, u, fast, reference = case(manifold, (3,), 2, 4, 0.3)
+    monkeypatch.setattr(_gl_geodesic, "_cholesky_coordinates", lambda *a: None)
+    assert _gl_geodesic.SpanGeodesic(manifold, x, u).frames is not None
+    end, expected = fast.expmap(u), reference.expmap(u)
+    tolerance = 1e3 * torch.finfo(torch.float64).eps * (1 + float(x.abs().max()))
+    assert torch.allclose(end, expected, rtol=0, atol=tolerance)
+    assert float((expected - x).abs().max()) > 1e3 * tolerance

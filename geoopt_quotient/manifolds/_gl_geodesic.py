@@ -123,11 +123,13 @@ class SpanGeodesic:
         self.x, self.u = x.reshape(flat), u.reshape(flat)
         count = self.x.shape[0]
         self.spans = _spans(manifold, self.x, self.u)
-        grams = _stacked([torch.bmm(span.mT, span) for span in self.spans], count)
-        self.lower = _cholesky_coordinates(grams, max(s.shape[-2] for s in self.spans))
-        if self.lower is None:  # Householder: the spans become their orthonormal frames
-            factors = [torch.linalg.qr(span) for span in self.spans]
-            self.spans = [frame for frame, _ in factors]
+        grams = _stacked([_span_gram(*span) for span in self.spans], count)
+        self.lower = _cholesky_coordinates(grams, max(f.shape[-2] for f, _ in self.spans))
+        #: the spans' orthonormal frames where the Cholesky factorisation fails
+        self.frames: List[torch.Tensor] | None = None
+        if self.lower is None:  # Householder: the spans' orthonormal frames
+            factors = [torch.linalg.qr(torch.cat(span, -1)) for span in self.spans]
+            self.frames = [frame for frame, _ in factors]
             self.start = _stacked([r.mT for _, r in factors], count)
         else:  # M_0^T = L - Pi
             self.start = self.lower.clone()
@@ -300,27 +302,50 @@ class SpanGeodesic:
         if len(self.spans) == 2:
             coefficients = coefficients.view(count, 2, *coefficients.shape[1:])
         ends = []
-        for index, base in enumerate((self.x, self.u)[: change.shape[1] // rank]):
+        for index in range(change.shape[1] // rank):
             part = slice(index * rank, (index + 1) * rank)
             if len(self.spans) == 1:
-                moved = torch.bmm(self.spans[0], coefficients[..., part]).view(base.shape)
+                moved = self._moved_factor(0, coefficients[..., part], index)
             else:
                 moved = torch.cat(
-                    [torch.bmm(s, coefficients[:, f, :, part]) for f, s in enumerate(self.spans)],
+                    [self._moved_factor(f, coefficients[:, f, :, part], index) for f in (0, 1)],
                     -2,
                 )
-            ends.append(moved.add_(base).view(self.shape))
+            ends.append(moved.view(self.shape))
         return ends
 
+    def _moved_factor(self, f: int, coefficients: torch.Tensor, index: int) -> torch.Tensor:
+        r""":math:`B + Q c` (a new tensor) for span ``f``, ``B`` its :math:`F_0` (``index``
+        0) or :math:`\xi_{F,0}` (1): with the Cholesky coordinates :math:`Q c = F_0 c_1 +
+        \xi_{F,0} c_2` (:math:`c = [c_1; c_2]`), two products of the span's halves, the
+        span :math:`[F_0, \xi_{F,0}]` never formed; with the Householder frame, its
+        product."""
+        span = self.spans[f]
+        if self.frames is not None:
+            return torch.bmm(self.frames[f], coefficients).add_(span[index])
+        rank = self.x.shape[-1]
+        moved = torch.bmm(span[0], coefficients[:, :rank])  # Q c first: B + Q c rounds once
+        return moved.baddbmm_(span[1], coefficients[:, rank:]).add_(span[index])
 
-def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[torch.Tensor]:
-    r""":math:`[F_0, \xi_{F,0}]` of both factors of each point: one batch ``(2 B, n, 2h)``
-    (the factors :math:`G, H` of each point in turn) where both have :math:`n` rows,
-    else one ``(B, n_F, 2h)`` per factor."""
+
+def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    r"""The halves :math:`(F_0, \xi_{F,0})` of the span :math:`[F_0, \xi_{F,0}]` of both
+    factors of each point (views): one batch ``(2 B, n, h)`` each (the factors
+    :math:`G, H` of each point in turn) where both have :math:`n` rows, else one pair
+    ``(B, n_F, h)`` per factor."""
     count, rows, rank = x.shape
     if 2 * manifold.n == rows:
-        return [torch.cat((x.view(2 * count, -1, rank), u.view(2 * count, -1, rank)), -1)]
-    return [torch.cat(f, -1) for f in zip(manifold.factors(x), manifold.factors(u))]
+        return [(x.view(2 * count, -1, rank), u.view(2 * count, -1, rank))]
+    return list(zip(manifold.factors(x), manifold.factors(u)))
+
+
+def _span_gram(f: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""The Gram matrix of the span :math:`[F, \xi]`, :math:`\begin{pmatrix} F^\top F &
+    F^\top \xi \\ \xi^\top F & \xi^\top \xi \end{pmatrix}`, from three products of
+    its halves (the span is not formed)."""
+    cross = torch.bmm(f.mT, v)
+    top = torch.cat((torch.bmm(f.mT, f), cross), -1)
+    return torch.cat((top, torch.cat((cross.mT, torch.bmm(v.mT, v)), -1)), -2)
 
 
 def _stacked(matrices: List[torch.Tensor], count: int) -> torch.Tensor:

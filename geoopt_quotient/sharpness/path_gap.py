@@ -159,8 +159,9 @@ def _group_gap(
         return elementwise_gap(x, v.detach())
     end = torch.empty_like(x, memory_format=torch.contiguous_format)
     difference_sq = step_sq = 0.0
+    buffers = _Buffers()
     for part in _slices(group, exact):
-        d, s, e = _slice_gap(group, exact, x[part], v.detach()[part])
+        d, s, e = _slice_gap(group, exact, x[part], v.detach()[part], buffers)
         difference_sq, step_sq = difference_sq + d, step_sq + s
         end[part] = e
     return difference_sq, step_sq, end
@@ -185,16 +186,40 @@ def _slices(group: BallGroup, exact: BallGroup) -> List[Any]:
     return [Ellipsis]
 
 
+class _Buffers:
+    """Tensors of a group's largest slice, made on first use and reused by its other
+    slices: a fresh tensor of this size costs its page faults on every slice."""
+
+    def __init__(self):
+        self.kept: dict = {}
+
+    def like(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer ``name`` of ``t``'s shape and device and ``dtype`` (contiguous, its
+        entries undefined)."""
+        kept = self.kept.get(name)
+        if kept is None or kept.numel() < t.numel() or kept.dtype != dtype:
+            kept = self.kept[name] = torch.empty(t.numel(), dtype=dtype, device=t.device)
+        return kept[: t.numel()].view(t.shape)
+
+    def converted(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t.to(dtype)``, a contiguous one written into buffer ``name``."""
+        if t.dtype == dtype or not t.is_contiguous():
+            return t.to(dtype)
+        return self.like(name, t, dtype).copy_(t)
+
+
 def _slice_gap(
-    group: BallGroup, exact: BallGroup, x: torch.Tensor, v: torch.Tensor
+    group: BallGroup, exact: BallGroup, x: torch.Tensor, v: torch.Tensor, buffers: _Buffers
 ) -> Tuple[float, float, torch.Tensor]:
+    """:func:`_group_gap` of one slice, in float64 (float32 on MPS): the slice's copies
+    in ``buffers``; the end point a new tensor."""
     wide = torch.float64 if x.device.type != "mps" else torch.float32  # MPS has no float64
-    x, v = x.to(wide), v.to(wide)
+    x, v = buffers.converted("x", x, wide), buffers.converted("v", v, wide)
     (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
     (space,) = ball.spaces
     same_manifold = exact.path is None and exact.manifold is group.manifold
     if same_manifold and isinstance(space, GLTangentSpace) and retract is not _straight:
-        return _controlled_gap(space, retract(x, v), v)
+        return _controlled_gap(space, retract(x, v), v, buffers.like("difference", x, x.dtype))
     (_, (geodesic,)) = _prepare([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
     end = geodesic(x, v)
     difference_sq = 0.0
@@ -215,7 +240,7 @@ GEODESIC_TOLERANCE = 1e-3
 ROUNDING_FLOOR_EPS = 64
 
 
-def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
+def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor, difference: torch.Tensor):
     r""":func:`_slice_gap` of a GL quotient group (on its exponential map, the manifold's
     RK4 integration) with the fewest steps that its error control accepts.
 
@@ -235,7 +260,8 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
     Where the span's integration applies (:mod:`~geoopt_quotient.manifolds._gl_geodesic`),
     :math:`|E_{2n} - E_n|_w`, :math:`|w|_w`, :math:`|\xi|_w` and the check of each
     accepted integration come from the span's :math:`2h \times 2h` coordinates
-    (:class:`_SpanEnds`): of the point's rows only :math:`R - E_{2n}` is formed.
+    (:class:`_SpanEnds`): of the point's rows only :math:`R - E_{2n}` is formed, into
+    ``difference`` (a buffer of ``v``'s shape and dtype).
     """
     largest = space.manifold.expmap_steps
     ends = _SpanEnds(space, v)
@@ -243,27 +269,25 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor):
     floor = ROUNDING_FLOOR_EPS * torch.finfo(space.x.dtype).eps * math.sqrt(max(x_sq, 0.0))
     steps = 1
     coarse = ends(steps, checked=False) if 2 * steps < largest else None
-    difference = None
     while coarse is not None and 2 * steps < largest:
         fine = ends(2 * steps)
         if fine is None:
             break
-        difference = torch.sub(retracted, ends.point(fine), out=difference)
+        torch.sub(retracted, ends.point(fine), out=difference)
         change_sq = ends.squared_change(fine, coarse)
-        (gap_sq,) = _squared_norms(space, difference.unsqueeze(0))
+        (gap_sq,) = _squared_norms(space, difference)
         gap, error = math.sqrt(max(gap_sq, 0.0)), math.sqrt(max(change_sq, 0.0)) / 15
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
             return gap**2, step_sq, ends.point(fine)
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
             break
         steps, coarse = 2 * steps, fine
-    del difference
     end = ends(largest)  # the exponential map's own integration, bit for bit
     if end is None:
         raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
     end = ends.point(end)
-    difference = retracted - end
-    return float(space.inner(difference, difference)), step_sq, end
+    (gap_sq,) = _squared_norms(space, torch.sub(retracted, end, out=difference))
+    return gap_sq, step_sq, end
 
 
 class _SpanEnds:
@@ -309,20 +333,23 @@ class _SpanEnds:
     def squared_change(self, fine: Any, coarse: Any) -> float:
         r""":math:`|E_{fine} - E_{coarse}|_w^2`, summed over the batch."""
         if self.span is None:
-            (change_sq,) = _squared_norms(self.space, (fine - coarse).unsqueeze(0))
+            (change_sq,) = _squared_norms(self.space, fine - coarse)
             return change_sq
         return self.span.squared_change(fine[0], coarse[0])
 
 
 def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
-    r""":math:`|u|_w^2` of each vector (or of each of a stacked tensor's first dimension),
-    in one sum over the batch and one host synchronisation."""
-    if len(vectors) == 1:
-        (stacked,) = vectors
-        squares = space.manifold._inner(space.state, stacked, None, False)
-    else:
-        squares = torch.stack([space.manifold._inner(space.state, u, None, False) for u in vectors])
-    return squares.reshape(squares.shape[0], -1).sum(1).tolist()
+    r""":math:`|u|_w^2` of each vector, summed over the batch, in one host synchronisation:
+    :math:`\sum \operatorname{tr}(W_G\, u_G^\top u_G) + \operatorname{tr}(W_H\, u_H^\top
+    u_H)` from the :math:`h \times h` Gram matrices of the factors (the metric's blocks
+    :math:`W` are symmetric), no temporary of the vectors' size."""
+    manifold, state = space.manifold, space.state
+    w_g, w_h = manifold._blocks(state)
+    squares = []
+    for u in vectors:
+        u_g, u_h = manifold.factors(u.to(state.dtype))
+        squares.append((w_g * (u_g.mT @ u_g)).sum() + (w_h * (u_h.mT @ u_h)).sum())
+    return torch.stack(squares).tolist()
 
 
 def _closed_form_applies(group: BallGroup, exact: BallGroup) -> bool:
