@@ -212,6 +212,25 @@ def test_non_finite_weight_is_named(bad, measure):
         measure(model, cross_entropy_loss, token_data(), rho=0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("size", [1, 7, 64, 1000, 4099])
+def test_the_finiteness_check_of_the_weights_is_isfinite_all(dtype, size):
+    """``check_parameters`` reads a parameter's minimum and maximum: the same answer as
+    ``isfinite(t).all()`` for a NaN or an infinity anywhere (the vectorised body and the
+    tail), and for an empty tensor."""
+    from geoopt_quotient.manifolds._validation import is_finite
+
+    generator = torch.Generator().manual_seed(size)
+    t = torch.randn(size, generator=generator).to(dtype)
+    assert bool(is_finite(t)) and bool(is_finite(t[:0]))
+    for position in {0, size // 2, size - 1}:
+        for bad in (math.nan, math.inf, -math.inf):
+            spoiled = t.clone()
+            spoiled[position] = bad
+            assert not bool(is_finite(spoiled)), (position, bad)
+            assert not bool(is_finite(spoiled.view(1, -1).expand(2, -1).mT))  # strided
+
+
 @pytest.mark.parametrize(
     "manifold",
     [GLQuotient(3, 3), DiagonalQuotient(), AdaptiveEuclidean()],

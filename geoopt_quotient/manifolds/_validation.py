@@ -14,6 +14,15 @@ class GeodesicDomainError(ValueError):
     its numerical integration broke down."""
 
 
+def is_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of the floating-point ``t`` is finite, as a boolean tensor:
+    its minimum and maximum are finite (both are NaN where an entry is; an infinite
+    entry is one of them), read in one pass, with no boolean tensor of its size."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all()
+
+
 def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:
     r"""Describe why a batch of ``(..., k, h)`` factors is not of full column rank, or ``None``.
 
@@ -27,12 +36,15 @@ def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:
     """
     if factor.numel() == 0:
         return None
-    if not torch.isfinite(factor).all():
+    if not bool(is_finite(factor)):
         return f"factor {label} has non-finite entries"
-    f = factor.to(torch.float64)
     # the ratio of singular values is scale-free: scaling each factor to a largest entry of
-    # 1 keeps its Gram matrix finite for entries near the float64 range (1e300 squared)
-    f = f / f.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    # 1 keeps its Gram matrix finite for entries near the float64 range (1e300 squared);
+    # the largest |entry| from the extremes, exact in any dtype (no copy of the factor)
+    dims = (-2, -1)
+    largest_entry = torch.maximum(factor.amax(dims, keepdim=True), -factor.amin(dims, keepdim=True))
+    f = factor.to(torch.float64, copy=True)
+    f.div_(largest_entry.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny))
     eigvals = torch.linalg.eigvalsh(f.mT @ f).clamp_min(0)
     largest = eigvals[..., -1:].clamp_min(torch.finfo(torch.float64).tiny)
     ratio = (eigvals[..., :1] / largest).sqrt().min().item()

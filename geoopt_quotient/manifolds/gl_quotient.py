@@ -28,7 +28,7 @@ from ._linalg import (
     sym,
 )
 from ._random import standard_normal
-from ._validation import GeodesicDomainError, rank_report
+from ._validation import GeodesicDomainError, is_finite, rank_report
 from .base import QuotientManifold
 
 __all__ = ["GLQuotient", "PointState"]
@@ -340,7 +340,7 @@ class GLQuotient(QuotientManifold):
     def _check_point_on_manifold(
         self, x: torch.Tensor, *, atol=1e-5, rtol=1e-5
     ) -> Union[Tuple[bool, str | None], bool]:
-        if not bool(torch.isfinite(x).all()):
+        if not bool(is_finite(x)):
             return False, "point has non-finite (NaN/Inf) entries"
         if self.eps > 0:
             return True, None

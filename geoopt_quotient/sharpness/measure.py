@@ -33,6 +33,7 @@ from .._checks import (
 from .._extras import require
 from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
+from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
 from ..symmetry.plan import BoundPlan, SymmetryGroup, SymmetryPlan
 from .apgd import (
@@ -646,7 +647,11 @@ def _gather(records: List[Dict[str, Any]], world: int) -> List[Dict[str, Any]]:
 
 
 def check_parameters(params: Dict[str, torch.Tensor]) -> None:
-    """Floating-point and finite (one host read per device, not one per parameter)."""
+    """Floating-point and finite (one host read per device, not one per parameter).
+
+    A parameter is finite when its smallest and largest entries are
+    (:func:`~geoopt_quotient.manifolds._validation.is_finite`): one read of it, no
+    boolean tensor of its size."""
     for name, p in params.items():
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; sharpness needs floats")
@@ -654,7 +659,7 @@ def check_parameters(params: Dict[str, torch.Tensor]) -> None:
     for name, p in params.items():
         by_device.setdefault(p.device, []).append(name)
     for names in by_device.values():
-        finite = torch.stack([torch.isfinite(params[n]).all() for n in names]).tolist()
+        finite = torch.stack([is_finite(params[n]) for n in names]).tolist()
         for name, ok in zip(names, finite):
             if not ok:
                 raise ValueError(
