@@ -188,9 +188,9 @@ def test_the_checks_norms_from_the_span_coordinates_are_the_rows_ones(metric, ep
     start, _ = span.start_speeds()
     assert torch.allclose(start, manifold.inner(x, u, u), rtol=tolerance, atol=0)
     change = float(manifold.inner(x, pos - pos_1, pos - pos_1).sum())
-    assert span.squared_change(fine, coarse) == pytest.approx(change, rel=1e-6)
+    assert float(span.squared_change(fine, coarse)) == pytest.approx(change, rel=1e-6)
     assert change > 1e-12  # the negative: the end points differ
-    assert span.squared_change(span.start, None) == pytest.approx(
+    assert float(span.squared_change(span.start, None)) == pytest.approx(
         float(manifold.inner(x, x, x).sum()), rel=tolerance
     )
     span.check(fine, failures, 2, pos)  # a good integration passes

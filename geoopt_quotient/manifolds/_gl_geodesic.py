@@ -25,9 +25,11 @@ RK4's stages, linear combinations of states, keep that form:
 with the coefficients from :math:`F^\top F = P^\top P`, :math:`F^\top \xi_F = P^\top V`,
 :math:`\xi_F^\top \xi_F = V^\top V` (:math:`Q_F^\top Q_F = I`): per stage and factor
 :math:`10 h^3` multiply-adds in place of :math:`5 n h^2`, and the point's rows are read
-once at the start (the Gram matrix) and once at the end (:math:`Q_F (M_F - L_F^\top) =
-A_F L_F^{-\top} (M_F - L_F^\top)`, a triangular solve of :math:`2h \times 2h` matrices
-and a product, added to the start); :math:`Q_F` is never formed. Both factors of a batch
+once at the start (the Gram matrix, from :math:`F_0^\top F_0, F_0^\top \xi_{F,0},
+\xi_{F,0}^\top \xi_{F,0}`) and once at the end (:math:`Q_F (M_F - L_F^\top) = A_F
+L_F^{-\top} (M_F - L_F^\top) = F_0 C_1 + \xi_{F,0} C_2`, a triangular solve of
+:math:`2h \times 2h` matrices and two products, added to the start); neither
+:math:`Q_F` nor :math:`A_F` is formed. Both factors of a batch
 of points are one batch of such matrices; the Cholesky factorisations and the solves
 are one batched call each, as are the coefficients' (batched triangular solves where
 blocks are capped: on a GPU a batched QR of many rows or a batched ``cholesky_inverse``
@@ -49,7 +51,10 @@ factorisation.
 
 The discretisation is the reference's; the values are its own up to float rounding
 (the order of sums), and the integration's checks (speed kept, every factorisation
-positive definite) are the reference's.
+positive definite) are the reference's, evaluated in the coordinates
+(:meth:`SpanGeodesic.check`): the metric speed :math:`|\xi|_X^2 = \sum_F
+\operatorname{tr}(W_F\, \xi_F^\top \xi_F)` needs only :math:`F^\top F = P^\top P` and
+:math:`\xi_F^\top \xi_F = V^\top V`, so the end velocity is not mapped back to the rows.
 """
 
 from __future__ import annotations
@@ -276,7 +281,7 @@ class SpanGeodesic:
             self._start_speeds = (self.squared_speeds(self.start, failures), failures)
         return self._start_speeds
 
-    def squared_change(self, a: torch.Tensor, b: torch.Tensor | None) -> float:
+    def squared_change(self, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         r""":math:`|X_a - X_b|_w^2`, summed over the batch, of the end points of two states
         of :meth:`integrate` (:math:`X_b = 0` for ``b=None``: :math:`|x|_x^2` at
         :attr:`start`), in the metric at the start :math:`w` and from the
@@ -284,13 +289,13 @@ class SpanGeodesic:
         :math:`|X_a - X_b|_w^2 = \sum_F \operatorname{tr}(W_F\, \Delta_F^\top \Delta_F)`
         with :math:`\Delta_F^\top \Delta_F = (P_a - P_b)^\top (P_a - P_b)` (up to the raised
         diagonal, a relative :math:`n \epsilon`) and :math:`W_F` as in
-        :meth:`squared_speeds`, from :math:`S_F` at the start. Neither end point is
-        formed; one host synchronisation."""
+        :meth:`squared_speeds`, from :math:`S_F` at the start: a 0-dim tensor (not read
+        from the device). Neither end point is formed."""
         rank = self.x.shape[-1]
         if self._start_weights is None:
             self._start_weights = self._weights(self.start, [])
         change = a[:, :rank] if b is None else a[:, :rank] - b[:, :rank]
-        return float((self._start_weights * torch.bmm(change, change.mT)).sum())
+        return (self._start_weights * torch.bmm(change, change.mT)).sum()
 
     def _moved(self, change: torch.Tensor) -> List[torch.Tensor]:
         r"""The end points ``[x + Q M_x, u + Q M_u]`` (as many as ``change`` has blocks of

@@ -34,8 +34,13 @@ geodesic is integrated with step doubling (:func:`_controlled_gap`): :math:`E_1,
 \ldots` until the Richardson estimate :math:`|E_{2n} - E_n|_w / 15` of :math:`E_{2n}`'s
 error is at most :data:`GEODESIC_TOLERANCE` (:math:`10^{-3}`) of :math:`|R - E_{2n}|_w`,
 else the manifold's own ``expmap_steps`` (16 by default: the value of ``path="exact"``),
-all in float64 from one factorisation of the span. At typical radii two integrations of
-1 and 2 steps suffice; far out the check falls back. On the adaptive parameters with
+all in float64 from one factorisation of the span. The estimate, :math:`|\xi|_w`,
+:math:`|w|_w` and the check of each integration come from the span's :math:`2h \times
+2h` coordinates; of the point's rows only the accepted end point and :math:`R - E` are
+formed, the norms from the factors' :math:`h \times h` Gram matrices
+(:func:`_squared_norms`), each slice's float64 copies in buffers reused by the group's
+other slices. At typical radii two integrations of 1 and 2 steps suffice; far out the
+check falls back. On the adaptive parameters with
 :math:`\varepsilon = 0` (element-wise metric :math:`\sum_i \eta_i^2 / w_i^2`) the gap
 has a closed form, :math:`|R - \operatorname{Exp}|_w^2 = \sum_i (e^{a_i} - 1 -
 a_i)^2` with :math:`a = \xi / w` (:func:`elementwise_gap`), computed in the weights'
@@ -265,8 +270,7 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor, difference:
     """
     largest = space.manifold.expmap_steps
     ends = _SpanEnds(space, v)
-    step_sq, x_sq = ends.squared_norms()
-    floor = ROUNDING_FLOOR_EPS * torch.finfo(space.x.dtype).eps * math.sqrt(max(x_sq, 0.0))
+    norms = ends.squared_norms()  # read with the first gap: one host synchronisation
     steps = 1
     coarse = ends(steps, checked=False) if 2 * steps < largest else None
     while coarse is not None and 2 * steps < largest:
@@ -274,9 +278,12 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor, difference:
         if fine is None:
             break
         torch.sub(retracted, ends.point(fine), out=difference)
-        change_sq = ends.squared_change(fine, coarse)
-        (gap_sq,) = _squared_norms(space, difference)
+        change = ends.squared_change(fine, coarse).view(1)
+        gap_sq, change_sq, step_sq, x_sq = torch.cat(
+            (_squared_norms(space, difference), change, norms)
+        ).tolist()
         gap, error = math.sqrt(max(gap_sq, 0.0)), math.sqrt(max(change_sq, 0.0)) / 15
+        floor = ROUNDING_FLOOR_EPS * torch.finfo(space.x.dtype).eps * math.sqrt(max(x_sq, 0.0))
         if error <= GEODESIC_TOLERANCE * gap or error <= floor:
             return gap**2, step_sq, ends.point(fine)
         if not error / 16 <= GEODESIC_TOLERANCE * gap:  # also NaN
@@ -286,7 +293,9 @@ def _controlled_gap(space, retracted: torch.Tensor, v: torch.Tensor, difference:
     if end is None:
         raise GeodesicDomainError(f"the geodesic integration broke down ({largest} RK4 steps)")
     end = ends.point(end)
-    (gap_sq,) = _squared_norms(space, torch.sub(retracted, end, out=difference))
+    gap_sq, step_sq, _ = torch.cat(
+        (_squared_norms(space, torch.sub(retracted, end, out=difference)), norms)
+    ).tolist()
     return gap_sq, step_sq, end
 
 
@@ -322,24 +331,24 @@ class _SpanEnds:
         state, position = end
         return position if position is not None else self.span.ends(state)[0]
 
-    def squared_norms(self) -> Tuple[float, float]:
-        r""":math:`|\xi|_w^2` and :math:`|w|_w^2`, summed over the batch."""
+    def squared_norms(self) -> torch.Tensor:
+        r""":math:`|\xi|_w^2` and :math:`|w|_w^2`, summed over the batch (a tensor of
+        two, in the point's dtype; not read from the device)."""
         if self.span is None:
-            step_sq, x_sq = _squared_norms(self.space, self.v, self.space.x)
-            return step_sq, x_sq
+            return _squared_norms(self.space, self.v, self.space.x)
         speeds, _ = self.span.start_speeds()
-        return float(speeds.sum()), self.span.squared_change(self.span.start, None)
+        return torch.stack((speeds.sum(), self.span.squared_change(self.span.start, None)))
 
-    def squared_change(self, fine: Any, coarse: Any) -> float:
-        r""":math:`|E_{fine} - E_{coarse}|_w^2`, summed over the batch."""
+    def squared_change(self, fine: Any, coarse: Any) -> torch.Tensor:
+        r""":math:`|E_{fine} - E_{coarse}|_w^2`, summed over the batch (a 0-dim tensor)."""
         if self.span is None:
-            (change_sq,) = _squared_norms(self.space, fine - coarse)
-            return change_sq
+            return _squared_norms(self.space, fine - coarse)[0]
         return self.span.squared_change(fine[0], coarse[0])
 
 
-def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
-    r""":math:`|u|_w^2` of each vector, summed over the batch, in one host synchronisation:
+def _squared_norms(space, *vectors: torch.Tensor) -> torch.Tensor:
+    r""":math:`|u|_w^2` of each vector, summed over the batch (a tensor, one entry per
+    vector, in the point's dtype; not read from the device):
     :math:`\sum \operatorname{tr}(W_G\, u_G^\top u_G) + \operatorname{tr}(W_H\, u_H^\top
     u_H)` from the :math:`h \times h` Gram matrices of the factors (the metric's blocks
     :math:`W` are symmetric), no temporary of the vectors' size."""
@@ -349,7 +358,7 @@ def _squared_norms(space, *vectors: torch.Tensor) -> List[float]:
     for u in vectors:
         u_g, u_h = manifold.factors(u.to(state.dtype))
         squares.append((w_g * (u_g.mT @ u_g)).sum() + (w_h * (u_h.mT @ u_h)).sum())
-    return torch.stack(squares).tolist()
+    return torch.stack(squares).to(space.x.dtype)
 
 
 def _closed_form_applies(group: BallGroup, exact: BallGroup) -> bool:
