@@ -42,6 +42,7 @@ QUICK = [
     "bench_geodesic",
     "bench_path_gap_cost",
     "bench_gl_iteration",
+    "bench_iteration_flops",
 ]
 
 
@@ -54,6 +55,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         argv += ["--iters", "1", "--repeats", "1"]
     if name == "bench_precision":
         argv += ["--device", "cpu"]
+    if name == "bench_iteration_flops":  # the counter's per-operator work: one model
+        argv += ["--models", "bert-11m"]
     if name == "bench_gl_iteration":  # this checkout beside itself
         argv += ["--repeats", "2", "--baseline", str(pathlib.Path(__file__).resolve().parents[1])]
     report = module.main(argv)
@@ -80,6 +83,13 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         else:
             assert row["gram_max_rel_difference"] < 1e-5
             assert row["combination_max_rel_difference"] < 1e-5
+    if name == "bench_iteration_flops":  # the quotient groups' geometry makes products
+        for row in report["models"].values():
+            small = 1e-4 * row["plain_gflop"]  # adaptive: Auto-PGD's 3 x 3 algebra at most
+            assert abs(row["adaptive"]["geometry_gflop"]) < small
+            assert row["inv"]["geometry_gflop"] > small and row["mix"]["geometry_gflop"] > small
+            floors = list(row["inv"]["floor_at_batch"].values())
+            assert floors == sorted(floors, reverse=True) and floors[-1] > 1
     if name == "profile_cpu_iteration":
         row = report["models"]["tiny-vit"]
         assert {"plain", "adaptive", "inv", "mix"} <= set(row)

@@ -1188,6 +1188,58 @@ def cpu_gl_iteration(results: Results) -> Table:
     )
 
 
+ITERATION_MODELS = {"tiny-vit": "tiny ViT", "bert-11m": "11M BERT", "bert-base": "BERT-base"}
+
+
+def cpu_iteration_flops(results: Results) -> Table:
+    doc = results.json("cpu/iteration_flops.json").data
+    rows = []
+    for name, row in (dig(doc, "models") or {}).items():
+        shape = " x ".join(str(n) for n in row.get("batch_shape", [])[:2])
+        for measure in ("adaptive", "inv", "mix"):
+            cell = row.get(measure) or {}
+            floors = cell.get("floor_at_batch") or {}
+            rows.append(
+                [
+                    f"{ITERATION_MODELS.get(name, name)} ({shape})",
+                    measure,
+                    fmt(row.get("plain_gflop"), ".3g"),
+                    fmt(cell.get("marginal_gflop"), ".3g"),
+                    fmt(cell.get("marginal_ratio"), ".3f"),
+                    fmt(cell.get("geometry_gflop"), ".3g"),
+                    " / ".join(fmt(v, ".2f") for v in floors.values()) or NOT_MEASURED,
+                    fmt(dig(cell, "path_gap_gflop", -1), ".3g"),
+                ]
+            )
+    if not rows:
+        rows = [["BERT-base", "inv", *[NOT_MEASURED] * 6]]
+    return Table(
+        [
+            "model (batch)",
+            "measure",
+            "pass GFLOP",
+            "one more iteration GFLOP",
+            "ratio",
+            "geometry GFLOP",
+            "ratio at 1 / 2 / 4 / 8 / 16 x the batch",
+            "path gap GFLOP",
+        ],
+        rows,
+        "python benchmarks/bench_iteration_flops.py "
+        "--json benchmarks/results/cpu/iteration_flops.json",
+        [
+            "Floating-point operations of the matrix products (torch.utils.flop_counter: "
+            "products, batched products, attention; element-wise work not counted) of a "
+            "forward and backward pass and of one more Auto-PGD iteration (runs of 8 and 4 "
+            "iterations, by difference); geometry: the iteration's less its passes, the "
+            "quotient groups' batched products, which do not grow with the batch. The "
+            "ratio at larger batches follows from the passes' products growing with the "
+            "examples. The path gap's report per batch, counted apart. "
+            "Counts, not times: they do not depend on the machine or its load."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1509,6 +1561,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-small-kernels": cpu_small_kernels,
     "cpu-geodesic": cpu_geodesic,
     "cpu-gl-iteration": cpu_gl_iteration,
+    "cpu-iteration-flops": cpu_iteration_flops,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,
