@@ -147,6 +147,21 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
     assert sys.modules[name]
 
 
+def test_gl_iteration_benchmark_compares_slice_sizes_that_agree(tmp_path):
+    """``--slices``: every size of the CPU's slices gives the same iteration (the slices
+    only group independent products), one row per metric, ratios to the first size.
+    The quick stack's points take 2.5 KiB: a point a slice, then the whole batch."""
+    module = importlib.import_module("bench_gl_iteration")
+    argv = ["--quick", "--slices", "1,16", "--repeats", "2", "--json", str(tmp_path / "s.json")]
+    report = module.main(argv)
+    assert set(report["models"]) == {"inv-sliced", "mix-sliced"}
+    for row in report["models"].values():
+        assert row["same_perturbed_point"] and row["max_gradient_difference"] == 0
+        assert set(row["ratio_to_default"]) == {"1 KiB", "16 KiB"}
+        assert row["ratio_to_default"]["1 KiB"] == 1.0
+        assert "retraction" not in row and row["1 KiB"]["allocations_column"]["count"] == 0
+
+
 @pytest.mark.parametrize("name", ["bench_host_syncs", "profile_cuda_iteration"])
 def test_cuda_only_scripts_import_and_explain_themselves(name, capsys):
     """They need a GPU to measure anything; here: they import and answer --help."""

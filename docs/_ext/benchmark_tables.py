@@ -1240,6 +1240,42 @@ def cpu_iteration_flops(results: Results) -> Table:
     )
 
 
+def _milliseconds(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, ".0f", " ms")
+
+
+def cpu_gl_slices(results: Results) -> Table:
+    doc = results.json("cpu/gl_slices.json").data
+    stack = dig(doc, "settings", "stack") or {}
+    rows = []
+    for name, row in (dig(doc, "models") or {}).items():
+        for size, ratio in (row.get("ratio_to_default") or {}).items():
+            rows.append(
+                [
+                    name.split("-", 1)[0],
+                    size,
+                    _milliseconds(dig(row, size, "seconds")),
+                    fmt(ratio, ".3f", "x"),
+                ]
+            )
+    if not rows:
+        rows = [["inv", *[NOT_MEASURED] * 3]]
+    shape = f"{stack.get('points')} points of 2 x {stack.get('rows')} x {stack.get('rank')}"
+    return Table(
+        ["metric", "slice", "time", "ratio to the default"],
+        rows,
+        "python benchmarks/bench_gl_iteration.py --slices 512,1024,2048,4096,8192 "
+        "--repeats 12 --json benchmarks/results/cpu/gl_slices.json",
+        [
+            f"The GL(h) geometry of one Auto-PGD iteration on a stack of BERT-base's size "
+            f"({shape}, float32, 1 thread) with the CPU's slices of each size (the bytes "
+            "of one vector's slice, CHUNK_BYTES; the default 2 MiB): process time per "
+            "iteration (medians, the sizes interleaved in one process). Every size gives "
+            "the same perturbed point and gradient, bit for bit."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1562,6 +1598,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-geodesic": cpu_geodesic,
     "cpu-gl-iteration": cpu_gl_iteration,
     "cpu-iteration-flops": cpu_iteration_flops,
+    "cpu-gl-slices": cpu_gl_slices,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,
