@@ -657,20 +657,27 @@ def malloc_setting(doc: Any) -> str:
 #: The files of :func:`cpu_iteration_overhead`: glibc's malloc as it is, and retaining
 #: freed memory (``--malloc retain``).
 ITERATION_OVERHEAD_FILES = ("cpu/iteration_overhead.json", "cpu/iteration_overhead_retain.json")
+#: The same measurement at a larger batch (its models' rows only).
+LARGE_BATCH_FILE = "cpu/iteration_overhead_large_batch.json"
 
 
 def cpu_iteration_overhead(results: Results) -> Table:
-    """The rows of glibc's default malloc, then those of ``--malloc retain``."""
-    default, retain = (results.json(path) for path in ITERATION_OVERHEAD_FILES)
+    """The rows of glibc's default malloc, then those of ``--malloc retain``, then those
+    at a larger batch."""
+    default, retain, large = (
+        results.json(path) for path in (*ITERATION_OVERHEAD_FILES, LARGE_BATCH_FILE)
+    )
     rows = _iteration_overhead_rows(default.data, "default")
     rows += _iteration_overhead_rows(retain.data, "retain")
-    clocks = {dig(s.data, "settings", "clock") for s in (default, retain) if s.exists}
+    rows += _iteration_overhead_rows(large.data, "default", measured_only=True)
+    sources = (default, retain, large)
+    clocks = {dig(s.data, "settings", "clock") for s in sources if s.exists}
     return _iteration_overhead_table(rows, clocks)
 
 
-def _iteration_overhead_rows(doc: Any, malloc: str) -> List[List[str]]:
+def _iteration_overhead_rows(doc: Any, malloc: str, measured_only: bool = False) -> List[List[str]]:
     """One row per model of a file written with ``--malloc malloc`` (``doc``: ``None``
-    where there is no such file)."""
+    where there is no such file); only the models it holds if ``measured_only``."""
     rows = []
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
     measures = ("adaptive", "inv", "mix")
@@ -678,7 +685,8 @@ def _iteration_overhead_rows(doc: Any, malloc: str) -> List[List[str]]:
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, malloc, *[NOT_MEASURED] * 8])
+            if not measured_only:
+                rows.append([label, malloc, *[NOT_MEASURED] * 8])
             continue
         passes = sorted(
             {
@@ -733,6 +741,9 @@ def _iteration_overhead_table(rows: List[List[str]], clocks: set) -> Table:
             "BERT-base, added to the same file: python benchmarks/bench_iteration_overhead.py "
             "--models bert-base --bert-batch-size 4 --iters 8 --repeats 3 --clock process "
             "--merge --json benchmarks/results/cpu/iteration_overhead.json.",
+            "The last rows, at a larger batch: python benchmarks/bench_iteration_overhead.py "
+            "--models bert-11m --bert-batch-size 32 --repeats 3 --clock process "
+            "--json benchmarks/results/cpu/iteration_overhead_large_batch.json.",
             "glibc malloc: default, glibc's own (a freed block above its mmap threshold, "
             "at most 32 MiB, goes back to the kernel and is faulted in again page by page "
             "at its next allocation); retain, freed memory kept in the process "
