@@ -507,7 +507,7 @@ class GradientSweep:
     def _gram_block(self, block: int) -> List[torch.Tensor]:
         """:meth:`_ScaleState.gram`'s matrix of one block (``rescale``: that vector's
         block multiplied by :math:`c^2` first)."""
-        state, k = self.state, len(self.vectors)
+        state = self.state
         x = self._x[block].to(state.dtype)
         scratch = self._scratch[:, : x.numel()]
         scale = state.manifold.scale(x, out=scratch[0])  # a reused buffer
