@@ -18,7 +18,11 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
   one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
-  read back into the groups' shapes with one index gather.
+  read back into the groups' shapes with one index gather; the fused adaptive buffer's
+  gradient is written block by block instead, each block converted to the Riemannian
+  gradient with its Gram entries as soon as it is complete, while in cache
+  (:class:`_Arrival`, on the CPU): per Auto-PGD iteration the gradient is written once
+  and not read again before the update.
 
 With the element-wise metric, fusing the groups changes nothing but the order of sums:
 with :math:`x = (x_1, \dots, x_k)` concatenated,
