@@ -305,7 +305,7 @@ def _tensors(value: Any):
 
 #: Functions of this package that call autograd: the backward pass's operators below
 #: them are the model's.
-AUTOGRAD_CALLERS = ("evaluate_ball", "_evaluate_objective", "_evaluate")
+AUTOGRAD_CALLERS = ("evaluate_ball", "_evaluate")
 
 
 def _bytes_site() -> str:

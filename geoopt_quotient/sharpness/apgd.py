@@ -410,24 +410,6 @@ def _evaluate(
     in system time, several copies' worth); other evaluations release them all before
     the objective runs (empty the list), since autograd allocates the gradient anyway.
     """
-    ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
-    try:
-        return _evaluate_objective(ball, paths, objective, xi, grad, autocast, recycled)
-    finally:
-        ball.pending = None
-
-
-def _evaluate_objective(
-    ball: _Ball,
-    paths: Sequence[Path],
-    objective: Objective,
-    xi: Sequence[torch.Tensor],
-    grad: bool,
-    autocast: AutocastState,
-    recycled: List[List[torch.Tensor]] | None = None,
-) -> Tuple[torch.Tensor, List[torch.Tensor] | None]:
-    """:func:`_evaluate`, with the ball's expected gradient (:attr:`_Ball.pending`)
-    still announced."""
     custom = getattr(objective, "evaluate_ball", None)
     if custom is not None:
         return custom(ball, paths, xi, grad, autocast, recycled)
@@ -711,7 +693,11 @@ def _maximize(
     recycled: List[List[torch.Tensor]] = []
 
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
-        return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
+        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
+        try:
+            return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
+        finally:
+            ball.pending = None  # announced for this evaluation only
 
     def riemannian(grads: List[torch.Tensor], xi, xi_prev) -> Tuple[List[torch.Tensor], Tuple]:
         """The Riemannian gradient, and the Gram matrix the next update reads, with the
