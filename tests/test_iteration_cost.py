@@ -915,3 +915,26 @@ def test_a_sweep_not_taken_leaves_no_trace():
     ball.gradient_sweep(0, alone).block(0)
     assert torch.equal(ball.riemannian_gradients_([alone])[0], expected_rgrad)
     assert ball.sweeps == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.integers(0, 50),
+    chunks=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    step=st.integers(1, 30),
+)
+def test_a_segments_blocks_tile_it_by_chunk_and_block(start, chunks, step):
+    """Each piece lies in one chunk and one block; the pieces tile the segment in order."""
+    pieces = [
+        (block, piece)
+        for block, lo, hi, parts in layout_module._blocks(start, sum(chunks), chunks, step)
+        for piece in parts
+        if lo // step == block and (hi - 1) // step == block
+    ]
+    position = start
+    bounds = [start + sum(chunks[:i]) for i in range(len(chunks) + 1)]
+    for block, (lo, hi, chunk, chunk_start) in pieces:
+        assert lo == position and lo < hi and lo // step == block == (hi - 1) // step
+        assert chunk_start == bounds[chunk] <= lo and hi <= bounds[chunk + 1]
+        position = hi
+    assert position == start + sum(chunks)

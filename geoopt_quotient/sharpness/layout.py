@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -136,13 +136,45 @@ class _Segment:
     chunks: List[int]
     is_gap: List[bool]
     shapes: List[torch.Size]
+    #: By block length: :meth:`blocks`, made once
+    _by_step: Dict[int, List[Tuple]] = field(default_factory=dict, repr=False, compare=False)
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start : self.start + self.size]
 
+    def blocks(self, step: int) -> List[Tuple[int, int, int, List[Tuple[int, int, int, int]]]]:
+        """The segment's entries by blocks of ``step`` entries of the flat buffer: per
+        block ``(block, start, stop, pieces)``, each piece ``(start, stop, chunk, chunk's
+        start)`` the part of a chunk in the block (positions in the flat buffer)."""
+        if step not in self._by_step:
+            self._by_step[step] = _blocks(self.start, self.size, self.chunks, step)
+        return self._by_step[step]
+
     def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(parameter views, gap views) of ``flat`` (the segment's own entries)."""
         return _pieces(flat, self.chunks, self.is_gap, self.shapes)
+
+
+def _blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
+    """:meth:`_Segment.blocks`: the chunks and the blocks walked side by side."""
+    out: List[Tuple] = []
+    position, end = start, start + size
+    chunk, chunk_start = 0, start
+    while position < end:
+        block = position // step
+        stop = min((block + 1) * step, end)
+        pieces = []
+        while chunk < len(chunks) and chunk_start < stop:
+            chunk_stop = chunk_start + chunks[chunk]
+            lo, hi = max(chunk_start, position), min(chunk_stop, stop)
+            if lo < hi:
+                pieces.append((lo, hi, chunk, chunk_start))
+            if chunk_stop > stop:
+                break
+            chunk, chunk_start = chunk + 1, chunk_stop
+        out.append((block, position, stop, pieces))
+        position = stop
+    return out
 
 
 #: The flat buffers are handed to autograd in this many segments each: a segment's
@@ -206,29 +238,18 @@ class _Arrival:
         for gap in segment.is_gap:
             g = None if gap else next(grads)
             sources.append(None if g is None else g.reshape(-1))  # a strided one: copied
-        step, flat = self.sweep.step, self.out
-        position, chunks = segment.start, list(zip(segment.chunks, sources))
-        end = segment.start + segment.size
-        block = position // step
-        while position < end:
-            stop = min((block + 1) * step, end)
-            copies, zeros = [], []
-            offset = segment.start
-            for size, source in chunks:
-                lo, hi = max(offset, position), min(offset + size, stop)
-                if lo < hi:
-                    (zeros if source is None else copies).append((lo, hi, offset, source))
-                offset += size
+        flat = self.out
+        for block, position, stop, pieces in segment.blocks(self.sweep.step):
+            copies = [(lo, hi, o, sources[c]) for lo, hi, c, o in pieces if sources[c] is not None]
             if copies:
                 torch._foreach_copy_(
                     [flat[lo:hi] for lo, hi, _, _ in copies],
                     [src[lo - o : hi - o] for lo, hi, o, src in copies],
                 )
-            _zero([flat[lo:hi] for lo, hi, _, _ in zeros])
+            _zero([flat[lo:hi] for lo, hi, c, _ in pieces if sources[c] is None])
             self.missing[block] -= stop - position
             if self.missing[block] == 0:
                 self.sweep.block(block)
-            position, block = stop, block + 1
 
 
 def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
