@@ -104,6 +104,9 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             assert {"wall_s", "minor_page_faults"} <= set(row[key]["marginal"])
             sites = row[key]["faults_by_operator"]
             assert len(sites) == 3 and all({"operator", "site"} <= set(s) for s in sites)
+            moved = row[key]["bytes_by_site"]  # the tiny ViT has no tensor of 4 MiB
+            assert set(moved["passes"]) == {"model", "ball"} and len(moved["sites"]) <= 3
+            assert all(moved["passes"][part]["memory"] == 0 for part in ("model", "ball"))
         phases = row["mix"]["phases_s"]
         assert phases["loop"] == pytest.approx(sum(v for k, v in phases.items() if k != "loop"))
         assert phases["forward"] > 0 and phases["retraction"] > 0

@@ -768,6 +768,61 @@ def _iteration_overhead_table(rows: List[List[str]], clocks: set) -> Table:
     )
 
 
+#: The files of :func:`cpu_iteration_bytes`: this engine's, and the engine before the
+#: gradient was converted as it arrives (the same script, run on that engine).
+ITERATION_BYTES_FILES = ("cpu/iteration_bytes.json", "cpu/iteration_bytes_before.json")
+
+
+def cpu_iteration_bytes(results: Results) -> Table:
+    """Passes over the parameters per adaptive iteration, by call site, and the totals of
+    the model's operators and the ball's, with the engine's before where recorded."""
+    now, before = (results.json(path) for path in ITERATION_BYTES_FILES)
+    models = dig(now.data, "models") or {}
+    model = next(iter(models), None)
+    cell = dig(models, model, "adaptive", "bytes_by_site") or {}
+    earlier = dig(before.data, "models", model, "adaptive", "bytes_by_site", "passes") or {}
+    plain = dig(models, model, "plain", "bytes_by_site", "passes", "model") or {}
+    rows = []
+    for part, label in (("model", "the model's operators"), ("ball", "the ball's operators")):
+        total = dig(cell, "passes", part) or {}
+        rows.append(
+            [
+                f"total: {label}",
+                "",
+                fmt(total.get("memory_read"), ".2f"),
+                fmt(total.get("memory_written"), ".2f"),
+                fmt(dig(earlier, part, "memory"), ".2f"),
+                fmt(total.get("memory"), ".2f"),
+            ]
+        )
+    for site in cell.get("sites", []):
+        rows.append(
+            [
+                site["site"],
+                f"{site['operator']} ({site['pass']}, {site['calls']:.0f} calls)",
+                fmt(site["memory_read"], ".2f"),
+                fmt(site["memory_written"], ".2f"),
+                "",
+                fmt(site["memory_read"] + site["memory_written"], ".2f"),
+            ]
+        )
+    label = model or NOT_MEASURED
+    return Table(
+        ["call site", "operator", "read", "written", "before", "passes"],
+        rows,
+        "python benchmarks/profile_cpu_iteration.py --models bert-11m --measures adaptive "
+        "--batch-size 8 --operators 0 --marginal --bytes 14 "
+        "--json benchmarks/results/cpu/iteration_bytes.json",
+        [
+            f"Model: {label}, one more adaptive iteration (runs of 20 and 10 iterations, "
+            "kept best gradient), in passes over its float32 parameters; a plain forward "
+            f"and backward pass moves {fmt(plain.get('memory'), '.2f')}. ``before``: the "
+            "engine that copied the gradient into the flat buffer and swept it after the "
+            "pass (``iteration_bytes_before.json``, the same command on it)."
+        ],
+    )
+
+
 def cpu_path_gap_cost(results: Results) -> Table:
     doc = results.json("cpu/path_gap_cost.json").data
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M"}
@@ -1603,6 +1658,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-path-gap-operators": cpu_path_gap_operators,
     "cpu-memory": cpu_memory,
     "cpu-ball-memory": cpu_ball_memory,
+    "cpu-iteration-bytes": cpu_iteration_bytes,
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
