@@ -19,8 +19,16 @@ after checking that they give the same perturbed point and gradient (bit for bit
 the two compute alike). With the CPU's slices, it also times the path gap's retraction
 of one vector (``retraction``), the tangent space's against the reference formulas.
 
+``--slices KIB,...`` times this checkout's tangent space instead with the CPU's slices
+of each size (``_gl_tangent.CHUNK_BYTES``, in KiB), interleaved, after checking that
+every size gives the same perturbed point and gradient (the slices only group the
+batch's independent products); caches differ between CPUs, so that the size can be
+checked on each.
+
     python benchmarks/bench_gl_iteration.py --baseline ../main --repeats 8 \\
         --json benchmarks/results/cpu/gl_iteration.json
+    python benchmarks/bench_gl_iteration.py --slices 512,1024,2048,4096,8192 --repeats 12 \\
+        --metrics inv --json benchmarks/results/cpu/gl_slices.json
     python benchmarks/bench_gl_iteration.py --quick            # seconds, for CI
 
 Linux and macOS only (``resource``).
@@ -113,9 +121,28 @@ class Loop:
         self.xi, self.previous, self.out = self.out, xi, previous
 
 
-def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> Dict[str, Any]:
+class SlicedLoop(Loop):
+    """A :class:`Loop` of this checkout's tangent space in slices of ``chunk`` bytes
+    (``_gl_tangent.CHUNK_BYTES`` while it steps)."""
+
+    def __init__(self, chunk: int, *args):
+        super().__init__(*args)
+        self.chunk = chunk
+
+    def step(self, column: bool) -> None:
+        before, _gl_tangent.CHUNK_BYTES = _gl_tangent.CHUNK_BYTES, self.chunk
+        try:
+            super().step(column)
+        finally:
+            _gl_tangent.CHUNK_BYTES = before
+
+
+def measure(
+    args, shape, metric: str, capped: bool, modules: Dict[str, Any], slices: List[int] = ()
+) -> Dict[str, Any]:
     """Per iteration: median process seconds and minor faults, allocations of slices of
-    the vectors, for each module's tangent space; whether their results agree."""
+    the vectors, for each module's tangent space (or this checkout's with each size of
+    ``slices``, in KiB); whether their results agree."""
     _linalg.CAP_ON_CPU = capped
     points, rows, rank = shape
     generator = torch.Generator().manual_seed(0)
@@ -123,10 +150,17 @@ def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> 
     manifold = gq.GLQuotient(rows, rows, metric=metric)
     noise = [1e-3 * torch.randn(x.shape, generator=generator) for _ in range(3)]
     xi = manifold.proju(x, noise[0])
-    loops = {
-        label: Loop(module.GLTangentSpace(manifold, x, PointState(manifold, x)), x, xi, *noise[1:])
-        for label, module in modules.items()
-    }
+
+    def space(module):
+        return module.GLTangentSpace(manifold, x, PointState(manifold, x))
+
+    if slices:
+        loops = {
+            f"{kib} KiB": SlicedLoop(kib * 1024, space(_gl_tangent), x, xi, *noise[1:])
+            for kib in slices
+        }
+    else:
+        loops = {label: Loop(space(module), x, xi, *noise[1:]) for label, module in modules.items()}
     for loop in loops.values():  # warm-up: the kernels, the workspace
         loop.step(False)
         loop.step(True)
@@ -150,10 +184,15 @@ def measure(args, shape, metric: str, capped: bool, modules: Dict[str, Any]) -> 
     for label in labels:
         row[label]["seconds"] = statistics.median(s for s, _ in samples[label])
         row[label]["minor_page_faults"] = statistics.median(f for _, f in samples[label])
-    if len(labels) == 2:
-        first, second = (loops[label] for label in labels)
-        row["same_perturbed_point"] = torch.equal(first.perturbed, second.perturbed)
-        row["max_gradient_difference"] = float((first.grad - second.grad).abs().max())
+    if len(labels) >= 2:
+        first, others = loops[labels[0]], [loops[label] for label in labels[1:]]
+        same = all(torch.equal(first.perturbed, other.perturbed) for other in others)
+        differences = [float((first.grad - other.grad).abs().max()) for other in others]
+        row["same_perturbed_point"], row["max_gradient_difference"] = same, max(differences)
+    if slices:
+        default = row.get(f"{_gl_tangent.CHUNK_BYTES // 1024} KiB", row[labels[0]])["seconds"]
+        row["ratio_to_default"] = {label: row[label]["seconds"] / default for label in labels}
+    elif len(labels) == 2:
         row["ratio"] = row[labels[1]]["seconds"] / row[labels[0]]["seconds"]
     return row
 
@@ -196,6 +235,7 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--metrics", default="inv,mix")
     parser.add_argument("--modes", default="sliced,capped", help="sliced (CPU), capped")
     parser.add_argument("--baseline", help="another checkout, run beside this one")
+    parser.add_argument("--slices", help="this checkout with these slice sizes (KiB, CPU)")
     parser.add_argument("--repeats", type=int, default=8, help="iterations timed per space")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
@@ -205,17 +245,22 @@ def main(argv=None) -> Dict[str, Any]:
     modules = {"this": _gl_tangent}
     if args.baseline:
         modules = {"baseline": baseline_module(args.baseline), "this": _gl_tangent}
+    slices = [int(kib) for kib in args.slices.split(",")] if args.slices else []
+    if slices:  # the slices of the CPU only
+        args.modes = "sliced"
+    modes = args.modes.split(",")
+    labels = [f"{kib} KiB" for kib in slices] or list(modules)
     shape = QUICK if args.quick else BERT_BASE
     rows: Dict[str, Any] = {}
     capped_before = _linalg.CAP_ON_CPU
     try:
         for metric in args.metrics.split(","):
-            for mode in args.modes.split(","):
-                row = measure(args, shape, metric, mode == "capped", modules)
-                if mode == "sliced":
+            for mode in modes:
+                row = measure(args, shape, metric, mode == "capped", modules, slices)
+                if mode == "sliced" and not slices:
                     row["retraction"] = retraction(args, shape, metric)
                 rows[f"{metric}-{mode}"] = row
-                print(f"{metric} {mode}: " + format_row(row, list(modules)))
+                print(f"{metric} {mode}: " + format_row(row, labels))
     finally:
         _linalg.CAP_ON_CPU = capped_before
     settings = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "baseline"})
@@ -241,6 +286,9 @@ def format_row(row: Dict[str, Any], labels: List[str]) -> str:
         )
     if "ratio" in row:
         parts.append(f"ratio {row['ratio']:.3f}, same point {row['same_perturbed_point']}")
+    if "ratio_to_default" in row:
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in row["ratio_to_default"].items())
+        parts.append(f"ratios {ratios}; same point {row['same_perturbed_point']}")
     return "; ".join(parts)
 
 

@@ -28,6 +28,15 @@ one):
   faults per iteration (per iteration more with ``--marginal``), in a further pair of
   runs under a ``TorchDispatchMode`` that reads ``getrusage`` around each operator: a
   fresh allocation is faulted in by the operator that first writes it;
+- with ``--bytes N``, the ``N`` operator call sites that move the most bytes per
+  iteration (per iteration more with ``--marginal``), in passes over the model's
+  parameters, under a ``TorchDispatchMode`` (:class:`BytesBySite`) that counts what each
+  operator reads and writes of the tensors in storages of at least 4 MiB (the ball's
+  vectors, the flat buffers, the model's large weights and gradients), through a model
+  of a least-recently-used cache of ``--cache-mib`` MiB (default 8): a block that a
+  sweep reads again while in cache moves nothing, a written block is counted once until
+  it leaves the cache. Deterministic, whatever the machine's load; the totals split the
+  passes into the model's (its forward and backward pass) and the ball's (the rest);
 - ``--malloc retain`` sets glibc's malloc to keep freed memory (``_malloc.py``) before
   the model is built, for the plain passes and the runs alike; the result JSON records it.
 
@@ -36,6 +45,9 @@ one):
         --batch-size 4 --iters 8 --operators 0 --phases
     python benchmarks/profile_cpu_iteration.py --models bert-base --measures adaptive,inv \\
         --batch-size 2 --iters 8 --operators 0 --marginal --by-operator 12 --malloc retain
+    python benchmarks/profile_cpu_iteration.py --models bert-11m --measures adaptive \
+        --batch-size 8 --operators 0 --marginal --bytes 12 \
+        --json benchmarks/results/cpu/iteration_bytes.json
     python benchmarks/profile_cpu_iteration.py --quick            # seconds, for CI
 
 Linux and macOS only (``resource``).
@@ -188,6 +200,173 @@ def faults_by_operator(
     ]
 
 
+#: Tensors in storages of at least this many bytes are counted by :class:`BytesBySite`.
+LARGE_STORAGE = 4 << 20
+
+
+class _LruCache:
+    """Byte ranges of storages, least recently used first, at most ``capacity`` bytes:
+    :meth:`access` says what a read or a write of a range moves from or to memory."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.size = capacity, 0
+        self.ranges: collections.OrderedDict = collections.OrderedDict()  # -> dirty
+
+    def access(self, storage: int, start: int, end: int, write: bool) -> Tuple[int, int]:
+        """``(bytes read from memory, bytes newly dirtied)`` by an access to ``[start,
+        end)`` of ``storage``: a read of what is not cached; a write of what is not
+        cached dirty (each written byte reaches memory once, when it leaves the cache)."""
+        cached = dirty = 0
+        for key in [k for k in self.ranges if k[0] == storage and k[1] < end and start < k[2]]:
+            was_dirty = self.ranges.pop(key)
+            _, lo, hi = key
+            overlap = min(hi, end) - max(lo, start)
+            cached, dirty = cached + overlap, dirty + overlap * was_dirty
+            self.size -= hi - lo
+            for a, b in ((lo, start), (end, hi)):  # the parts outside stay, as old
+                if b > a:
+                    self.ranges[(storage, a, b)] = was_dirty
+                    self.ranges.move_to_end((storage, a, b), last=False)
+                    self.size += b - a
+        self.ranges[(storage, start, end)] = write or dirty > 0
+        self.size += end - start
+        while self.size > self.capacity:
+            (_, lo, hi), _ = self.ranges.popitem(last=False)
+            self.size -= hi - lo
+        return (0 if write else end - start - cached), (end - start - dirty if write else 0)
+
+
+class BytesBySite(TorchDispatchMode):
+    """Bytes that each operator call reads and writes of tensors in storages of at least
+    :data:`LARGE_STORAGE` bytes, by ``(pass, operator, call site)``, through an
+    :class:`_LruCache` of ``cache_bytes``: ``read`` and ``written`` (what the operators
+    touch) and ``memory_read`` and ``memory_written`` (what reaches memory).
+
+    An operator reads its tensor arguments and writes its outputs; an in-place or ``out=``
+    argument is written, and read too unless the operator only writes it (``copy_``,
+    ``fill_``, ``zero_``, ``out=``). The call site is ``"model"`` for the model's own
+    operators (the innermost frame outside torch is not this package's, or, in the
+    backward pass, is the one that called autograd), else the innermost two frames of
+    this package (``module:function < module:function``)."""
+
+    def __init__(self, cache_bytes: int):
+        super().__init__()
+        self.cache = _LruCache(cache_bytes)
+        self.counts: Dict[Tuple[str, str, str], collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ("detach", "alias", "lift_fresh", "empty", "empty_strided"):
+            return out
+        backward = torch._C._current_graph_task_id() != -1
+        counts = self.counts[("backward" if backward else "forward", name, _bytes_site())]
+        counts["calls"] += 1
+        writes_only = name.rstrip("_") in ("copy", "fill", "zero", "_foreach_copy", "_foreach_zero")
+        written = []
+        for index, argument in enumerate(func._schema.arguments):
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            mutated = argument.alias_info is not None and argument.alias_info.is_write
+            for tensor in _tensors(value):
+                if not mutated or not (argument.kwarg_only or writes_only):
+                    self._touch(tensor, False, counts)
+                if mutated:
+                    written.append(tensor)
+        if not written:
+            written = list(_tensors(out))
+        for tensor in written:
+            self._touch(tensor, True, counts)
+        return out
+
+    def _touch(self, tensor: torch.Tensor, write: bool, counts: collections.Counter) -> None:
+        storage = tensor.untyped_storage()
+        size = tensor.numel() * tensor.element_size()
+        if size == 0 or storage.nbytes() < LARGE_STORAGE:
+            return
+        start = tensor.storage_offset() * tensor.element_size()
+        span = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride())) + 1
+        end = start + span * tensor.element_size()
+        read, dirtied = self.cache.access(storage.data_ptr(), start, end, write)
+        counts["written" if write else "read"] += size
+        counts["memory_read"] += read
+        counts["memory_written"] += dirtied
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+#: Functions of this package that call autograd: the backward pass's operators below
+#: them are the model's.
+AUTOGRAD_CALLERS = ("evaluate_ball", "_evaluate")
+
+
+def _bytes_site() -> str:
+    """The call site of :class:`BytesBySite` (see there)."""
+    frame, sites = sys._getframe(2), []
+    backward = torch._C._current_graph_task_id() != -1
+    while frame is not None and len(sites) < 2:
+        path = frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in path:
+            ours = f"geoopt_quotient{os.sep}" in path
+            if not sites and (not ours or (backward and frame.f_code.co_name in AUTOGRAD_CALLERS)):
+                return "model"
+            if ours:
+                sites.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(sites)
+
+
+def bytes_by_site(
+    run: Callable[[int], Any],
+    iters: int,
+    half: int | None,
+    batches: int,
+    rows: int,
+    vector_bytes: int,
+    cache_bytes: int,
+) -> Dict[str, Any]:
+    """Per iteration of ``run(iters)`` (per iteration more with ``half``, as
+    :func:`faults_by_operator`), in passes over ``vector_bytes``: the totals of the
+    model's operators and of the rest (``ball``), and the ``rows`` call sites
+    (:class:`BytesBySite`) that move the most bytes to and from memory."""
+
+    def counted(n: int) -> Dict[Tuple[str, str, str], collections.Counter]:
+        mode = BytesBySite(cache_bytes)
+        with mode:
+            run(n)
+        return mode.counts
+
+    counts = counted(iters)
+    count = iters * batches
+    if half is not None:
+        for key, value in counted(half).items():
+            counts[key].subtract(value)
+        count = (iters - half) * batches
+    fields = ("read", "written", "memory_read", "memory_written")
+    totals = {part: dict.fromkeys(fields, 0.0) for part in ("model", "ball")}
+    sites = []
+    for (pass_, operator, site), value in counts.items():
+        cell = {f: value[f] / vector_bytes / count for f in fields}
+        part = totals["model" if site == "model" else "ball"]
+        for f in fields:
+            part[f] += cell[f]
+        cell.update(pass_=pass_, operator=operator, site=site, calls=value["calls"] / count)
+        sites.append(cell)
+    for part in totals.values():
+        part["memory"] = part["memory_read"] + part["memory_written"]
+    sites.sort(key=lambda c: -(c["memory_read"] + c["memory_written"]))
+    top = [{("pass" if k == "pass_" else k): v for k, v in c.items()} for c in sites[:rows]]
+    return {"passes": totals, "sites": top}
+
+
 #: The phases of :func:`phase_times`: (label, module, attribute) of what each times.
 PHASES = (
     ("update", apgd, "_apgd_update"),
@@ -289,6 +468,7 @@ def profile_model(name: str, args) -> Dict[str, Any]:
     count = args.iters * len(batches)
     half = max(args.iters // 2, 1) if args.marginal else None
     row: Dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
+    vector = sum(p.numel() * p.element_size() for p in model.parameters())
     for key, run in runs.items():
         row[key] = usage(functools.partial(run, args.iters), count)
         if half is not None and half < args.iters:
@@ -296,6 +476,10 @@ def profile_model(name: str, args) -> Dict[str, Any]:
         if args.by_operator:
             row[key]["faults_by_operator"] = faults_by_operator(
                 run, args.iters, half, len(batches), args.by_operator
+            )
+        if args.bytes:
+            row[key]["bytes_by_site"] = bytes_by_site(
+                run, args.iters, half, len(batches), args.bytes, vector, args.cache_mib << 20
             )
         if args.operators:
             calls, operators = top_operators(
@@ -322,6 +506,22 @@ def _usage_line(cell: Dict[str, float]) -> str:
     )
 
 
+def _bytes_lines(report: Dict[str, Any]) -> List[str]:
+    totals = ", ".join(
+        f"{part} {cell['memory']:.2f} ({cell['memory_read']:.2f} read, "
+        f"{cell['memory_written']:.2f} written; operators {cell['read'] + cell['written']:.2f})"
+        for part, cell in report["passes"].items()
+    )
+    lines = [f"      passes over the parameters to and from memory: {totals}; by call site:"]
+    for site in report["sites"]:
+        lines.append(
+            f"      {site['memory_read']:5.2f} read {site['memory_written']:5.2f} written "
+            f"{site['calls']:7.1f} calls  {site['pass']:<8} {site['operator'][:24]:<24} "
+            f"{site['site']}"
+        )
+    return lines
+
+
 def format_rows(rows: Dict[str, Dict[str, Any]], threads: int, malloc: str) -> str:
     lines = [f"per iteration (plain: per pass), {threads} thread(s), malloc {malloc}"]
     for name, row in rows.items():
@@ -342,6 +542,8 @@ def format_rows(rows: Dict[str, Dict[str, Any]], threads: int, malloc: str) -> s
                     f"      {op['minor_page_faults']:9,.0f}  {op['pass']:<8} "
                     f"{op['operator'][:32]:<32} {op['site']}"
                 )
+            if "bytes_by_site" in cell:
+                lines += _bytes_lines(cell["bytes_by_site"])
             if "operator_calls" in cell:
                 lines.append(
                     f"      {cell['operator_calls']:,.0f} operator calls, the most costly:"
@@ -397,6 +599,19 @@ def main(argv=None) -> Dict[str, Any]:
         "(per iteration more with --marginal; 0: none)",
     )
     parser.add_argument(
+        "--bytes",
+        type=int,
+        default=0,
+        help="list this many operator call sites by bytes moved per iteration, in passes "
+        "over the parameters (per iteration more with --marginal; 0: none)",
+    )
+    parser.add_argument(
+        "--cache-mib",
+        type=int,
+        default=8,
+        help="the cache that --bytes models, in MiB (default 8)",
+    )
+    parser.add_argument(
         "--malloc",
         choices=MALLOC_CHOICES,
         default="default",
@@ -416,7 +631,7 @@ def main(argv=None) -> Dict[str, Any]:
         parser.error(f"unknown models or measures {unknown}")
     if args.quick:
         args.iters, args.operators, args.phases = 2, 3, True
-        args.marginal, args.by_operator = True, 3
+        args.marginal, args.by_operator, args.bytes = True, 3, 3
         names = ["tiny-vit"]
     torch.set_num_threads(args.threads)
     rows = {name: profile_model(name, args) for name in names}

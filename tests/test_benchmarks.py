@@ -42,6 +42,7 @@ QUICK = [
     "bench_geodesic",
     "bench_path_gap_cost",
     "bench_gl_iteration",
+    "bench_iteration_flops",
 ]
 
 
@@ -54,6 +55,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         argv += ["--iters", "1", "--repeats", "1"]
     if name == "bench_precision":
         argv += ["--device", "cpu"]
+    if name == "bench_iteration_flops":  # the counter's per-operator work: one model
+        argv += ["--models", "bert-11m"]
     if name == "bench_gl_iteration":  # this checkout beside itself
         argv += ["--repeats", "2", "--baseline", str(pathlib.Path(__file__).resolve().parents[1])]
     report = module.main(argv)
@@ -80,6 +83,13 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         else:
             assert row["gram_max_rel_difference"] < 1e-5
             assert row["combination_max_rel_difference"] < 1e-5
+    if name == "bench_iteration_flops":  # the quotient groups' geometry makes products
+        for row in report["models"].values():
+            small = 1e-4 * row["plain_gflop"]  # adaptive: Auto-PGD's 3 x 3 algebra at most
+            assert abs(row["adaptive"]["geometry_gflop"]) < small
+            assert row["inv"]["geometry_gflop"] > small and row["mix"]["geometry_gflop"] > small
+            floors = list(row["inv"]["floor_at_batch"].values())
+            assert floors == sorted(floors, reverse=True) and floors[-1] > 1
     if name == "profile_cpu_iteration":
         row = report["models"]["tiny-vit"]
         assert {"plain", "adaptive", "inv", "mix"} <= set(row)
@@ -94,6 +104,9 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             assert {"wall_s", "minor_page_faults"} <= set(row[key]["marginal"])
             sites = row[key]["faults_by_operator"]
             assert len(sites) == 3 and all({"operator", "site"} <= set(s) for s in sites)
+            moved = row[key]["bytes_by_site"]  # the tiny ViT has no tensor of 4 MiB
+            assert set(moved["passes"]) == {"model", "ball"} and len(moved["sites"]) <= 3
+            assert all(moved["passes"][part]["memory"] == 0 for part in ("model", "ball"))
         phases = row["mix"]["phases_s"]
         assert phases["loop"] == pytest.approx(sum(v for k, v in phases.items() if k != "loop"))
         assert phases["forward"] > 0 and phases["retraction"] > 0
@@ -135,6 +148,21 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         assert all(r["abs_error"] == 0.0 for r in rows if r["mode"] == "float64")
         assert all(r["rel_error"] < 0.5 for r in rows), rows
     assert sys.modules[name]
+
+
+def test_gl_iteration_benchmark_compares_slice_sizes_that_agree(tmp_path):
+    """``--slices``: every size of the CPU's slices gives the same iteration (the slices
+    only group independent products), one row per metric, ratios to the first size.
+    The quick stack's points take 2.5 KiB: a point a slice, then the whole batch."""
+    module = importlib.import_module("bench_gl_iteration")
+    argv = ["--quick", "--slices", "1,16", "--repeats", "2", "--json", str(tmp_path / "s.json")]
+    report = module.main(argv)
+    assert set(report["models"]) == {"inv-sliced", "mix-sliced"}
+    for row in report["models"].values():
+        assert row["same_perturbed_point"] and row["max_gradient_difference"] == 0
+        assert set(row["ratio_to_default"]) == {"1 KiB", "16 KiB"}
+        assert row["ratio_to_default"]["1 KiB"] == 1.0
+        assert "retraction" not in row and row["1 KiB"]["allocations_column"]["count"] == 0
 
 
 @pytest.mark.parametrize("name", ["bench_host_syncs", "profile_cuda_iteration"])

@@ -802,3 +802,139 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
     restarts = sum(result.backward_passes) - 30 * len(batches)
     assert (restarts == 0) if keep else (restarts > 0)  # kept: a restart costs no pass
     assert "gradient" in allocations and len(allocations) <= most * len(batches)
+
+
+# ---------------------------------------------------------------- gradient on arrival
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(1, 700),
+    block=st.sampled_from([7, 64, 1 << 18]),
+    kind=st.sampled_from(["column", "gram"]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_gradient_sweep_in_any_order_of_blocks_is_the_one_sweep(size, block, kind, dtype, seed):
+    """A :class:`GradientSweep` whose blocks are done in any order, some of them twice,
+    then finished, rescales the gradient and sums the Gram entries bit for bit as the one
+    sweep of ``egrad2rgrad_column_`` / ``egrad2rgrad_gram_`` does."""
+    from geoopt_quotient.manifolds import adaptive
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=generator, dtype=dtype)
+    x[::5] = 0.0
+    space = gq.AdaptiveEuclidean().tangent_space(x)
+    xi, xi_prev = space.random(generator), space.random(generator)
+    egrad = torch.randn(size, generator=generator, dtype=dtype) * 3
+    old, adaptive.GRAM_BLOCK = adaptive.GRAM_BLOCK, block
+    try:
+        one = (space.egrad2rgrad_column_ if kind == "column" else space.egrad2rgrad_gram_)(
+            (xi, egrad.clone(), xi_prev), 1
+        )
+        gradient = egrad.clone()
+        sweep = space.gradient_sweep((xi, gradient, xi_prev), 1, kind)
+        order = torch.randperm(sweep.blocks, generator=generator).tolist()
+        for index in order[: len(order) // 2] + order[:1]:
+            sweep.block(index)
+        result = sweep.finish()
+    finally:
+        adaptive.GRAM_BLOCK = old
+    assert torch.equal(gradient, one[0]) and torch.equal(result, one[1])
+    assert sweep.matches((xi, gradient, xi_prev), 1, kind)
+    assert not sweep.matches((xi, gradient.clone(), xi_prev), 1, kind)
+
+
+def unused_tail_model(dtype):
+    """Linear layers, the last two never used: their segments get no gradient."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(24, 24) for _ in range(6)]
+    model = torch.nn.Sequential(*layers).to(dtype)
+    batch = torch.randn(5, 24, dtype=dtype)
+
+    def loss(m, x):
+        for layer in list(m)[:4]:
+            x = torch.tanh(layer(x))
+        return (x**2).mean()
+
+    return model, [batch, batch * 0.5], loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("build", ["bert", "unused tail"])
+def test_the_gradient_converted_as_it_arrives_changes_no_value(build, keep, dtype, monkeypatch):
+    """The fused adaptive group's gradient swept block by block during the backward pass
+    (blocks of 64 entries: most blocks span parameters, some span the gradient's
+    segments, some lie in segments without gradient) gives the run of the sweep after the
+    pass, bit for bit, and the blocks are mostly done in the backward pass."""
+    from geoopt_quotient.manifolds import adaptive
+
+    monkeypatch.setattr(adaptive, "GRAM_BLOCK", 64)
+    if build == "bert":
+        model, batches = tiny_bert()
+        model, loss = model.to(dtype), loss_fn
+    else:
+        model, batches, loss = unused_tail_model(dtype)
+    during = []
+    block = adaptive.GradientSweep.block
+
+    def counted(self, index):
+        during.append(torch._C._current_graph_task_id() != -1 and self._parts[index] is None)
+        return block(self, index)
+
+    def run():
+        options = dict(rho=0.3, iters=10, progress=False, keep_best_gradient=keep)
+        return gq.adaptive_sharpness(model, loss, batches, **options)
+
+    monkeypatch.setattr(adaptive.GradientSweep, "block", counted)
+    on_arrival = run()
+    assert sum(during) > len(during) / 3
+    monkeypatch.setattr(apgd._Ball, "gradient_sweep", lambda self, index, grad: None)
+    after = run()
+    assert on_arrival.value == after.value and on_arrival.histories == after.histories
+    assert on_arrival.per_batch == after.per_batch
+
+
+def test_a_sweep_not_taken_leaves_no_trace():
+    """A gradient evaluated with a sweep but converted for other iterates (or alone) is
+    converted once: the sweep is finished, not repeated; an evaluation that drops it
+    makes the next conversion start afresh."""
+    x = torch.randn(300, dtype=torch.float64)
+    ball = apgd._Ball([BallGroup(x, gq.AdaptiveEuclidean())], 1.0)
+    xi, xi_prev, other = ([torch.randn(300, dtype=torch.float64)] for _ in range(3))
+    egrad = torch.randn(300, dtype=torch.float64)
+    expected_rgrad = ball.spaces[0].egrad2rgrad(egrad)
+    expected = ball.gram([other, [expected_rgrad], xi_prev])
+    ball.expect_gradient(xi, xi_prev)
+    gradient = egrad.clone()
+    sweep = ball.gradient_sweep(0, gradient)
+    sweep.block(0)  # part of it arrived
+    rgrads, gram = ball.riemannian_gradient_gram_([gradient], other, xi_prev)
+    assert torch.equal(rgrads[0], expected_rgrad) and torch.allclose(gram, expected, rtol=1e-12)
+    alone = egrad.clone()
+    ball.expect_gradient(xi, xi_prev)
+    ball.gradient_sweep(0, alone).block(0)
+    assert torch.equal(ball.riemannian_gradients_([alone])[0], expected_rgrad)
+    assert ball.sweeps == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.integers(0, 50),
+    chunks=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    step=st.integers(1, 30),
+)
+def test_a_segments_blocks_tile_it_by_chunk_and_block(start, chunks, step):
+    """Each piece lies in one chunk and one block; the pieces tile the segment in order."""
+    pieces = [
+        (block, piece)
+        for block, lo, hi, parts in layout_module._blocks(start, sum(chunks), chunks, step)
+        for piece in parts
+        if lo // step == block and (hi - 1) // step == block
+    ]
+    position = start
+    bounds = [start + sum(chunks[:i]) for i in range(len(chunks) + 1)]
+    for block, (lo, hi, chunk, chunk_start) in pieces:
+        assert lo == position and lo < hi and lo // step == block == (hi - 1) // step
+        assert chunk_start == bounds[chunk] <= lo and hi <= bounds[chunk + 1]
+        position = hi
+    assert position == start + sum(chunks)

@@ -657,20 +657,27 @@ def malloc_setting(doc: Any) -> str:
 #: The files of :func:`cpu_iteration_overhead`: glibc's malloc as it is, and retaining
 #: freed memory (``--malloc retain``).
 ITERATION_OVERHEAD_FILES = ("cpu/iteration_overhead.json", "cpu/iteration_overhead_retain.json")
+#: The same measurement at a larger batch (its models' rows only).
+LARGE_BATCH_FILE = "cpu/iteration_overhead_large_batch.json"
 
 
 def cpu_iteration_overhead(results: Results) -> Table:
-    """The rows of glibc's default malloc, then those of ``--malloc retain``."""
-    default, retain = (results.json(path) for path in ITERATION_OVERHEAD_FILES)
+    """The rows of glibc's default malloc, then those of ``--malloc retain``, then those
+    at a larger batch."""
+    default, retain, large = (
+        results.json(path) for path in (*ITERATION_OVERHEAD_FILES, LARGE_BATCH_FILE)
+    )
     rows = _iteration_overhead_rows(default.data, "default")
     rows += _iteration_overhead_rows(retain.data, "retain")
-    clocks = {dig(s.data, "settings", "clock") for s in (default, retain) if s.exists}
+    rows += _iteration_overhead_rows(large.data, "default", measured_only=True)
+    sources = (default, retain, large)
+    clocks = {dig(s.data, "settings", "clock") for s in sources if s.exists}
     return _iteration_overhead_table(rows, clocks)
 
 
-def _iteration_overhead_rows(doc: Any, malloc: str) -> List[List[str]]:
+def _iteration_overhead_rows(doc: Any, malloc: str, measured_only: bool = False) -> List[List[str]]:
     """One row per model of a file written with ``--malloc malloc`` (``doc``: ``None``
-    where there is no such file)."""
+    where there is no such file); only the models it holds if ``measured_only``."""
     rows = []
     labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M", "bert-base": "BERT-base"}
     measures = ("adaptive", "inv", "mix")
@@ -678,7 +685,8 @@ def _iteration_overhead_rows(doc: Any, malloc: str) -> List[List[str]]:
     for model, label in labels.items():
         m = dig(doc, "models", model)
         if not isinstance(m, dict) or "plain_ms" not in m:
-            rows.append([label, malloc, *[NOT_MEASURED] * 8])
+            if not measured_only:
+                rows.append([label, malloc, *[NOT_MEASURED] * 8])
             continue
         passes = sorted(
             {
@@ -733,6 +741,9 @@ def _iteration_overhead_table(rows: List[List[str]], clocks: set) -> Table:
             "BERT-base, added to the same file: python benchmarks/bench_iteration_overhead.py "
             "--models bert-base --bert-batch-size 4 --iters 8 --repeats 3 --clock process "
             "--merge --json benchmarks/results/cpu/iteration_overhead.json.",
+            "The last rows, at a larger batch: python benchmarks/bench_iteration_overhead.py "
+            "--models bert-11m --bert-batch-size 32 --repeats 3 --clock process "
+            "--json benchmarks/results/cpu/iteration_overhead_large_batch.json.",
             "glibc malloc: default, glibc's own (a freed block above its mmap threshold, "
             "at most 32 MiB, goes back to the kernel and is faulted in again page by page "
             "at its next allocation); retain, freed memory kept in the process "
@@ -753,6 +764,61 @@ def _iteration_overhead_table(rows: List[List[str]], clocks: set) -> Table:
                 if clocks == {"process"}
                 else "wall time."
             ),
+        ],
+    )
+
+
+#: The files of :func:`cpu_iteration_bytes`: this engine's, and the engine before the
+#: gradient was converted as it arrives (the same script, run on that engine).
+ITERATION_BYTES_FILES = ("cpu/iteration_bytes.json", "cpu/iteration_bytes_before.json")
+
+
+def cpu_iteration_bytes(results: Results) -> Table:
+    """Passes over the parameters per adaptive iteration, by call site, and the totals of
+    the model's operators and the ball's, with the engine's before where recorded."""
+    now, before = (results.json(path) for path in ITERATION_BYTES_FILES)
+    models = dig(now.data, "models") or {}
+    model = next(iter(models), None)
+    cell = dig(models, model, "adaptive", "bytes_by_site") or {}
+    earlier = dig(before.data, "models", model, "adaptive", "bytes_by_site", "passes") or {}
+    plain = dig(models, model, "plain", "bytes_by_site", "passes", "model") or {}
+    rows = []
+    for part, label in (("model", "the model's operators"), ("ball", "the ball's operators")):
+        total = dig(cell, "passes", part) or {}
+        rows.append(
+            [
+                f"total: {label}",
+                "",
+                fmt(total.get("memory_read"), ".2f"),
+                fmt(total.get("memory_written"), ".2f"),
+                fmt(dig(earlier, part, "memory"), ".2f"),
+                fmt(total.get("memory"), ".2f"),
+            ]
+        )
+    for site in cell.get("sites", []):
+        rows.append(
+            [
+                site["site"],
+                f"{site['operator']} ({site['pass']}, {site['calls']:.0f} calls)",
+                fmt(site["memory_read"], ".2f"),
+                fmt(site["memory_written"], ".2f"),
+                "",
+                fmt(site["memory_read"] + site["memory_written"], ".2f"),
+            ]
+        )
+    label = model or NOT_MEASURED
+    return Table(
+        ["call site", "operator", "read", "written", "before", "passes"],
+        rows,
+        "python benchmarks/profile_cpu_iteration.py --models bert-11m --measures adaptive "
+        "--batch-size 8 --operators 0 --marginal --bytes 14 "
+        "--json benchmarks/results/cpu/iteration_bytes.json",
+        [
+            f"Model: {label}, one more adaptive iteration (runs of 20 and 10 iterations, "
+            "kept best gradient), in passes over its float32 parameters; a plain forward "
+            f"and backward pass moves {fmt(plain.get('memory'), '.2f')}. ``before``: the "
+            "engine that copied the gradient into the flat buffer and swept it after the "
+            "pass (``iteration_bytes_before.json``, the same command on it)."
         ],
     )
 
@@ -1188,6 +1254,94 @@ def cpu_gl_iteration(results: Results) -> Table:
     )
 
 
+ITERATION_MODELS = {"tiny-vit": "tiny ViT", "bert-11m": "11M BERT", "bert-base": "BERT-base"}
+
+
+def cpu_iteration_flops(results: Results) -> Table:
+    doc = results.json("cpu/iteration_flops.json").data
+    rows = []
+    for name, row in (dig(doc, "models") or {}).items():
+        shape = " x ".join(str(n) for n in row.get("batch_shape", [])[:2])
+        for measure in ("adaptive", "inv", "mix"):
+            cell = row.get(measure) or {}
+            floors = cell.get("floor_at_batch") or {}
+            rows.append(
+                [
+                    f"{ITERATION_MODELS.get(name, name)} ({shape})",
+                    measure,
+                    fmt(row.get("plain_gflop"), ".3g"),
+                    fmt(cell.get("marginal_gflop"), ".3g"),
+                    fmt(cell.get("marginal_ratio"), ".3f"),
+                    fmt(cell.get("geometry_gflop"), ".3g"),
+                    " / ".join(fmt(v, ".2f") for v in floors.values()) or NOT_MEASURED,
+                    fmt(dig(cell, "path_gap_gflop", -1), ".3g"),
+                ]
+            )
+    if not rows:
+        rows = [["BERT-base", "inv", *[NOT_MEASURED] * 6]]
+    return Table(
+        [
+            "model (batch)",
+            "measure",
+            "pass GFLOP",
+            "one more iteration GFLOP",
+            "ratio",
+            "geometry GFLOP",
+            "ratio at 1 / 2 / 4 / 8 / 16 x the batch",
+            "path gap GFLOP",
+        ],
+        rows,
+        "python benchmarks/bench_iteration_flops.py "
+        "--json benchmarks/results/cpu/iteration_flops.json",
+        [
+            "Floating-point operations of the matrix products (torch.utils.flop_counter: "
+            "products, batched products, attention; element-wise work not counted) of a "
+            "forward and backward pass and of one more Auto-PGD iteration (runs of 8 and 4 "
+            "iterations, by difference); geometry: the iteration's less its passes, the "
+            "quotient groups' batched products, which do not grow with the batch. The "
+            "ratio at larger batches follows from the passes' products growing with the "
+            "examples. The path gap's report per batch, counted apart. "
+            "Counts, not times: they do not depend on the machine or its load."
+        ],
+    )
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, ".0f", " ms")
+
+
+def cpu_gl_slices(results: Results) -> Table:
+    doc = results.json("cpu/gl_slices.json").data
+    stack = dig(doc, "settings", "stack") or {}
+    rows = []
+    for name, row in (dig(doc, "models") or {}).items():
+        for size, ratio in (row.get("ratio_to_default") or {}).items():
+            rows.append(
+                [
+                    name.split("-", 1)[0],
+                    size,
+                    _milliseconds(dig(row, size, "seconds")),
+                    fmt(ratio, ".3f", "x"),
+                ]
+            )
+    if not rows:
+        rows = [["inv", *[NOT_MEASURED] * 3]]
+    shape = f"{stack.get('points')} points of 2 x {stack.get('rows')} x {stack.get('rank')}"
+    return Table(
+        ["metric", "slice", "time", "ratio to the default"],
+        rows,
+        "python benchmarks/bench_gl_iteration.py --slices 512,1024,2048,4096,8192 "
+        "--repeats 12 --json benchmarks/results/cpu/gl_slices.json",
+        [
+            f"The GL(h) geometry of one Auto-PGD iteration on a stack of BERT-base's size "
+            f"({shape}, float32, 1 thread) with the CPU's slices of each size (the bytes "
+            "of one vector's slice, CHUNK_BYTES; the default 2 MiB): process time per "
+            "iteration (medians, the sizes interleaved in one process). Every size gives "
+            "the same perturbed point and gradient, bit for bit."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1504,11 +1658,14 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-path-gap-operators": cpu_path_gap_operators,
     "cpu-memory": cpu_memory,
     "cpu-ball-memory": cpu_ball_memory,
+    "cpu-iteration-bytes": cpu_iteration_bytes,
     "cpu-sharded-ball-memory": cpu_sharded_ball_memory,
     "cpu-compiled-update": cpu_compiled_update,
     "cpu-small-kernels": cpu_small_kernels,
     "cpu-geodesic": cpu_geodesic,
     "cpu-gl-iteration": cpu_gl_iteration,
+    "cpu-iteration-flops": cpu_iteration_flops,
+    "cpu-gl-slices": cpu_gl_slices,
     "cpu-discovery": cpu_discovery,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,

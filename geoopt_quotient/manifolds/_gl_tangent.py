@@ -50,6 +50,21 @@ Across the operations of one Auto-PGD iteration, products are shared:
   few updates (:data:`~geoopt_quotient.sharpness.apgd.MAX_DERIVED_RUN`): then 12 (the
   retraction 4, the Gram matrix's iterate row 1).
 
+The pullback and the Riemannian gradient stay two steps, the pullback's result written
+into the cotangent's buffer (the contract of
+:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retr_vjp`). Fused, with the
+pullback's result :math:`\nabla_F = c_F E_F^\top + F A_F + \xi_F B_F` left unwritten,
+the gradient :math:`g_F = c_F (E_F^\top K_F) + F (A_F K_F + O_F) + \xi_F (B_F K_F)`
+would take 3 products instead of 5, but the Gram entries need :math:`\langle \nabla, v
+\rangle_F` for the previous iterate and for :math:`g`, and :math:`c_F^\top v_F,
+\xi_F^\top v_F` (or, through the metric, :math:`g_F^\top v_F`) are products of their
+own (for the iterate :math:`\xi` itself they are known): no fewer products in all.
+Writing :math:`c_F E_F^\top + \xi_F B_F` and folding :math:`F A_F` into the gradient's
+product with the point (the dot products corrected by :math:`\operatorname{tr}(A_F^\top
+F^\top v_F)`, from the products with the point that are kept) would save one product and
+one copy, but only with the pullback deferred into the Riemannian gradient's sweep, a
+cotangent that holds no gradient until then.
+
 The passes of one such iteration over tensors of the stack's size (``N`` entries),
 reads and writes together: the combination 4 ``N`` (three vectors read, one written,
 cache-sized blocks, :mod:`~geoopt_quotient.sharpness.apgd`); the retraction 7 (its

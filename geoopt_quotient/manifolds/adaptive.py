@@ -200,6 +200,13 @@ class AdaptiveEuclidean(QuotientManifold):
         column = st.rescaled_column_(vectors, index)
         return None if column is None else (vectors[index], column)
 
+    def _gradient_sweep(
+        self, st: _ScaleState, vectors: Sequence[torch.Tensor], index: int, kind: str
+    ) -> GradientSweep | None:
+        """The sweep of :meth:`_egrad2rgrad_column_` or :meth:`_egrad2rgrad_gram_`, to
+        run as ``vectors[index]`` arrives (:meth:`_ScaleState.sweep`)."""
+        return st.sweep(vectors, index, kind)
+
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Straight line :math:`w + \\xi`."""
         return x + u
@@ -359,28 +366,7 @@ class _ScaleState:
     def _gram_sweep(self, vectors: Sequence[torch.Tensor], rescale: int | None) -> torch.Tensor:
         """:meth:`gram`, with ``vectors[rescale]`` multiplied by :math:`c^2` first, block
         by block (none if ``rescale`` is ``None``)."""
-        flat_x = self.x.reshape(-1)
-        flats = [u.view(-1) for u in vectors]
-        step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
-        step = block_length(flat_x.numel(), step, flat_x.device)
-        size = min(step, flat_x.numel())
-        ratios = torch.empty(len(flats), size, dtype=self.dtype, device=flat_x.device)
-        scratch = torch.empty(2, size, dtype=self.dtype, device=flat_x.device)
-        total = torch.zeros(len(flats), len(flats), dtype=torch.float64, device=flat_x.device)
-        tiny = torch.finfo(self.dtype).tiny
-        pairwise = not capped(flat_x.device)
-        for start in range(0, flat_x.numel(), step):
-            block = slice(start, start + step)
-            x = flat_x[block].to(self.dtype)
-            scale = self.manifold.scale(x, out=scratch[0, : x.numel()])  # a reused buffer
-            if rescale is not None:  # as rescaled_: c^2 unclamped (zero where frozen)
-                flats[rescale][block].mul_(torch.pow(scale, 2, out=scratch[1, : x.numel()]))
-            scale.clamp_min_(tiny)
-            rows = ratios[:, : scale.numel()]
-            for row, flat in zip(rows, flats):
-                torch.div(flat[block], scale, out=row)
-            total += _rows_gram(rows, pairwise).double()
-        return total
+        return GradientSweep(self, vectors, rescale, "gram").finish()
 
     def rescaled_column_(self, vectors: Sequence[torch.Tensor], index: int) -> torch.Tensor | None:
         r""":meth:`rescaled_` of ``g = vectors[index]`` (in place) and the column
@@ -408,23 +394,19 @@ class _ScaleState:
             return None
         if any(u.dtype != self.dtype for u in vectors):
             return None
-        flat_x = self.x.reshape(-1)
-        step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
-        step = block_length(flat_x.numel(), step, flat_x.device)
-        grad = vectors[index].view(-1).split(step)
-        blocks = [u.view(-1).split(step) for u in vectors]
-        # two block-sized buffers, written in place: a new one per block would be
-        # mapped and faulted in anew at every block by the allocator
-        rows = torch.empty(2, min(step, flat_x.numel()), dtype=self.dtype, device=flat_x.device)
-        sums: List[torch.Tensor] = []
-        for block, (x, g) in enumerate(zip(flat_x.split(step), grad)):
-            c2 = self.scale_squared(x, out=rows[0, : g.numel()])
-            column = [torch.dot(u[block], g) if i != index else g for i, u in enumerate(blocks)]
-            rescaled = torch.mul(g, c2, out=rows[1, : g.numel()])
-            column[index] = torch.dot(rescaled, g)  # after the others: g is then rescaled
-            g.copy_(rescaled)
-            sums += column
-        return torch.stack(sums).view(-1, len(vectors)).double().sum(0)
+        return GradientSweep(self, vectors, index, "column").finish()
+
+    def sweep(self, vectors: Sequence[torch.Tensor], index: int, kind: str) -> GradientSweep | None:
+        """The sweep of :meth:`rescaled_column_` (``kind="column"``) or
+        :meth:`rescaled_gram_` (``"gram"``), to run block by block as the entries of
+        ``vectors[index]`` arrive (:class:`GradientSweep`); ``None`` where those methods
+        would not apply, or where blocks are :func:`~._linalg.capped` (few and large: a
+        block per arrival would add operators and save nothing)."""
+        if capped(self.x.device) or not vectors or not _splittable(self.x, *vectors):
+            return None
+        if any(u.dtype != self.dtype for u in vectors):
+            return None
+        return GradientSweep(self, vectors, index, kind)
 
     @property
     def frozen(self) -> torch.Tensor:
@@ -435,6 +417,107 @@ class _ScaleState:
 
     def _rescaled(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.scale_squared(x).mul_(u.to(self.dtype))
+
+
+class GradientSweep:
+    r"""One sweep of :class:`_ScaleState` over the blocks of :data:`GRAM_BLOCK` entries
+    (:data:`DEVICE_GRAM_BLOCK` off the CPU): with ``kind="column"`` that of
+    :meth:`_ScaleState.rescaled_column_`, with ``"gram"`` that of
+    :meth:`_ScaleState.gram` (``rescale`` ``None``) or
+    :meth:`_ScaleState.rescaled_gram_` (``rescale`` the index of the vector multiplied by
+    :math:`c^2` first).
+
+    The blocks are independent: :meth:`block` computes one block's part (and rescales
+    that block of ``vectors[rescale]`` in place), in any order, each at most once;
+    :meth:`finish` computes the blocks not done yet and adds the parts up in block
+    order, so that the result is the same, bit for bit, whatever the order in which the
+    blocks were done. The Auto-PGD evaluation computes each block of the gradient as soon
+    as the backward pass has written it, while it is in cache
+    (:class:`~geoopt_quotient.sharpness.layout.BallLayout`): the flat gradient is then
+    written once and never read again by the sweep.
+    """
+
+    def __init__(
+        self, state: _ScaleState, vectors: Sequence[torch.Tensor], rescale: int | None, kind: str
+    ):
+        self.state, self.vectors, self.rescale, self.kind = state, tuple(vectors), rescale, kind
+        flat_x = state.x.reshape(-1)
+        step = GRAM_BLOCK if flat_x.device.type == "cpu" else DEVICE_GRAM_BLOCK
+        self.step = block_length(flat_x.numel(), step, flat_x.device)
+        self.numel = flat_x.numel()
+        self._x = flat_x.split(self.step)
+        self._flats = [u.view(-1).split(self.step) for u in vectors]
+        size, dtype, device = min(self.step, flat_x.numel()), state.dtype, flat_x.device
+        # block-sized buffers, written in place: a new one per block would be mapped and
+        # faulted in anew at every block by the allocator (the Gram matrix's quotients
+        # u / c of all vectors, and two scratch rows)
+        rows = len(vectors) if kind == "gram" else 0
+        self._ratios = torch.empty(rows, size, dtype=dtype, device=device)
+        self._scratch = torch.empty(2, size, dtype=dtype, device=device)
+        self._parts: List[List[torch.Tensor] | None] = [None] * len(self._x)
+        self._pairwise = not capped(device)
+
+    @property
+    def blocks(self) -> int:
+        """The number of blocks."""
+        return len(self._x)
+
+    def matches(self, vectors: Sequence[torch.Tensor], rescale: int | None, kind: str) -> bool:
+        """Whether this is the sweep of ``vectors`` (the same tensors) ``rescale`` and
+        ``kind`` ask for."""
+        return (
+            kind == self.kind
+            and rescale == self.rescale
+            and len(vectors) == len(self.vectors)
+            and all(a is b for a, b in zip(vectors, self.vectors))
+        )
+
+    def block(self, index: int) -> None:
+        """Compute block ``index`` (once; nothing if it is done)."""
+        if self._parts[index] is None:
+            sweep = self._column_block if self.kind == "column" else self._gram_block
+            self._parts[index] = sweep(index)
+
+    def finish(self) -> torch.Tensor:
+        r"""The blocks not done yet, then the result (float64): the column
+        :math:`\langle u_j, c^2 \odot g \rangle_w` or the Gram matrix."""
+        for index in range(self.blocks):
+            self.block(index)
+        parts = [part for block in self._parts for part in block]  # type: ignore[union-attr]
+        if self.kind == "column":
+            return torch.stack(parts).view(-1, len(self.vectors)).double().sum(0)
+        total = torch.zeros(
+            len(self.vectors), len(self.vectors), dtype=torch.float64, device=parts[0].device
+        )
+        for part in parts:
+            total += part
+        return total
+
+    def _column_block(self, block: int) -> List[torch.Tensor]:
+        """:meth:`_ScaleState.rescaled_column_`'s sums of one block."""
+        state, index = self.state, self.rescale
+        g = self._flats[index][block]
+        c2 = state.scale_squared(self._x[block], out=self._scratch[0, : g.numel()])
+        column = [torch.dot(u[block], g) if i != index else g for i, u in enumerate(self._flats)]
+        rescaled = torch.mul(g, c2, out=self._scratch[1, : g.numel()])
+        column[index] = torch.dot(rescaled, g)  # after the others: g is then rescaled
+        g.copy_(rescaled)
+        return column
+
+    def _gram_block(self, block: int) -> List[torch.Tensor]:
+        """:meth:`_ScaleState.gram`'s matrix of one block (``rescale``: that vector's
+        block multiplied by :math:`c^2` first)."""
+        state = self.state
+        x = self._x[block].to(state.dtype)
+        scratch = self._scratch[:, : x.numel()]
+        scale = state.manifold.scale(x, out=scratch[0])  # a reused buffer
+        if self.rescale is not None:  # as rescaled_: c^2 unclamped (zero where frozen)
+            self._flats[self.rescale][block].mul_(torch.pow(scale, 2, out=scratch[1]))
+        scale.clamp_min_(torch.finfo(state.dtype).tiny)
+        rows = self._ratios[:, : scale.numel()]
+        for row, flat in zip(rows, self._flats):
+            torch.div(flat[block], scale, out=row)
+        return [_rows_gram(rows, self._pairwise).double()]
 
 
 #: Entries per block of :class:`_ScaleState`'s element-wise kernels.

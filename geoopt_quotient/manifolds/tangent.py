@@ -78,6 +78,14 @@ class TangentSpace:
         rgrad, gram = self.egrad2rgrad_gram_(vectors, index)
         return rgrad, gram[:, index]
 
+    def gradient_sweep(self, vectors: Sequence[torch.Tensor], index: int, kind: str):
+        r"""The sweep of :meth:`egrad2rgrad_column_` (``kind="column"``) or
+        :meth:`egrad2rgrad_gram_` (``"gram"``) of ``vectors``, made before
+        ``vectors[index]`` is written, to run block by block as its entries arrive
+        (:class:`~geoopt_quotient.manifolds.adaptive.GradientSweep`); ``None`` where the
+        manifold has none (this base version)."""
+        return None
+
     @property
     def straight_retraction(self) -> bool:
         """Whether :meth:`retr` is the straight line :math:`x + u`."""
@@ -172,6 +180,10 @@ class CachedTangentSpace(TangentSpace):
         fused = getattr(self.manifold, name, None)
         result = None if fused is None else fused(self.state, vectors, index)
         return fallback(vectors, index) if result is None else result
+
+    def gradient_sweep(self, vectors: Sequence[torch.Tensor], index: int, kind: str):
+        made = getattr(self.manifold, "_gradient_sweep", None)
+        return None if made is None else made(self.state, vectors, index, kind)
 
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         retract = getattr(self.manifold, "_retr", None)

@@ -23,6 +23,7 @@ from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
 from ..manifolds._linalg import block_length, capped, compute_dtype
+from ..manifolds.adaptive import GradientSweep
 from ..manifolds.tangent import tangent_space
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
@@ -167,6 +168,13 @@ class _Ball:
         #: How many Gram matrices in a row, up to the last one made, had iterate
         #: entries derived rather than summed over the entries (0: summed).
         self.derived_run = 0
+        #: ``(xi, xi_prev, kind)``: the gradient of the next evaluation goes to
+        #: :meth:`riemannian_gradient_gram_` with these iterates, which sums the ``kind``
+        #: of Gram entries (:meth:`expect_gradient`); ``None``: not known.
+        self.pending: Tuple[Sequence, Sequence, str] | None = None
+        #: Per group, the sweep that converts the last evaluation's gradient as it
+        #: arrives (:meth:`gradient_sweep`), taken by the Riemannian gradient.
+        self.sweeps: Dict[int, GradientSweep] = {}
 
     def vector_bytes(self) -> int:
         """Memory of one vector of the ball."""
@@ -211,6 +219,54 @@ class _Ball:
         device = self.points[0].device
         return self._reduced(torch.stack([g.to(device) for g in per_group]).sum(0))
 
+    def _gram_kind(self, xi: Sequence[torch.Tensor], xi_prev: Sequence[torch.Tensor]) -> str:
+        """Which Gram entries :meth:`riemannian_gradient_gram_` sums for ``(xi, xi_prev)``
+        as :attr:`iterates` stand: ``"column"`` (the gradient's, the iterates' derived)
+        or ``"gram"`` (all)."""
+        iterates = self.iterates
+        usable = iterates is not None and iterates[1] is xi and iterates[2] is xi_prev
+        return "column" if usable and iterates[3] < MAX_DERIVED_RUN else "gram"
+
+    def expect_gradient(self, xi: Sequence[torch.Tensor], xi_prev: Sequence[torch.Tensor]) -> None:
+        """Announce that the next evaluation's gradient goes to
+        :meth:`riemannian_gradient_gram_` with ``(xi, xi_prev)``, so that the evaluation
+        can convert it as it arrives (:meth:`gradient_sweep`)."""
+        self.pending = (xi, xi_prev, self._gram_kind(xi, xi_prev))
+
+    def gradient_sweep(self, index: int, grad: torch.Tensor) -> GradientSweep | None:
+        r"""The sweep of :meth:`riemannian_gradient_gram_` over group ``index``'s
+        gradient ``grad`` (to be written), for the evaluation to run block by block as
+        the backward pass writes ``grad`` (each block while it is in cache, instead of a
+        read of the whole gradient after it is written); ``None`` where no gradient is
+        :meth:`expect_gradient`-ed or the group's space has no such sweep. Kept in
+        :attr:`sweeps` until the Riemannian gradient takes it."""
+        if self.pending is None:
+            return None
+        xi, xi_prev, kind = self.pending
+        sweep = self.spaces[index].gradient_sweep((xi[index], grad, xi_prev[index]), 1, kind)
+        if sweep is not None:
+            self.sweeps[index] = sweep
+        return sweep
+
+    def _swept(
+        self, index: int, vectors: Tuple[torch.Tensor, ...], kind: str | None
+    ) -> torch.Tensor | None:
+        """Where group ``index``'s gradient ``vectors[1]`` has a sweep: the rest of it
+        done (the gradient then Riemannian), and the Gram entries ``kind`` asks for
+        (``"gram"``: the matrix of ``vectors``, ``"column"``: its gradient's column,
+        ``None``: none, an empty tensor); ``None`` where it has no sweep (the gradient
+        is as the backward pass left it)."""
+        sweep = self.sweeps.pop(index, None)
+        if sweep is None or sweep.vectors[1] is not vectors[1]:
+            return None
+        if kind is not None and sweep.matches(vectors, 1, kind):
+            return sweep.finish()
+        sweep.finish()  # not the entries asked for: those of the Riemannian gradient
+        if kind is None:
+            return vectors[1].new_empty(0)
+        gram = self.spaces[index].gram(vectors).to(torch.float64)
+        return gram if kind == "gram" else gram[:, 1]
+
     def riemannian_gradient_gram_(
         self,
         egrads: List[torch.Tensor],
@@ -230,26 +286,35 @@ class _Ball:
         entries: for the adaptive metric 7 operations per block instead of 13. At most
         :data:`MAX_DERIVED_RUN` of them in a row; then the whole matrix is summed again,
         so that the rounding of the derived entries does not accumulate."""
+        kind = self._gram_kind(xi, xi_prev)
         iterates, self.iterates = self.iterates, None
-        usable = iterates is not None and iterates[1] is xi and iterates[2] is xi_prev
-        if not usable or iterates[3] >= MAX_DERIVED_RUN:
+        if kind == "gram":
             self.derived_run = 0
             grams = []
             for i, space in enumerate(self.spaces):
-                egrads[i], gram = space.egrad2rgrad_gram_((xi[i], egrads[i], xi_prev[i]), 1)
+                vectors = (xi[i], egrads[i], xi_prev[i])
+                gram = self._swept(i, vectors, kind)
+                if gram is None:
+                    egrads[i], gram = space.egrad2rgrad_gram_(vectors, 1)
                 grams.append(gram)
             return egrads, self._summed(grams)
         self.derived_run = iterates[3] + 1
         columns = []
         for i, space in enumerate(self.spaces):
-            egrads[i], column = space.egrad2rgrad_column_((xi[i], egrads[i], xi_prev[i]), 1)
+            vectors = (xi[i], egrads[i], xi_prev[i])
+            column = self._swept(i, vectors, kind)
+            if column is None:
+                egrads[i], column = space.egrad2rgrad_column_(vectors, 1)
             columns.append(column)
         return egrads, _with_column(iterates[0], self._summed(columns))
 
     def riemannian_gradients_(self, egrads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The Riemannian gradients of ``egrads``, written into their buffers where the
         manifold can (the buffers must belong to the caller alone)."""
-        return [space.egrad2rgrad_(g) for space, g in zip(self.spaces, egrads)]
+        return [
+            g if self._swept(i, (g, g, g), None) is not None else space.egrad2rgrad_(g)
+            for i, (space, g) in enumerate(zip(self.spaces, egrads))
+        ]
 
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
@@ -628,7 +693,11 @@ def _maximize(
     recycled: List[List[torch.Tensor]] = []
 
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
-        return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
+        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
+        try:
+            return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
+        finally:
+            ball.pending = None  # announced for this evaluation only
 
     def riemannian(grads: List[torch.Tensor], xi, xi_prev) -> Tuple[List[torch.Tensor], Tuple]:
         """The Riemannian gradient, and the Gram matrix the next update reads, with the
@@ -638,6 +707,7 @@ def _maximize(
 
     targets = _perturbed_targets(ball, paths, objective)
     step = 2.0 * ball.rho
+    ball.expect_gradient(xi, xi)
     value_t, grads = evaluate(xi, grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
     initial = best_value = value
@@ -671,6 +741,8 @@ def _maximize(
         # alive while the objective runs: xi, the previous xi and the best xi
         xi_prev, xi, rgrads = xi, xi_next, None
         need_grad = k + 1 < iters
+        if need_grad:
+            ball.expect_gradient(xi, xi_prev)
         new_value_t, grads = evaluate(xi, grad=need_grad)
         evaluations, gradients = evaluations + 1, gradients + int(need_grad)
         # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard

@@ -18,7 +18,11 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
   one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
-  read back into the groups' shapes with one index gather.
+  read back into the groups' shapes with one index gather; the fused adaptive buffer's
+  gradient is written block by block instead, each block converted to the Riemannian
+  gradient with its Gram entries as soon as it is complete, while in cache
+  (:class:`_Arrival`, on the CPU): per Auto-PGD iteration the gradient is written once
+  and not read again before the update.
 
 With the element-wise metric, fusing the groups changes nothing but the order of sums:
 with :math:`x = (x_1, \dots, x_k)` concatenated,
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -132,13 +136,45 @@ class _Segment:
     chunks: List[int]
     is_gap: List[bool]
     shapes: List[torch.Size]
+    #: By block length: :meth:`blocks`, made once
+    _by_step: Dict[int, List[Tuple]] = field(default_factory=dict, repr=False, compare=False)
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start : self.start + self.size]
 
+    def blocks(self, step: int) -> List[Tuple[int, int, int, List[Tuple[int, int, int, int]]]]:
+        """The segment's entries by blocks of ``step`` entries of the flat buffer: per
+        block ``(block, start, stop, pieces)``, each piece ``(start, stop, chunk, chunk's
+        start)`` the part of a chunk in the block (positions in the flat buffer)."""
+        if step not in self._by_step:
+            self._by_step[step] = _blocks(self.start, self.size, self.chunks, step)
+        return self._by_step[step]
+
     def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(parameter views, gap views) of ``flat`` (the segment's own entries)."""
         return _pieces(flat, self.chunks, self.is_gap, self.shapes)
+
+
+def _blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
+    """:meth:`_Segment.blocks`: the chunks and the blocks walked side by side."""
+    out: List[Tuple] = []
+    position, end = start, start + size
+    chunk, chunk_start = 0, start
+    while position < end:
+        block = position // step
+        stop = min((block + 1) * step, end)
+        pieces = []
+        while chunk < len(chunks) and chunk_start < stop:
+            chunk_stop = chunk_start + chunks[chunk]
+            lo, hi = max(chunk_start, position), min(chunk_stop, stop)
+            if lo < hi:
+                pieces.append((lo, hi, chunk, chunk_start))
+            if chunk_stop > stop:
+                break
+            chunk, chunk_start = chunk + 1, chunk_stop
+        out.append((block, position, stop, pieces))
+        position = stop
+    return out
 
 
 #: The flat buffers are handed to autograd in this many segments each: a segment's
@@ -155,23 +191,65 @@ def _zero(tensors: List[torch.Tensor]) -> None:
 class _SegmentViews(torch.autograd.Function):
     """A segment of a flat buffer to the parameter views the loss sees; backward: the
     parameters' gradients copied into the segment of the flat gradient ``out`` (zero
-    where a parameter has no gradient and in the gaps), one copy operation for all."""
+    where a parameter has no gradient and in the gaps), one copy operation for all, or,
+    with an ``arrival``, block by block (:class:`_Arrival`)."""
 
     @staticmethod
-    def forward(ctx, segment: _Segment, out: torch.Tensor, leaf: torch.Tensor):
-        ctx.segment, ctx.out = segment, out
+    def forward(ctx, segment: _Segment, out: torch.Tensor, leaf: torch.Tensor, arrival=None):
+        ctx.segment, ctx.out, ctx.arrival = segment, out, arrival
         return tuple(segment.pieces(leaf)[0])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         segment = ctx.segment
         target = segment.of(ctx.out)
+        if ctx.arrival is not None:
+            ctx.arrival.write(segment, grads)
+            return None, None, target, None
         views, gaps = segment.pieces(target)
         present = [(v, g) for v, g in zip(views, grads) if g is not None]
         if present:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
         _zero([v for v, g in zip(views, grads) if g is None] + gaps)
-        return None, None, target
+        return None, None, target, None
+
+
+class _Arrival:
+    """Writes the parameters' gradients into a flat gradient block by block (the blocks
+    of a :class:`~geoopt_quotient.manifolds.adaptive.GradientSweep` over it), and runs
+    the sweep on each block as soon as all its entries are written, while it is in cache:
+    the flat gradient is written once, and the sweep reads the gradients from there
+    instead of a second pass over the whole buffer. The values are those of one copy
+    followed by the sweep (the sweep's blocks are independent, and added up in their
+    order whatever the order of arrival). Blocks whose entries do not all arrive (a
+    segment with no gradient, zeroed by :meth:`BallLayout.flat_gradients`) are left to
+    the sweep's :meth:`~geoopt_quotient.manifolds.adaptive.GradientSweep.finish`."""
+
+    def __init__(self, sweep, out: torch.Tensor):
+        self.sweep, self.out = sweep, out
+        step = sweep.step
+        self.missing = [min(step, out.numel() - start) for start in range(0, out.numel(), step)]
+
+    def write(self, segment: _Segment, grads: Sequence[torch.Tensor | None]) -> None:
+        """The gradients of ``segment``'s parameters (``None``: zero) and zeros in its
+        gaps, written into the flat gradient block by block, each complete block swept."""
+        sources: List[torch.Tensor | None] = []
+        grads = iter(grads)
+        for gap in segment.is_gap:
+            g = None if gap else next(grads)
+            sources.append(None if g is None else g.reshape(-1))  # a strided one: copied
+        flat = self.out
+        for block, position, stop, pieces in segment.blocks(self.sweep.step):
+            copies = [(lo, hi, o, sources[c]) for lo, hi, c, o in pieces if sources[c] is not None]
+            if copies:
+                torch._foreach_copy_(
+                    [flat[lo:hi] for lo, hi, _, _ in copies],
+                    [src[lo - o : hi - o] for lo, hi, o, src in copies],
+                )
+            _zero([flat[lo:hi] for lo, hi, c, _ in pieces if sources[c] is None])
+            self.missing[block] -= stop - position
+            if self.missing[block] == 0:
+                self.sweep.block(block)
 
 
 def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
@@ -415,6 +493,7 @@ class BallLayout:
         points: Sequence[torch.Tensor],
         grad: bool,
         spare: Sequence[torch.Tensor] | None = None,
+        sweep: Callable[[int, torch.Tensor], Any] | None = None,
     ) -> Tuple[List, Dict]:
         """(leaves, parameters by name) for perturbed ``points`` of :attr:`groups`: the
         points written into the flat buffers (unless already there), one leaf per buffer
@@ -423,7 +502,10 @@ class BallLayout:
         The gradients of the next :meth:`flat_gradients` go into the fused groups'
         vectors of ``spare`` (a vector of :attr:`groups` no longer needed, which
         :meth:`fits`), and into buffers of the layout's own for the other groups: not
-        into new allocations, which for a model-sized buffer cost a page fault per page."""
+        into new allocations, which for a model-sized buffer cost a page fault per page.
+        ``sweep(group, gradient)``: the sweep of a fused group's gradient, run as the
+        backward pass writes it (:class:`_Arrival`), or ``None``
+        (:meth:`~geoopt_quotient.sharpness.apgd._Ball.gradient_sweep`)."""
         buffers = self._perturbed_buffers()
         unfused = len(self._rest_points)
         with torch.no_grad():
@@ -437,11 +519,17 @@ class BallLayout:
             return [], dict(zip(self.names, views))
         self._grads = self._gradient_buffers(spare)
         leaves, views = [], []
-        for segments, buffer, out in zip(self._segments, buffers, self._grads):
+        for position, (segments, buffer, out) in enumerate(
+            zip(self._segments, buffers, self._grads)
+        ):
+            arrival = None
+            if sweep is not None and position < len(self._fused):
+                made = sweep(unfused + position, out)
+                arrival = None if made is None else _Arrival(made, out)
             for segment in segments:
                 leaf = segment.of(buffer).detach().requires_grad_()
                 leaves.append(leaf)
-                views += _SegmentViews.apply(segment, out, leaf)
+                views += _SegmentViews.apply(segment, out, leaf, arrival)
         return leaves, dict(zip(self.names, views))
 
     def _gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
@@ -692,7 +780,7 @@ class _LayoutObjective:
                 traced[index] = leaf
             points.append(point)
             pullbacks.append(pullback)
-        leaves, params = layout.parameters(points, grad, spare)
+        leaves, params = layout.parameters(points, grad, spare, ball.gradient_sweep)
         with torch.enable_grad() if grad else torch.no_grad():
             with autocast.restored():
                 value = as_scalar(self.loss(params))
