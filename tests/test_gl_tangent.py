@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import FreshTensors
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -59,6 +59,20 @@ cases = dict(
 )
 
 
+#: The largest condition number of the factors' Gram matrices at which float32 results
+#: are compared: the metric's inverses and the projection's solve lose about that factor
+#: of float32's precision (float64 is compared at every point).
+FLOAT32_CONDITIONING = 100.0
+
+
+def conditioning(x: torch.Tensor, n: int) -> float:
+    """The largest condition number of :math:`G^\top G` and :math:`H^\top H` over the
+    batch (in float64)."""
+    x = x.double()
+    grams = [f.mT @ f for f in (x[..., :n, :], x[..., n:, :])]
+    return max(float(torch.linalg.cond(g).max()) for g in grams)
+
+
 def close(a, b, dtype, magnitude):
     tolerance = 512 * torch.finfo(dtype).eps * magnitude
     assert a.shape == b.shape and a.dtype == b.dtype
@@ -73,6 +87,8 @@ def test_batched_operations_are_the_reference_formulas(
     manifold = gq.GLQuotient(*rows, metric, eps)
     x, fast, reference, u, c = case(manifold, batch, rank, seed, dtype, zero_rows)
     assert isinstance(fast, _gl_tangent.GLTangentSpace)
+    if dtype == torch.float32:  # float32 where its rounding allows it; float64 everywhere
+        assume(conditioning(x, manifold.n) < FLOAT32_CONDITIONING)
     scale = (1 + float(x.abs().max())) ** 4
     vectors = [u, reference.proju(c), 2 * u - c]
     with chunk_bytes(chunk):
@@ -82,14 +98,20 @@ def test_batched_operations_are_the_reference_formulas(
         pulled = pullback(c.clone())
         retracted = fast.retr(u)  # the path gap's: the same point, a new tensor
     assert torch.equal(retracted, point) and retracted.data_ptr() != point.data_ptr()
-    expected_gram = reference.gram(vectors)
-    close(gram, expected_gram, dtype, float(expected_gram.abs().max()) * scale)
+    # the reference formulas in float64 on the same inputs: in float32 at an
+    # ill-conditioned point the reference's own rounding can exceed the tolerance
+    exact = CachedTangentSpace(manifold, x.double(), PointState(manifold, x.double()))
+    u, c, vectors = u.double(), c.double(), [v.double() for v in vectors]
+    expected_gram = exact.gram(vectors)
+    magnitude = float(expected_gram.abs().max()) * scale
+    close(gram.to(dtype), expected_gram.to(dtype), dtype, magnitude)  # float64 sums
     assert torch.equal(gram, gram.mT)
-    close(rgrad, reference.egrad2rgrad(c), dtype, float(c.abs().max()) * scale)
-    expected_point, expected_pullback = reference.retr_vjp(u, torch.empty_like(x))
-    close(point, expected_point, dtype, scale)
-    close(retracted, reference.retr(u), dtype, scale)
-    close(pulled, expected_pullback(c.clone()), dtype, float(c.abs().max()) * scale)
+    close(rgrad, exact.egrad2rgrad(c).to(dtype), dtype, float(c.abs().max()) * scale)
+    expected_point, expected_pullback = exact.retr_vjp(u, torch.empty_like(u))
+    close(point, expected_point.to(dtype), dtype, scale)
+    close(retracted, exact.retr(u).to(dtype), dtype, scale)
+    pulled_exact = expected_pullback(c.clone()).to(dtype)
+    close(pulled, pulled_exact, dtype, float(c.abs().max()) * scale)
     if zero_rows:  # a stack's padding stays exactly zero
         n, m = rows
         for t in (rgrad, point, pulled):
