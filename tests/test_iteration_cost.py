@@ -894,6 +894,37 @@ def test_the_gradient_converted_as_it_arrives_changes_no_value(build, keep, dtyp
     assert on_arrival.per_batch == after.per_batch
 
 
+def test_a_gradient_of_few_blocks_is_swept_after_the_pass(monkeypatch):
+    """Below :data:`~geoopt_quotient.sharpness.layout.ARRIVAL_MIN_BLOCKS` blocks the
+    gradient is in cache after the pass: no block is swept during the backward pass, and
+    the values are those of the arrival's run."""
+    from geoopt_quotient.manifolds import adaptive
+
+    model, batches, loss = unused_tail_model(torch.float64)
+    size = sum(p.numel() for p in model.parameters())
+    during = []
+    block = adaptive.GradientSweep.block
+
+    def counted(self, index):
+        during.append(torch._C._current_graph_task_id() != -1)
+        return block(self, index)
+
+    def run():
+        return gq.adaptive_sharpness(model, loss, batches, rho=0.3, iters=6, progress=False)
+
+    monkeypatch.setattr(adaptive.GradientSweep, "block", counted)
+    monkeypatch.setattr(adaptive, "GRAM_BLOCK", 64)  # many blocks: swept on arrival
+    assert size > 8 * 64
+    many = run()
+    assert any(during)
+    during.clear()
+    blocks = layout_module.ARRIVAL_MIN_BLOCKS - 1
+    monkeypatch.setattr(adaptive, "GRAM_BLOCK", -(-size // blocks))  # fewer blocks
+    few = run()
+    assert during and not any(during)
+    assert few.value == pytest.approx(many.value, rel=1e-12)
+
+
 def test_a_sweep_not_taken_leaves_no_trace():
     """A gradient evaluated with a sweep but converted for other iterates (or alone) is
     converted once: the sweep is finished, not repeated; an evaluation that drops it

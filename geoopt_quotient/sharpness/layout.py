@@ -177,6 +177,13 @@ def _blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
     return out
 
 
+#: The fewest blocks of its sweep for which a gradient is converted as it arrives
+#: (:class:`_Arrival`): a smaller gradient is still in cache when swept after the pass
+#: (the sweep runs then, from :meth:`~geoopt_quotient.sharpness.apgd._Ball.gradient_sweep`'s
+#: record), and the arrival's views per piece and block would cost more than they save
+#: (on the tiny ViT of 18k parameters, 120 operators more per iteration).
+ARRIVAL_MIN_BLOCKS = 8
+
 #: The flat buffers are handed to autograd in this many segments each: a segment's
 #: gradients are copied into the flat gradient as soon as all of them are computed (one
 #: copy operation), so at most about one segment's worth of them waits at once.
@@ -525,7 +532,8 @@ class BallLayout:
             arrival = None
             if sweep is not None and position < len(self._fused):
                 made = sweep(unfused + position, out)
-                arrival = None if made is None else _Arrival(made, out)
+                pays = made is not None and made.blocks >= ARRIVAL_MIN_BLOCKS
+                arrival = _Arrival(made, out) if pays else None
             for segment in segments:
                 leaf = segment.of(buffer).detach().requires_grad_()
                 leaves.append(leaf)
