@@ -8,6 +8,10 @@ batch, and reports per model and metric the medians over ``--repeats`` and their
 (``passes``), with the reported gap and exact loss of the last run.
 
     python benchmarks/bench_path_gap_cost.py --models bert-11m --repeats 3
+    python benchmarks/bench_path_gap_cost.py --json benchmarks/results/cpu/path_gap_cost.json
+
+Models: the tiny ViT, the 11M BERT (8 x 128 tokens) and BERT-base (4 x 128), those of
+``bench_iteration_overhead.py``.
     python benchmarks/bench_path_gap_cost.py --quick      # seconds, for CI
 
 ``--operators`` counts instead of timing: the operators one call's path gap dispatches
@@ -41,7 +45,9 @@ import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
 from geoopt_quotient.sharpness import measure
 
-MODELS = ("tiny-vit", "bert-11m")
+MODELS = ("tiny-vit", "bert-11m", "bert-base")
+#: Sequences per batch (of 128 tokens), those of ``bench_iteration_overhead.py``'s rows.
+BERT_BATCH_SIZES = {"bert-11m": 8, "bert-base": 4}
 METRICS = ("inv", "mix")
 
 
@@ -85,7 +91,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     if name == "tiny-vit":
         model, batches, loss_fn = vit_setup(args.quick, 128, 128)
     else:
-        model, batches, loss_fn = bert_setup(name, args.quick, 8, 128, 1)
+        model, batches, loss_fn = bert_setup(name, args.quick, BERT_BATCH_SIZES[name], 128, 1)
     batches = batches[:1]
     row: Dict[str, Any] = {}
     plain_pass(model, batches, loss_fn)  # warm-up

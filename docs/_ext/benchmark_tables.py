@@ -825,7 +825,11 @@ def cpu_iteration_bytes(results: Results) -> Table:
 
 def cpu_path_gap_cost(results: Results) -> Table:
     doc = results.json("cpu/path_gap_cost.json").data
-    labels = {"tiny-vit": "tiny ViT (digits)", "bert-11m": "BERT, 11M"}
+    labels = {
+        "tiny-vit": "tiny ViT (digits)",
+        "bert-11m": "BERT, 11M (8 × 128)",
+        "bert-base": "BERT-base (4 × 128)",
+    }
     rows = []
     for model, label in labels.items():
         for metric in ("inv", "mix"):
@@ -842,7 +846,7 @@ def cpu_path_gap_cost(results: Results) -> Table:
     return Table(
         ["model", "metric", "path gap per call", "in plain passes", "relative gap reported"],
         rows,
-        "python benchmarks/bench_path_gap_cost.py --models tiny-vit,bert-11m --repeats 3 "
+        "python benchmarks/bench_path_gap_cost.py --repeats 3 "
         "--json benchmarks/results/cpu/path_gap_cost.json",
         [
             f"rho={dig(doc, 'settings', 'rho')}, {dig(doc, 'settings', 'iters')} Auto-PGD "
