@@ -55,41 +55,17 @@ from bench_iteration_overhead import (
     vit_setup,
     write_document,
 )
+from bench_path_gap_cost import PathGapWrapper
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import geoopt_quotient as gq
-from geoopt_quotient.sharpness import measure as measure_module
 
 #: The BERTs' batch sizes of the timed table (``bench_iteration_overhead.py``'s default
 #: and the ``--bert-batch-size`` its BERT-base row was run with).
 BERT_BATCH_SIZES = {"bert-11m": 8, "bert-base": 4}
 #: Multiples of the measured batch at which ``floor_at_batch`` states the ratio.
 FLOOR_MULTIPLES = (1, 2, 4, 8, 16)
-
-
-class PathGapFlops:
-    """Counts, apart, the products of the path gap's report (the second-order path's
-    exact geodesic at each batch's maximiser): its error control takes as many RK4 steps
-    as the maximiser needs, which differ between two runs, so its products would be
-    counted in the difference of two runs' counts."""
-
-    def __init__(self):
-        self.gflop = 0.0
-        self._original = measure_module.path_gap
-
-    def __enter__(self) -> PathGapFlops:
-        def counted_path_gap(*args, **kwargs):
-            with counter() as inner:  # nested: counted by both
-                out = self._original(*args, **kwargs)
-            self.gflop += inner.get_total_flops() / 1e9
-            return out
-
-        measure_module.path_gap = counted_path_gap
-        return self
-
-    def __exit__(self, *exc) -> None:
-        measure_module.path_gap = self._original
 
 
 def _raw(op):
@@ -117,10 +93,14 @@ def counter() -> FlopCounterMode:
 
 
 def counted(fn) -> tuple[float, float, Any]:
-    """``(GFLOP, of which the path gap's, result)`` of ``fn()``."""
-    with counter() as counter_mode, PathGapFlops() as gap:
+    """``(GFLOP, of which the path gap's, result)`` of ``fn()``: the path gap's report
+    counted apart (nested counters: its products are counted by both), since its error
+    control takes as many RK4 steps as each maximiser needs, which differ between two
+    runs and would be counted in the difference of their counts."""
+    with counter() as counter_mode, PathGapWrapper(counter) as gap:
         out = fn()
-    return counter_mode.get_total_flops() / 1e9, gap.gflop, out
+    gap_gflop = sum(record.get_total_flops() for record in gap.records) / 1e9
+    return counter_mode.get_total_flops() / 1e9, gap_gflop, out
 
 
 def count_model(name: str, args) -> Dict[str, Any]:
