@@ -75,6 +75,8 @@ class AdaptiveEuclidean(QuotientManifold):
     name = "AdaptiveEuclidean"
     ndim = 0
     reversible = True
+    elementwise_metric = True
+    acts_per_point = True
     #: :meth:`retr` is :math:`w + \xi`.
     straight_retraction = True
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+import copy
+from typing import Sequence, Tuple, Union
 
 import torch
 from geoopt.tensor import ManifoldTensor
@@ -13,6 +14,7 @@ from ._linalg import compute_dtype
 from ._random import standard_normal
 from ._validation import GeodesicDomainError
 from .base import QuotientManifold
+from .groups import nonzero_scalars
 
 __all__ = ["DiagonalQuotient", "GeodesicDomainError"]
 
@@ -84,6 +86,7 @@ class DiagonalQuotient(QuotientManifold):
     name = "DiagonalQuotient"
     ndim = 2
     reversible = False
+    has_group = True
 
     def __init__(self, metric: str = "mix", *, retraction: str = "second_order"):
         super().__init__()
@@ -114,6 +117,66 @@ class DiagonalQuotient(QuotientManifold):
         r"""Group action :math:`(u, v) \mapsto (\alpha u, v / \alpha)`; maps tangent vectors too."""
         u, v = self.factors(x)
         return self.from_factors(u * alpha, v / alpha)
+
+    def act_on_first_factor(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        r""":math:`(u, v) \mapsto (\alpha u, v)`: no symmetry of :math:`u \odot v` (a control)."""
+        u, v = self.factors(x)
+        return self.from_factors(u * alpha, v)
+
+    def random_element(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        h: int,
+        max_condition: float = 4.0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> torch.Tensor:
+        r"""Random :math:`\alpha \in (\mathbb R^*)^h` per point: random signs, magnitudes
+        log-uniform with ratio ``max_condition`` between the extremes
+        (:func:`~geoopt_quotient.manifolds.groups.nonzero_scalars`, drawn in float64).
+
+        Parameters
+        ----------
+        batch_shape : sequence of int
+            Leading shape (one element per point).
+        h : int
+            The number of coordinates :math:`d` of a point.
+        max_condition : float
+            Ratio of the largest to the smallest magnitude.
+        generator : torch.Generator, optional
+            Source of randomness.
+        dtype : torch.dtype
+            Dtype of the result.
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``(*batch_shape, h)``.
+        """
+        shape = (*tuple(batch_shape), h)
+        return nonzero_scalars(shape, condition=max_condition, generator=generator).to(dtype)
+
+    def identity_element(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        h: int,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Ones, shape ``(*batch_shape, h)``."""
+        return torch.ones(*batch_shape, h, dtype=dtype, device=device)
+
+    def with_metric(self, metric: str, eps: float = 0.0) -> DiagonalQuotient:
+        """A copy in ``metric`` (``eps`` does not apply: the metric needs no relaxation)."""
+        other = copy.copy(self)
+        other.metric = check_choice(metric, METRICS, "metric")
+        return other
+
+    def group_label(self, rank: int) -> str:
+        """``"GL(1)^d [d]"``: one non-zero scalar per coordinate."""
+        return f"GL(1)^{rank} [{rank}]"
 
     def _weights(self, x: torch.Tensor) -> torch.Tensor:
         """Per-entry metric weights, shape of ``x``: inv (1/u², 1/v²), mix (v², u²)."""

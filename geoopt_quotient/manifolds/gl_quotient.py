@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Callable, Iterator, List, Sequence, Tuple, Union
 
@@ -30,6 +31,7 @@ from ._linalg import (
 from ._random import standard_normal
 from ._validation import GeodesicDomainError, is_finite, rank_report
 from .base import QuotientManifold
+from .groups import general_linear
 
 __all__ = ["GLQuotient", "PointState"]
 
@@ -248,6 +250,8 @@ class GLQuotient(QuotientManifold):
     name = "GLQuotient"
     ndim = 2
     reversible = False
+    has_group = True
+    acts_per_point = True
 
     def __init__(
         self,
@@ -296,6 +300,74 @@ class GLQuotient(QuotientManifold):
         r"""Group action :math:`(G, H) \mapsto (G A^{-1}, H A^\top)`; also maps tangent vectors."""
         g, h = self.factors(x)
         return torch.cat((torch.linalg.solve(a, g, left=False), h @ a.mT), dim=-2)
+
+    def act_on_first_factor(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        r""":math:`(G, H) \mapsto (G A^{-1}, H)`: not a symmetry of :math:`G H^\top` (a control)."""
+        g, h = self.factors(x)
+        return torch.cat((torch.linalg.solve(a, g, left=False), h), dim=-2)
+
+    def random_element(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        h: int,
+        max_condition: float = 4.0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> torch.Tensor:
+        r"""Random :math:`A = U \operatorname{diag}(s) V^\top \in \mathrm{GL}(h)` with
+        Haar-orthogonal :math:`U, V` and condition number ``max_condition``
+        (:func:`~geoopt_quotient.manifolds.groups.general_linear`, drawn in float64).
+
+        Parameters
+        ----------
+        batch_shape : sequence of int
+            Leading shape (one element per point).
+        h : int
+            The rank.
+        max_condition : float
+            Condition number of each element (attained for :math:`h \ge 2`).
+        generator : torch.Generator, optional
+            Source of randomness.
+        dtype : torch.dtype
+            Dtype of the result.
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``(*batch_shape, h, h)``.
+        """
+        a = general_linear(batch_shape, h, condition=max_condition, generator=generator)
+        return a.to(dtype)
+
+    def identity_element(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        h: int,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Identity matrices, shape ``(*batch_shape, h, h)``."""
+        eye = torch.eye(h, dtype=dtype, device=device)
+        return eye.expand(*batch_shape, h, h).clone()
+
+    def with_metric(self, metric: str, eps: float = 0.0) -> GLQuotient:
+        """A copy in ``metric`` with relaxation ``max(eps, self.eps)`` (same group, rows,
+        retraction)."""
+        other = copy.copy(self)
+        other.metric = check_choice(metric, METRICS, "metric")
+        other.eps = max(check_nonnegative_float(eps, "eps"), self.eps)
+        return other
+
+    def group_label(self, rank: int) -> str:
+        """``"GL(h) [h²]"``: the group acting on one block and its dimension."""
+        return f"GL({rank}) [{rank * rank}]"
+
+    def stack_key(self) -> Tuple | None:
+        """What must agree for points of this geometry to be stacked into one batch and
+        handled by the batched GL(h) kernels; ``None``: never (subgroups of GL(h))."""
+        return (self.metric, self.eps, self.retraction, self.expmap_steps)
 
     def grams(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         r"""Relaxed Gram matrices :math:`S_G, S_H` in at least float32."""

@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 
 from .gl_quotient import GLQuotient
+from .groups import positive_scalars
 
 __all__ = ["PositiveScalingQuotient"]
 
@@ -72,8 +73,16 @@ class PositiveScalingQuotient(GLQuotient):
         """
         if h != 1:
             raise ValueError(f"PositiveScalingQuotient has rank 1, got h = {h}")
-        log = torch.rand(*batch_shape, 1, 1, generator=generator, dtype=torch.float64) - 0.5
-        return (max_condition**log).to(dtype)
+        shape = (*tuple(batch_shape), 1, 1)
+        return positive_scalars(shape, condition=max_condition, generator=generator, dtype=dtype)
+
+    def group_label(self, rank: int) -> str:
+        """``"GL(1)+ [1]"``: positive scalings."""
+        return "GL(1)+ [1]"
+
+    def stack_key(self) -> None:
+        """``None``: never stacked with the GL(h) kernels' batches."""
+        return None
 
     def _check_shape(self, shape, name):
         ok, reason = super()._check_shape(shape, name)

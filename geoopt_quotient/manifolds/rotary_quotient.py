@@ -247,6 +247,16 @@ class RotaryGLQuotient(GLQuotient):
             out[..., self.rotary_dim :, self.rotary_dim :] = u @ torch.diag_embed(s) @ v.mT
         return out.to(dtype)
 
+    def group_label(self, rank: int) -> str:
+        """``"rotary C*^(r/2) x GL(k) [r + k²]"`` (``k = h - r`` non-rotating dimensions)."""
+        r, k = self.rotary_dim, rank - self.rotary_dim
+        rest = f" x GL({k})" if k else ""
+        return f"rotary C*^{r // 2}{rest} [{r + k * k}]"
+
+    def stack_key(self) -> None:
+        """``None``: rotary points are never stacked with the GL(h) kernels' batches."""
+        return None
+
     def dim(self, rank: int) -> int:
         r"""Dimension :math:`(n + m) h - r - (h - r)^2` of the quotient for rank ``h``."""
         self._check_rank(rank)

@@ -31,8 +31,8 @@ import geoopt
 import torch
 
 from .._checks import GEODESIC_PATHS, check_choice, check_positive_float
-from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
+from ..manifolds.base import has_elementwise_metric, is_plain_euclidean
 from ..manifolds.tangent import tangent_space
 from ..sharpness.apgd import NonFiniteError
 from ..sharpness.measure import Symmetries, zero_weight_cause, zero_weight_parameters
@@ -429,7 +429,7 @@ class SAMAscent:
 def _is_elementwise(group: SymmetryGroup) -> bool:
     """A whole parameter in the adaptive or the Euclidean metric (element-wise weights)."""
     return isinstance(group, _WholeParameter) and (
-        isinstance(group.manifold, AdaptiveEuclidean) or type(group.manifold) is geoopt.Euclidean
+        has_elementwise_metric(group.manifold) or is_plain_euclidean(group.manifold)
     )
 
 
@@ -438,7 +438,7 @@ def _elementwise_scales(
 ) -> List[torch.Tensor] | None:
     r""":math:`c = |w| + \varepsilon` of each element-wise group (1 for Euclidean ones), or
     ``None`` when all are Euclidean."""
-    adaptive = [isinstance(g.manifold, AdaptiveEuclidean) for g in groups]
+    adaptive = [has_elementwise_metric(g.manifold) for g in groups]
     if not any(adaptive):
         return None
     scales = torch._foreach_abs(points)

@@ -35,6 +35,7 @@ from .measure import (
     _show_progress,
     adaptive_sharpness,
     geodesic_sharpness,
+    loss_probe,
     resolve_plan,
 )
 from .path_gap import PathGapWarning
@@ -413,7 +414,9 @@ def _sharpness_of_rho(
         options = dict(
             options,
             metric=measure,
-            symmetries=resolve_plan(model, options.get("symmetries"), measure, eps),
+            symmetries=resolve_plan(
+                model, options.get("symmetries"), measure, eps, probe=loss_probe(loss_fn, batches)
+            ),
         )
 
     def evaluate(rho: float) -> RhoEvaluation:

@@ -33,7 +33,14 @@ from .functional import (
     noting_batch,
     trainable_parameters,
 )
-from .measure import LossFn, Symmetries, check_parameters, check_points, resolve_plan
+from .measure import (
+    LossFn,
+    Symmetries,
+    check_parameters,
+    check_points,
+    loss_probe,
+    resolve_plan,
+)
 from .precision import AutocastState
 from .ranks import BatchShare
 from .sharded import refuse_sharded
@@ -145,7 +152,9 @@ def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast
     check_batches(batches)
     refuse_sharded(model, "the Riemannian Hessian functions")
     loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
-    plan = resolve_plan(model, symmetries, metric) if riemannian else SymmetryPlan().bind(model)
+    probe = loss_probe(loss_fn, batches)
+    plan = resolve_plan(model, symmetries, metric, probe=probe) if riemannian else None
+    plan = plan or SymmetryPlan().bind(model)
     base = trainable_parameters(model)
     check_parameters(base)
     refuse_low_precision(base)

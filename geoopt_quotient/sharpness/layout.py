@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
 from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
 from .functional import check_depends_on_perturbation
@@ -263,7 +264,7 @@ def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
     """The key of the flat adaptive buffer a group joins, or ``None``."""
     manifold = ball_group.manifold
     if (
-        type(manifold) is not AdaptiveEuclidean
+        not has_elementwise_metric(manifold)
         or manifold.ndim != 0
         or ball_group.path is not None
         or ball_group.point.requires_grad
@@ -618,18 +619,11 @@ MAX_PADDING = 1 / 8
 def _stack_key(group: BallGroup) -> Tuple | None:
     """Groups with equal keys can be stacked (:class:`_Stack`); ``None``: never."""
     manifold = group.manifold
-    if type(manifold) is not GLQuotient or group.path is not None or group.point.requires_grad:
+    key = stack_key(manifold)
+    if key is None or group.path is not None or group.point.requires_grad:
         return None
     point = group.point
-    return (
-        point.dtype,
-        point.device,
-        point.shape[-1],
-        manifold.metric,
-        manifold.eps,
-        manifold.retraction,
-        manifold.expmap_steps,
-    )
+    return (point.dtype, point.device, point.shape[-1], *key)
 
 
 @dataclass

@@ -35,7 +35,8 @@ from .._model_state import preserved_model_state
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
-from ..symmetry.plan import BoundPlan, SymmetryGroup, SymmetryPlan
+from ..symmetry.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan, plan_metric
+from ..symmetry.verify import default_probe
 from .apgd import (
     PATHS,
     BallGroup,
@@ -187,17 +188,72 @@ class SharpnessResult:
 
 
 def resolve_plan(
-    model: torch.nn.Module, symmetries: Symmetries, metric: str, eps: float = 0.0
+    model: torch.nn.Module,
+    symmetries: Symmetries,
+    metric: str,
+    eps: float = 0.0,
+    probe: Callable[[torch.nn.Module], Any] | None = None,
 ) -> BoundPlan:
     """Bind ``symmetries`` to ``model``; ``None`` finds them
-    (:func:`~geoopt_quotient.symmetry.find_symmetries`)."""
+    (:func:`~geoopt_quotient.symmetry.find_symmetries`), proven on probe inputs built
+    from the model's config, or else on ``probe`` (e.g. the loss on the first batch).
+
+    Raises
+    ------
+    PlanError
+        If a given plan's quotients use another metric than ``metric``
+        (:func:`resolve_metric`), or if discovery has no probe to prove its groups on.
+    """
+    resolve_metric(symmetries, metric)
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        return find_symmetries(model, metric=metric, eps=eps).bind(model)
+        try:
+            inputs = default_probe(model)
+        except PlanError:
+            if probe is None:
+                raise
+            inputs = probe
+        return find_symmetries(model, metric=metric, eps=eps, probe_inputs=inputs).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
     return symmetries.bind(model)
+
+
+def resolve_metric(symmetries: Symmetries, metric: str | None) -> str:
+    """The metric a geodesic measure measures in: ``metric``, or when ``None`` the given
+    plan's (``"mix"`` without one).
+
+    Raises
+    ------
+    PlanError
+        If the plan's quotients use another metric than ``metric``: the result would be
+        labelled with one metric and measured in the other.
+    """
+    own = None
+    if isinstance(symmetries, (SymmetryPlan, BoundPlan)):
+        own = symmetries.metric
+    elif symmetries is not None:
+        own = plan_metric(symmetries)
+    if metric is None:
+        return own if own in ("mix", "inv") else "mix"
+    check_choice(metric, ("mix", "inv"), "metric")
+    if own is not None and own != metric:
+        raise PlanError(
+            f"the symmetry plan's quotients use the {own!r} metric, but metric={metric!r} was "
+            f"asked for: find the plan with find_symmetries(model, metric={metric!r}), or "
+            f"measure with metric={own!r} (or leave metric unset to use the plan's)"
+        )
+    return metric
+
+
+def loss_probe(loss_fn: LossFn, batches: Any) -> Callable[[torch.nn.Module], Any] | None:
+    """``model -> loss_fn(model, first batch)`` when ``batches`` can be indexed without
+    being consumed (a list or tuple), else ``None``."""
+    if isinstance(batches, (list, tuple)) and batches:
+        first = batches[0]
+        return lambda model: loss_fn(model, first)
+    return None
 
 
 def _ball_groups(
@@ -738,7 +794,7 @@ def geodesic_sharpness(
     *,
     rho: Radii | None = None,
     symmetries: Symmetries = None,
-    metric: str = "mix",
+    metric: str | None = None,
     iters: int = 20,
     path: str = "second_order",
     kind: str = "worst",
@@ -809,9 +865,13 @@ def geodesic_sharpness(
         only; the average case measures each radius on its own.
     symmetries : SymmetryPlan, list of SymmetryGroup, BoundPlan or None
         The symmetry groups. ``None`` discovers them (:func:`find_symmetries`) with
-        ``metric`` and ``eps``; a given plan carries its own manifolds.
-    metric : {"mix", "inv"}
-        Metric of the discovered quotients (default ``"mix"``).
+        ``metric`` and ``eps``, each group proven on the model before use (on inputs
+        built from its config, else on ``loss_fn`` of the first batch when ``batches``
+        is a list); a given plan carries its own manifolds, and its metric.
+    metric : {"mix", "inv"} or None
+        The quotients' metric: of the discovered ones, or that of the given plan, which
+        must agree (a :class:`PlanError` says which to change); the result's settings
+        record it. Default ``None``: the given plan's, else ``"mix"``.
     iters : int
         Auto-PGD iterations per batch (worst case) or samples (average case); default 20.
     path : {"second_order", "exact", "straight"}
@@ -965,9 +1025,9 @@ def geodesic_sharpness(
     >>> result.plan.splitlines()[0].split()
     ['kind', 'symmetry', 'group', 'manifold', 'point', 'shape', 'count']
     """
-    check_choice(metric, ("mix", "inv"), "metric")
+    metric = resolve_metric(symmetries, metric)
     rho = default_radius(metric) if rho is None else rho
-    plan = resolve_plan(model, symmetries, metric, eps)
+    plan = resolve_plan(model, symmetries, metric, eps, probe=loss_probe(loss_fn, batches))
     caveat = plan.geodesic_caveat()
     if caveat is not None:
         warnings.warn(caveat, GeodesicEqualsAdaptiveWarning, stacklevel=2)

@@ -57,9 +57,10 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
-from ..manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
+from ..manifolds import GeodesicDomainError
 from ..manifolds._gl_tangent import GLTangentSpace
 from ..manifolds._linalg import block_length, capped, compute_dtype
+from ..manifolds.base import acts_per_point, has_elementwise_metric
 from .apgd import BallGroup, _prepare, _straight, as_scalar
 from .precision import AutocastState
 
@@ -182,10 +183,10 @@ def _slices(group: BallGroup, exact: BallGroup) -> List[Any]:
         return [Ellipsis]
     owners = [group.manifold, exact.manifold]
     owners += [getattr(p, "__self__", None) for p in (group.path, exact.path) if p is not None]
-    elementwise = type(group.manifold) is AdaptiveEuclidean and group.manifold.ndim == 0
+    elementwise = has_elementwise_metric(group.manifold) and group.manifold.ndim == 0
     if elementwise and len(owners) == 2 and x.dim() == 1:
         return [slice(i, i + entries) for i in range(0, size, entries)]
-    if x.dim() > 2 and all(isinstance(m, (GLQuotient, AdaptiveEuclidean)) for m in owners):
+    if x.dim() > 2 and all(acts_per_point(m) for m in owners):
         rows = max(1, entries // (size // x.shape[0]))
         return [slice(i, i + rows) for i in range(0, x.shape[0], rows)]
     return [Ellipsis]
@@ -366,7 +367,7 @@ def _closed_form_applies(group: BallGroup, exact: BallGroup) -> bool:
     :math:`\varepsilon = 0` on both paths of the manifold itself."""
     manifold = group.manifold
     return (
-        type(manifold) is AdaptiveEuclidean
+        has_elementwise_metric(manifold)
         and manifold.eps == 0
         and exact.manifold is manifold
         and group.path is None

@@ -68,6 +68,7 @@ import torch
 
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
+from ..manifolds.base import has_elementwise_metric
 from ..symmetry.plan import BoundPlan, SymmetryGroup, _WholeParameter
 from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, _explicit_path, as_scalar
 from .functional import check_depends_on_perturbation, noting_batch
@@ -567,7 +568,7 @@ def _fuse(
     parts: List[Tuple[int, torch.Size]] = []
     for group, piece in zip(groups, pieces):
         m = group.manifold
-        fusible = type(m) is AdaptiveEuclidean and m.ndim == 0 and group.path is None
+        fusible = has_elementwise_metric(m) and m.ndim == 0 and group.path is None
         if fusible and out and parts[-1][2] == m.eps:
             start, _, eps = parts[-1]
             size = piece.start + piece.numel - start

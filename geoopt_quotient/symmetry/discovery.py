@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Tuple, Union
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from .._checks import METRICS, check_choice, check_nonnegative_float
-from .huggingface import Findings, find_attention
+from .huggingface import Findings, collapse_paths, find_attention
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
-from .verify import verify_plan
+from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan
 
 __all__ = ["find_symmetries"]
 
@@ -27,7 +28,7 @@ def find_symmetries(
     model: torch.nn.Module,
     metric: str = "mix",
     eps: float = 0.0,
-    verify: bool = False,
+    verify: bool = True,
     *,
     probe_inputs: Any = None,
     trainable_only: bool = True,
@@ -67,15 +68,23 @@ def find_symmetries(
         Relaxation :math:`\varepsilon \ge 0` of the quotients' Gram matrices
         (default 0: the exact geometry).
     verify : bool
-        Check every group on probe inputs (:func:`verify_plan`): a random element of
-        each group (condition number 4) must leave every floating-point output
-        unchanged, to ``1e-5`` (float64) or ``1e-4`` (float32) of the largest output.
-        Raises :class:`SymmetryVerificationError` naming the group that fails; the
-        result (and any weak check) is added to the notes.
-    probe_inputs : dict, tuple, torch.Tensor or None
-        Inputs for ``verify``: keyword arguments, positional arguments or one tensor.
-        ``None`` builds them from a Hugging Face config (``input_ids``,
-        ``pixel_values``, ``decoder_input_ids``; see :func:`probe_inputs_for`).
+        Prove every group on the model before it is used (default): a random element
+        of each group's own group (condition number at most 4), all at once, must leave
+        every floating-point output unchanged within the precision the model computes
+        in (:func:`~geoopt_quotient.symmetry.verify.prove_plan`; two forward passes when
+        every group holds). A group the outputs refute, or the modules of a stacked
+        group that break it, are left to the adaptive geometry with a
+        :class:`SymmetryNotProvenWarning`, and the plan's notes say so. ``False`` skips
+        the proof (the plan then rests on module structure alone). A model on the meta
+        device or sharded with FSDP2 cannot be run here: its plan is returned unproven,
+        with a note; prove it with :func:`verify_plan` on the loaded (or an unsharded)
+        model.
+    probe_inputs : dict, tuple, torch.Tensor, callable or None
+        Inputs of the proof: keyword arguments, positional arguments, one tensor, or a
+        function ``model -> outputs`` (e.g. the loss on the first batch). ``None``
+        builds them from a Hugging Face config (``input_ids``, ``pixel_values``,
+        ``decoder_input_ids``; see :func:`probe_inputs_for`) or, for a
+        ``torch.nn.MultiheadAttention``, from its sizes.
     trainable_only : bool
         Skip pairs on frozen parameters (they are never perturbed; e.g. the base
         weights of a PEFT model). Must match ``SymmetryPlan.bind(trainable_only=...)``.
@@ -91,12 +100,16 @@ def find_symmetries(
     SymmetryPlan
         ``plan.bind(model).summary()`` prints it as a table.
 
+    Warns
+    -----
+    SymmetryNotProvenWarning
+        With ``verify=True``, for each group (or part of one) that is not a symmetry of
+        the model: it is left to the adaptive geometry.
+
     Raises
     ------
-    SymmetryVerificationError
-        With ``verify=True``, if a group is not a symmetry of the model.
     PlanError
-        With ``verify=True``, if no probe inputs can be built.
+        With ``verify=True``, if no probe inputs can be built (pass ``probe_inputs=``).
 
     References
     ----------
@@ -133,19 +146,72 @@ def find_symmetries(
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))
     specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
-    pair_groups = stack_pairs(specs, metric, eps)
-    groups = list(pair_groups)
-    if "manifold-parameter" in wanted:
-        groups += manifold_parameter_groups(model, metric, eps)
+    extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
     notes = found.rendered_notes()
+    if verify:
+        unproven = _unprovable(model)
+        if unproven is None:
+            specs, extra, proven = _proven(model, specs, extra, metric, eps, probe_inputs)
+            notes += proven
+        else:
+            notes.append(unproven)
+    groups = stack_pairs(specs, metric, eps) + extra
     if not groups:
         notes.insert(0, NO_SYMMETRY)
-    plan = SymmetryPlan(groups, notes=notes)
-    if verify:
-        plan.notes.extend(
-            verify_plan(model, plan, probe_inputs, members=_members(specs, pair_groups))
+    return SymmetryPlan(groups, notes=notes)
+
+
+def _unprovable(model: torch.nn.Module) -> Optional[str]:
+    """Why the model cannot be run to prove its plan here, or ``None``."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        return (
+            "unverified: the model is on the meta device, so the plan rests on module "
+            "structure alone; load the weights and prove it with verify_plan(model, plan)"
         )
-    return plan
+    if any(type(p).__name__ == "DTensor" for p in params):
+        return (
+            "unverified: the model is sharded (FSDP2), so the plan rests on module structure "
+            "alone; prove it on an unsharded model of the same architecture (e.g. a small "
+            "config) with verify_plan(model, plan)"
+        )
+    return None
+
+
+def _proven(
+    model: torch.nn.Module,
+    specs: List[PairSpec],
+    extra: List[SymmetryGroup],
+    metric: str,
+    eps: float,
+    probe_inputs: Any,
+) -> Tuple[List[PairSpec], List[SymmetryGroup], List[str]]:
+    """The specs and extra groups that hold on the model, and the notes of the proof;
+    each group (or stacked member) the outputs refute is dropped with a warning."""
+    pair_groups = stack_pairs(specs, metric, eps)
+    plan = SymmetryPlan(pair_groups + extra)
+    if not plan.groups:
+        return specs, extra, []
+    proof = prove_plan(model, plan, probe_inputs)
+    members = _members(specs, pair_groups)
+    dropped_specs, dropped_groups, notes = set(), set(), []
+    for check in proof.failed:
+        message = failure_message(model, check, proof, members)
+        warnings.warn(f"{message}; it is left to the adaptive geometry ({REPORT})",
+                      SymmetryNotProvenWarning, stacklevel=3)  # fmt: skip
+        names = members.get(check.name)
+        if names is None:
+            dropped_groups.add(check.name)
+            notes.append(f"not a symmetry, left adaptive: {check.name} ({check.deviation:.2g})")
+            continue
+        failing = [names[i] for i in check.failing_members]
+        dropped_specs.update((check.name, m) for m in failing)
+        notes.append(
+            f"not a symmetry, left adaptive: {check.name} in {collapse_paths(failing)} "
+            f"(output change {check.deviation:.2g}, tolerance {proof.tolerance:.2g})"
+        )
+    kept = [s for s in specs if (_group_of(s, pair_groups, specs), s.module) not in dropped_specs]
+    return kept, [g for g in extra if g.name not in dropped_groups], proof.notes() + notes
 
 
 def _kinds(kinds: Union[str, Iterable[str]]) -> Tuple[str, ...]:
@@ -178,6 +244,12 @@ def _usable_specs(model: torch.nn.Module, found: Findings, trainable_only: bool)
     if frozen:
         found.note(f"{frozen} pairs on frozen parameters skipped (never perturbed)")
     return out
+
+
+def _group_of(spec: PairSpec, groups: List[SymmetryGroup], specs: List[PairSpec]) -> str:
+    """The name of the stacked group ``spec`` belongs to (as bucketed by :func:`stack_pairs`)."""
+    signatures = list(dict.fromkeys(s.signature for s in specs))
+    return groups[signatures.index(spec.signature)].name
 
 
 def _members(specs: List[PairSpec], groups: List[SymmetryGroup]) -> Dict[str, List[str]]:

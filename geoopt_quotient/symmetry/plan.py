@@ -18,13 +18,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
-from ..manifolds import (
-    AdaptiveEuclidean,
-    DiagonalQuotient,
-    GLQuotient,
-    PositiveScalingQuotient,
-    RotaryGLQuotient,
-)
+from ..manifolds import AdaptiveEuclidean
+from ..manifolds.base import group_label
 from . import strided, structured
 from .strided import StridedLayout, strided_layout, write_back
 from .structured import PointStructure
@@ -371,6 +366,11 @@ class SymmetryPlan:
     adaptive_eps: float = 0.0
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def metric(self) -> str | None:
+        """The invariant metric of the plan's quotients (see :func:`plan_metric`)."""
+        return plan_metric(self.groups)
+
     def bind(self, model: torch.nn.Module, *, trainable_only: bool = True) -> BoundPlan:
         """Check the plan against ``model`` and add adaptive groups for the rest."""
         params = dict(model.named_parameters())
@@ -500,6 +500,11 @@ class BoundPlan:
     groups: List[SymmetryGroup]
     param_names: Tuple[str, ...]
     notes: List[str] = field(default_factory=list)
+
+    @property
+    def metric(self) -> str | None:
+        """The invariant metric of the plan's quotients (see :func:`plan_metric`)."""
+        return plan_metric(self.groups)
 
     @property
     def symmetric_groups(self) -> List[SymmetryGroup]:
@@ -668,15 +673,24 @@ class BoundPlan:
         self,
         params: Mapping[str, torch.Tensor],
         elements: Sequence[torch.Tensor | None],
+        *,
+        first_factor_only: bool = False,
     ) -> Dict[str, torch.Tensor]:
-        """Apply group elements (one per symmetric group, ``None`` to skip) to ``params``."""
+        """Apply group elements (one per symmetric group, ``None`` to skip) to ``params``.
+
+        With ``first_factor_only`` each element moves its group's first factor alone
+        (``QuotientManifold.act_on_first_factor``): not a symmetry, a control that must
+        change the model's outputs.
+        """
         groups = self.symmetric_groups
         if len(elements) != len(groups):
             raise PlanError(f"expected {len(groups)} group elements, got {len(elements)}")
         out = dict(params)
         for group, a in zip(groups, elements):
-            if a is not None:
-                out.update(group.scatter(group.manifold.act(group.gather(out), a), out))
+            if a is None:
+                continue
+            act = group.manifold.act_on_first_factor if first_factor_only else group.manifold.act
+            out.update(group.scatter(act(group.gather(out), a), out))
         return out
 
     def summary(self, max_adaptive_rows: int = 24) -> str:
@@ -743,6 +757,26 @@ class BoundPlan:
         return self.summary()
 
 
+def plan_metric(groups: Iterable[SymmetryGroup]) -> str | None:
+    """The invariant metric (``"mix"`` or ``"inv"``) the groups' quotients measure in:
+    ``None`` when no group has a choice of metric, ``"mixed"`` when they disagree.
+
+    Parameters
+    ----------
+    groups : iterable of SymmetryGroup
+        The groups of a plan.
+
+    Returns
+    -------
+    str or None
+        The metric.
+    """
+    metrics = {getattr(g.manifold, "metric", None) for g in groups} - {None}
+    if len(metrics) > 1:
+        return "mixed"
+    return next(iter(metrics), None)
+
+
 def _table(rows: Sequence[Tuple[str, ...]]) -> List[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -767,17 +801,7 @@ def symmetry_label(manifold: Manifold, rank: int) -> str:
     str
         A short label.
     """
-    if isinstance(manifold, RotaryGLQuotient):
-        r, k = manifold.rotary_dim, rank - manifold.rotary_dim
-        rest = f" x GL({k})" if k else ""
-        return f"rotary C*^{r // 2}{rest} [{r + k * k}]"
-    if isinstance(manifold, PositiveScalingQuotient):
-        return "GL(1)+ [1]"
-    if isinstance(manifold, GLQuotient):
-        return f"GL({rank}) [{rank * rank}]"
-    if isinstance(manifold, DiagonalQuotient):
-        return f"GL(1)^{rank} [{rank}]"
-    return "-"
+    return group_label(manifold, rank)
 
 
 def _manifold_label(manifold: Manifold) -> str:

@@ -7,7 +7,7 @@ from typing import List
 import geoopt
 import torch
 
-from ..manifolds import DiagonalQuotient, GLQuotient
+from ..manifolds.base import QuotientManifold, is_plain_euclidean
 from .layouts import PairSpec, head_columns, head_rows
 from .plan import SymmetryGroup, whole_parameter_group
 
@@ -120,11 +120,9 @@ def manifold_parameter_groups(
         if not isinstance(p, geoopt.ManifoldParameter) or not p.requires_grad:
             continue
         manifold = p.manifold
-        if isinstance(manifold, GLQuotient):
-            manifold = GLQuotient(manifold.n, manifold.m, metric, max(eps, manifold.eps))
-        elif isinstance(manifold, DiagonalQuotient):
-            manifold = DiagonalQuotient(metric)
-        elif isinstance(manifold, geoopt.Euclidean):
+        if is_plain_euclidean(manifold):
             continue
+        if isinstance(manifold, QuotientManifold):
+            manifold = manifold.with_metric(metric, eps)
         groups.append(whole_parameter_group(name, p.shape, manifold, kind="manifold-parameter"))
     return groups

@@ -1,52 +1,91 @@
-"""Check a symmetry plan on a model: group elements must leave the outputs unchanged.
+"""Prove a symmetry plan on a model: group elements must leave the outputs unchanged.
 
-:func:`verify_plan` applies a random, well-conditioned element to one symmetric group at
-a time (identity on the others), runs the model on probe inputs and compares every
-floating-point output with the unperturbed run. A group that changes the outputs raises
-:class:`SymmetryVerificationError`, naming the group and, for stacked groups, the first
-member module that breaks. As a control, the same element applied to the group's first
-factor only (``G A^{-1}`` with ``H`` untouched, which is not a symmetry) must change the
-outputs clearly; when it does not, the check is reported as weak in the plan's notes.
+:func:`prove_plan` draws a random, well-conditioned element of every symmetric group's own
+group (``manifold.random_element``: GL(h), its rotary-commuting subgroup, scalings), applies
+all of them at once to the weights and runs the model on probe inputs. When the outputs do
+not move beyond the model's precision, every group holds: two forward passes in all. When
+they do, the groups are bisected (half of them acted on, then half of those...) down to
+the groups, and within a stacked group down to its members (modules), that change the
+outputs.
 
-The group elements and their action (solves, products) are computed in float64 for a
-float64 model and in float32 otherwise; the transformed weights are cast back to the
-model's dtype. A bfloat16 or float16 model is thus checked on the CPU too (which has no
-half-precision solver), within a tolerance of a few of its dtype's machine epsilons.
+**Tolerance.** Relative to the largest output magnitude: :data:`RTOL` of the precision in
+which the model actually computes what depends on its weights, read during the reference
+pass (a float64 model whose norms or softmax compute in float32 is checked at float32's
+tolerance, one that computes in float64 throughout at 1e-6), or :data:`HALF_RTOL_EPS` machine
+epsilons of a bfloat16 or float16 model.
+
+**Control.** The reference pass also takes the gradient of three random projections of
+the outputs, and each group's element applied to its first factor alone (not a symmetry)
+must move them, to first order, by more than ten tolerances: otherwise the probe cannot
+see the group (e.g. an adapter whose second factor is zero), and the proof says its check
+is weak.
+
+The group elements and their action are computed in float64 for a float64 model and in
+float32 otherwise; the transformed weights are cast back to the model's dtype (a
+half-precision model is checked on the CPU too, which has no half-precision solver).
 
 Probe inputs: ``probe_inputs`` (a dict of keyword arguments, a tuple of positional
-arguments or one tensor), or, for Hugging Face models, inputs built from the config
-(:func:`probe_inputs_for`): ``input_ids`` from ``vocab_size``, ``pixel_values`` from
-``num_channels``/``image_size``, ``decoder_input_ids`` for encoder-decoders, and
-``use_cache=False``.
+arguments, one tensor, or a function ``model -> outputs``, e.g. the loss on a batch), or,
+for Hugging Face models, inputs built from the config (:func:`probe_inputs_for`):
+``input_ids`` from ``vocab_size``, ``pixel_values`` from ``num_channels``/``image_size``,
+``decoder_input_ids`` for encoder-decoders, and ``use_cache=False``; for a
+``torch.nn.MultiheadAttention``, random query, key and value.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._model_state import preserved_model_state
-from ..manifolds import DiagonalQuotient, GLQuotient
+from ..manifolds.base import random_group_element
 from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
 
-__all__ = ["SymmetryVerificationError", "probe_inputs_for", "verify_plan"]
+__all__ = [
+    "GroupCheck",
+    "PlanProof",
+    "SymmetryNotProvenWarning",
+    "SymmetryVerificationError",
+    "probe_inputs_for",
+    "prove_plan",
+    "verify_plan",
+]
 
-#: Relative tolerance (of the largest output magnitude) per dtype. float64 allows for
-#: models that compute softmax or norms in float32 internally (ViT, CLIP, T5, LLaMA).
-RTOL = {torch.float64: 1e-5, torch.float32: 1e-4}
+#: Relative tolerance (of the largest output magnitude) by the precision the model
+#: computes in.
+RTOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 #: Tolerance of a half-precision model in units of its dtype's machine epsilon: every
 #: transformed weight is rounded to the dtype (relative error up to eps/2), and so is
 #: every activation of the forward pass, layer after layer.
 HALF_RTOL_EPS = 8
+#: A group whose first factor alone moves the outputs (to first order) by less than this
+#: many tolerances is reported as weakly checked.
+CONTROL_FACTOR = 10
 #: Output keys that are not functions of the symmetry class (cached keys/values).
 SKIPPED_OUTPUT_KEYS = ("past_key_values", "cache")
+#: Where to report a group that discovery claimed but the model does not have.
+REPORT = (
+    "if the model is a released architecture, please report it to geoopt-quotient's issue "
+    "tracker with the model class and `plan.bind(model).summary()`"
+)
+
+Probe = Callable[[torch.nn.Module], Any]
 
 
 class SymmetryVerificationError(PlanError):
     """A group of a symmetry plan changes the model's outputs: it is not a symmetry."""
+
+
+class SymmetryNotProvenWarning(UserWarning):
+    """Discovery claimed a group that the model's outputs refute; it is left to the adaptive
+    geometry."""
 
 
 def _config_value(config: Any, names: Sequence[str]) -> Any:
@@ -153,6 +192,81 @@ def probe_inputs_for(
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
+def default_probe(model: torch.nn.Module) -> Any:
+    """Probe inputs for ``model``: from its Hugging Face config, or random query, key and
+    value for a ``torch.nn.MultiheadAttention``.
+
+    Raises
+    ------
+    PlanError
+        If neither applies: pass ``probe_inputs=`` (or ``verify=False``).
+    """
+    if isinstance(model, torch.nn.MultiheadAttention):
+        p = next(model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 2, model.embed_dim, generator=gen, dtype=p.dtype)
+        shape = (2, 5) if model.batch_first else (5, 2)
+        x = x.reshape(*shape, model.embed_dim).to(p.device)
+        k = x if model.kdim == model.embed_dim else x.new_ones(*shape, model.kdim)
+        v = x if model.vdim == model.embed_dim else x.new_ones(*shape, model.vdim)
+        return (x, k, v)
+    return probe_inputs_for(model)
+
+
+def as_probe(probe_inputs: Any) -> Probe:
+    """A function ``model -> outputs`` from probe inputs: keyword arguments (a mapping),
+    positional arguments (a tuple), one input (a tensor), or such a function itself."""
+    if callable(probe_inputs) and not isinstance(probe_inputs, torch.Tensor):
+        return probe_inputs
+    if isinstance(probe_inputs, Mapping):
+        return lambda model: model(**probe_inputs)
+    if isinstance(probe_inputs, tuple):
+        return lambda model: model(*probe_inputs)
+    return lambda model: model(probe_inputs)
+
+
+class _Probed(torch.nn.Module):
+    """``probe(model)`` as a module, so :func:`torch.func.functional_call` swaps weights in."""
+
+    def __init__(self, model: torch.nn.Module, probe: Probe):
+        super().__init__()
+        self.model = model
+        self.probe = probe
+
+    def forward(self) -> Any:
+        return self.probe(self.model)
+
+
+class _LowestPrecision(TorchDispatchMode):
+    """Records the lowest floating-point precision among the results of operations that
+    depend (through any chain of operations) on the given tensors."""
+
+    def __init__(self, roots: Sequence[torch.Tensor]):
+        super().__init__()
+        self.tainted = WeakIdKeyDictionary()
+        for root in roots:
+            self.tainted[root] = True
+        self.lowest: Optional[torch.dtype] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = tree_flatten((args, kwargs))[0]
+        if any(isinstance(t, torch.Tensor) and t in self.tainted for t in inputs):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.tainted[t] = True
+                    self._record(t.dtype)
+        return out
+
+    def _record(self, dtype: torch.dtype) -> None:
+        if dtype.is_complex:
+            dtype = dtype.to_real()
+        if not dtype.is_floating_point:
+            return
+        if self.lowest is None or torch.finfo(dtype).eps > torch.finfo(self.lowest).eps:
+            self.lowest = dtype
+
+
 def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
     if any(s in key for s in SKIPPED_OUTPUT_KEYS):
         return []
@@ -165,54 +279,12 @@ def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
     return []
 
 
-def _run(model: torch.nn.Module, params: Mapping[str, torch.Tensor], probe: Any) -> List[Any]:
-    if isinstance(probe, Mapping):
-        out = functional_call(model, dict(params), (), dict(probe), strict=False)
-    elif isinstance(probe, tuple):
-        out = functional_call(model, dict(params), probe, strict=False)
-    else:
-        out = functional_call(model, dict(params), (probe,), strict=False)
-    leaves = _float_leaves(out)
-    if not leaves:
-        raise PlanError("the model's outputs on the probe inputs contain no floating tensor")
-    return [t.detach().to(torch.float64) for t in leaves]
-
-
 def _deviation(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def random_element(
-    group: SymmetryGroup, generator: torch.Generator, dtype: torch.dtype, max_condition: float
-) -> Optional[torch.Tensor]:
-    """A random group element for ``group`` (``None`` if its manifold has no known action)."""
-    lead = tuple(group.shape[:-2])
-    own = getattr(group.manifold, "random_element", None)
-    if own is not None:  # a subgroup of GL(h) (RotaryGLQuotient) draws its own elements
-        h = group.shape[-1]
-        return own(lead, h=h, max_condition=max_condition, generator=generator, dtype=dtype)
-    if isinstance(group.manifold, GLQuotient):
-        h = group.shape[-1]
-        u, _ = torch.linalg.qr(torch.randn(*lead, h, h, generator=generator, dtype=torch.float64))
-        v, _ = torch.linalg.qr(torch.randn(*lead, h, h, generator=generator, dtype=torch.float64))
-        s = max_condition ** (torch.rand(*lead, h, generator=generator, dtype=torch.float64) - 0.5)
-        return (u @ torch.diag_embed(s) @ v.mT).to(dtype)
-    if isinstance(group.manifold, DiagonalQuotient):
-        k = group.shape[-1]
-        log = torch.rand(*lead, k, generator=generator, dtype=torch.float64) - 0.5
-        return (max_condition**log).to(dtype)
-    return None
-
-
-def _identity_like(element: torch.Tensor, manifold: Any) -> torch.Tensor:
-    if isinstance(manifold, GLQuotient):
-        eye = torch.eye(element.shape[-1], dtype=element.dtype, device=element.device)
-        return eye.expand_as(element).clone()
-    return torch.ones_like(element)
-
-
-def _default_rtol(dtype: torch.dtype) -> float:
-    """The default tolerance of :func:`verify_plan`, relative to the largest output.
+def default_rtol(dtype: torch.dtype) -> float:
+    """The default tolerance of :func:`prove_plan`, relative to the largest output.
 
     :data:`RTOL` for float64 and float32; for a half-precision dtype (bfloat16, float16)
     :data:`HALF_RTOL_EPS` times its machine epsilon; ``1e-3`` otherwise.
@@ -220,7 +292,7 @@ def _default_rtol(dtype: torch.dtype) -> float:
     Parameters
     ----------
     dtype : torch.dtype
-        The model's floating-point dtype.
+        The precision the model computes in.
 
     Returns
     -------
@@ -240,53 +312,288 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _lifted(
-    groups: Sequence[SymmetryGroup], params: Dict[str, torch.Tensor], compute: torch.dtype
-) -> Dict[str, torch.Tensor]:
-    """``params`` with the parameters of ``groups`` in the ``compute`` dtype."""
-    names = {n for g in groups for n in g.param_names}
-    return {n: p.to(compute) if n in names else p for n, p in params.items()}
+@dataclass
+class GroupCheck:
+    """What the proof found for one symmetric group.
 
-
-def _lowered(moved: Mapping[str, torch.Tensor], params: Dict[str, torch.Tensor]):
-    """``moved``, each tensor cast back to the dtype of the parameter it replaces."""
-    return {n: moved[n].to(p.dtype) for n, p in params.items()}
-
-
-def _acted(
-    bound: BoundPlan,
-    params: Dict[str, torch.Tensor],
-    elements: Sequence[Optional[torch.Tensor]],
-    compute: torch.dtype,
-) -> Dict[str, torch.Tensor]:
-    """``bound.act`` computed in ``compute``, the moved parameters cast back to their dtype.
-
-    For a float32 or float64 model ``compute`` is its dtype and nothing is cast.
+    Attributes
+    ----------
+    name : str
+        The group's name.
+    holds : bool
+        Whether its random element left the outputs unchanged within the tolerance.
+    deviation : float or None
+        The largest output change under its element alone (``None`` when it was only
+        checked together with other groups that hold).
+    control : float
+        First-order output change (largest of three random projections) when its element
+        moves the first factor alone; below ``CONTROL_FACTOR`` tolerances the check is weak.
+    failing_members : tuple of int
+        Entries of the group's leading dimension (modules) whose elements change the outputs.
     """
-    acting = [g for g, a in zip(bound.symmetric_groups, elements) if a is not None]
-    lifted = _lifted(acting, params, compute)
-    elements = [None if a is None else a.to(compute) for a in elements]
-    return _lowered(bound.act(lifted, elements), params)
+
+    name: str
+    holds: bool
+    deviation: Optional[float]
+    control: float
+    failing_members: Tuple[int, ...] = ()
 
 
-def _broken(
-    group: SymmetryGroup,
-    params: Dict[str, torch.Tensor],
-    element: torch.Tensor,
-    compute: torch.dtype,
-):
-    """The element applied to the first factor only: a control that is not a symmetry."""
-    manifold = group.manifold
-    lifted = _lifted([group], params, compute)
-    point = group.gather(lifted)
-    moved = manifold.act(point, element.to(compute))
-    if isinstance(manifold, GLQuotient):
-        broken = torch.cat((moved[..., : manifold.n, :], point[..., manifold.n :, :]), dim=-2)
-    else:
-        broken = torch.stack((moved[..., 0, :], point[..., 1, :]), dim=-2)
-    out = dict(lifted)
-    out.update(group.scatter(broken, lifted))
-    return _lowered(out, params)
+@dataclass
+class PlanProof:
+    """The outcome of :func:`prove_plan`.
+
+    Attributes
+    ----------
+    checks : list of GroupCheck
+        One per symmetric group of the plan, in its order.
+    tolerance : float
+        Absolute tolerance on the outputs (``rtol`` times the largest output).
+    rtol : float
+        The relative tolerance.
+    precision : torch.dtype
+        The lowest precision of the weight-dependent operations of the reference pass.
+    largest_change : float
+        The output change with every group that holds acted on at once.
+    forward_calls : int
+        Number of forward passes of the model the proof made.
+    """
+
+    checks: List[GroupCheck] = field(default_factory=list)
+    tolerance: float = 0.0
+    rtol: float = 0.0
+    precision: torch.dtype = torch.float32
+    largest_change: float = 0.0
+    forward_calls: int = 0
+
+    @property
+    def failed(self) -> List[GroupCheck]:
+        """The groups the outputs refute."""
+        return [c for c in self.checks if not c.holds]
+
+    @property
+    def weak(self) -> List[GroupCheck]:
+        """The groups that hold but whose control barely moved the outputs."""
+        return [c for c in self.checks if c.holds and c.control <= CONTROL_FACTOR * self.tolerance]
+
+    def notes(self) -> List[str]:
+        """Plan notes: what was verified, to which tolerance, and any weak check."""
+        held = sum(c.holds for c in self.checks)
+        notes = [
+            f"verified {held} symmetric groups on probe inputs: largest output change "
+            f"{self.largest_change:.2g} (tolerance {self.tolerance:.2g} = {self.rtol:g} x max "
+            f"|output|, the model computing in {str(self.precision).replace('torch.', '')}; "
+            f"{self.forward_calls} forward passes)"
+        ]
+        if self.weak:
+            weak = "; ".join(f"{c.name} ({c.control:.2g})" for c in self.weak)
+            notes.append(
+                f"verify: weak check for {weak}: breaking these symmetries barely changes the "
+                "outputs on the probe inputs (small weights or inactive adapters?)"
+            )
+        return notes
+
+
+class _Prover:
+    """The state of one proof: the model's weights, the probe, the drawn elements and the
+    reference outputs; every forward pass goes through :meth:`outputs` and is counted."""
+
+    def __init__(self, model: torch.nn.Module, bound: BoundPlan, probe: Probe, seed: int):
+        self.module = _Probed(model, probe)
+        self.bound = bound
+        self.groups = bound.symmetric_groups
+        self.params = {n: p.detach() for n, p in model.named_parameters()}
+        floating = [p.dtype for p in self.params.values() if p.is_floating_point()]
+        self.dtype = floating[0] if floating else torch.float32
+        self.compute = _compute_dtype(self.dtype)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.forward_calls = 0
+
+    def outputs(self, params: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
+        self.forward_calls += 1
+        named = {f"model.{n}": p for n, p in params.items()}
+        leaves = _float_leaves(functional_call(self.module, named, (), strict=False))
+        if not leaves:
+            raise PlanError("the model's outputs on the probe inputs contain no floating tensor")
+        return leaves
+
+    def draw(self, max_condition: float) -> List[Optional[torch.Tensor]]:
+        device = next(iter(self.params.values())).device
+        elements = []
+        for group in self.groups:
+            shape = tuple(group.shape)
+            a = random_group_element(
+                group.manifold, shape[:-2], h=shape[-1], max_condition=max_condition,
+                generator=self.generator, dtype=self.compute,
+            )  # fmt: skip
+            elements.append(None if a is None else a.to(device))
+        return elements
+
+    def acted(
+        self, elements: Sequence[Optional[torch.Tensor]], *, first_factor_only: bool = False
+    ) -> Dict[str, torch.Tensor]:
+        """The weights moved by ``elements`` (computed in :attr:`compute`, cast back)."""
+        names = {n for g, a in zip(self.groups, elements) if a is not None for n in g.param_names}
+        lifted = {n: p.to(self.compute) if n in names else p for n, p in self.params.items()}
+        moved = self.bound.act(lifted, elements, first_factor_only=first_factor_only)
+        return {n: moved[n].to(p.dtype) for n, p in self.params.items()}
+
+    def reference(self) -> Tuple[List[torch.Tensor], torch.dtype, List[Dict[str, torch.Tensor]]]:
+        """The outputs at the weights, the lowest precision they were computed in, and the
+        gradients of three random projections of them with respect to the groups' weights."""
+        names = {n for g in self.groups for n in g.param_names}
+        params = {
+            n: p.detach().requires_grad_(p.is_floating_point()) if n in names else p
+            for n, p in self.params.items()
+        }
+        roots = [params[n] for n in sorted(names)]
+        with torch.enable_grad(), _LowestPrecision(roots) as precision:
+            leaves = self.outputs(params)
+        lowest = precision.lowest or self.dtype
+        reference = [t.detach().to(torch.float64) for t in leaves]
+        return reference, lowest, self._projected_gradients(leaves, roots, sorted(names))
+
+    def _projected_gradients(self, leaves, roots, names) -> List[Dict[str, torch.Tensor]]:
+        if not any(t.requires_grad for t in leaves) or not any(r.requires_grad for r in roots):
+            return []
+        grads = []
+        for i in range(3):
+            total = sum(
+                (
+                    torch.randn(t.shape, generator=self.generator).to(t.device, t.real.dtype)
+                    * t.real
+                ).sum()
+                for t in leaves
+                if t.requires_grad
+            )
+            parts = torch.autograd.grad(total, roots, retain_graph=i < 2, allow_unused=True)
+            grads.append({n: g for n, g in zip(names, parts) if g is not None})
+        return grads
+
+    def control(self, index: int, element: torch.Tensor, grads) -> float:
+        """First-order output change (largest projection) when ``element`` moves the first
+        factor of group ``index`` alone; ``inf`` when no gradient could be taken."""
+        if not grads:
+            return float("inf")
+        only = [element if i == index else None for i in range(len(self.groups))]
+        moved = self.acted(only, first_factor_only=True)
+        change = 0.0
+        for grad in grads:
+            dot = sum(
+                float((g.double() * (moved[n].double() - self.params[n].double())).sum())
+                for n, g in grad.items()
+            )
+            change = max(change, abs(dot))
+        return change
+
+
+def _bisect(indices: List[int], breaks: Callable[[List[int]], bool]) -> List[int]:
+    """The indices ``i`` with ``breaks([i])``, given that ``breaks(indices)``: halves are
+    tested in turn, so ``k`` culprits among ``n`` cost about ``2 k log2(n)`` tests."""
+    if len(indices) == 1:
+        return indices
+    half = len(indices) // 2
+    culprits = []
+    for part in (indices[:half], indices[half:]):
+        if breaks(part):
+            culprits += _bisect(part, breaks)
+    return culprits
+
+
+def _member_elements(group: SymmetryGroup, element: torch.Tensor, members: List[int]):
+    """``element`` on the leading entries ``members`` of the group, the identity elsewhere."""
+    lead, h = tuple(group.shape[:-2]), group.shape[-1]
+    out = group.manifold.identity_element(lead, h=h, dtype=element.dtype, device=element.device)
+    out[members] = element[members]
+    return out
+
+
+def _failing_members(prover, index, element, changes) -> Tuple[int, ...]:
+    group = prover.groups[index]
+    if len(group.shape) <= 2 or group.shape[0] == 1:
+        return (0,)
+
+    def breaks(members: List[int]) -> bool:
+        partial = _member_elements(group, element, members)
+        return changes([partial if i == index else None for i in range(len(prover.groups))])
+
+    return tuple(_bisect(list(range(group.shape[0])), breaks))
+
+
+def prove_plan(
+    model: torch.nn.Module,
+    plan: SymmetryPlan | BoundPlan,
+    probe_inputs: Any = None,
+    *,
+    seed: int = 0,
+    max_condition: float = 4.0,
+    rtol: Optional[float] = None,
+) -> PlanProof:
+    """Check every symmetric group of ``plan`` on the model's outputs, without raising.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Not mutated (weights reach it through :func:`torch.func.functional_call`); it
+        runs in eval mode.
+    plan : SymmetryPlan or BoundPlan
+        The plan to check; a :class:`SymmetryPlan` is bound to ``model`` first.
+    probe_inputs : dict, tuple, torch.Tensor, callable or None
+        Keyword arguments, positional arguments or the single input of ``model``, or a
+        function ``model -> outputs`` (e.g. ``lambda m: loss_fn(m, batch)``); ``None``
+        builds them (:func:`default_probe`).
+    seed : int
+        Seed of the random group elements and projections.
+    max_condition : float
+        Bound on the condition number of the random elements.
+    rtol : float, optional
+        Tolerance relative to the largest output magnitude (default
+        :func:`default_rtol` of the precision the model computes in).
+
+    Returns
+    -------
+    PlanProof
+        Per group: holds or not (and which members break it), and its control.
+    """
+    bound = plan if isinstance(plan, BoundPlan) else plan.bind(model)
+    probe = as_probe(default_probe(model) if probe_inputs is None else probe_inputs)
+    prover = _Prover(model, bound, probe, seed)
+    if not prover.groups:
+        return PlanProof(rtol=rtol or 0.0, precision=prover.dtype)
+    with preserved_model_state(model):
+        reference, precision, grads = prover.reference()
+        with torch.no_grad():
+            return _prove(prover, reference, precision, grads, max_condition, rtol)
+
+
+def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProof:
+    scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in reference)
+    rtol = default_rtol(precision) if rtol is None else rtol
+    tol = rtol * max(scale, 1e-30)
+    elements = prover.draw(max_condition)
+
+    def change(acting: Sequence[Optional[torch.Tensor]]) -> float:
+        moved = [t.detach().to(torch.float64) for t in prover.outputs(prover.acted(acting))]
+        return _deviation(reference, moved)
+
+    def changes(acting) -> bool:
+        return change(acting) > tol
+
+    def only(indices: List[int]) -> List[Optional[torch.Tensor]]:
+        return [a if i in indices else None for i, a in enumerate(elements)]
+
+    checked = [i for i, a in enumerate(elements) if a is not None]
+    largest = change(only(checked)) if checked else 0.0
+    failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
+    checks = []
+    for i, (group, a) in enumerate(zip(prover.groups, elements)):
+        control = 0.0 if a is None else prover.control(i, a, grads)
+        members = _failing_members(prover, i, a, changes) if i in failing else ()
+        deviation = change(only([i])) if i in failing else None
+        checks.append(GroupCheck(group.name, i not in failing, deviation, control, members))
+    if failing:
+        largest = change(only([i for i in checked if i not in failing])) if checked else 0.0
+    return PlanProof(checks, tol, rtol, precision, largest, prover.forward_calls)
 
 
 def verify_plan(
@@ -299,30 +606,28 @@ def verify_plan(
     max_condition: float = 4.0,
     rtol: Optional[float] = None,
 ) -> List[str]:
-    """Check that every symmetric group of ``plan`` leaves the model's outputs unchanged.
+    """Check that every symmetric group of ``plan`` leaves the model's outputs unchanged,
+    and raise if one does not (:func:`prove_plan` reports instead of raising).
 
     Parameters
     ----------
     model : torch.nn.Module
-        Not mutated (parameters reach it through :func:`torch.func.functional_call`); it
-        runs in eval mode without gradients.
+        Not mutated; it runs in eval mode.
     plan : SymmetryPlan or BoundPlan
         The plan to check; a :class:`SymmetryPlan` is bound to ``model`` first.
-    probe_inputs : dict, tuple, torch.Tensor or None
-        Keyword arguments, positional arguments or the single input of ``model``;
-        ``None`` builds them from a Hugging Face config (:func:`probe_inputs_for`).
+    probe_inputs : dict, tuple, torch.Tensor, callable or None
+        As for :func:`prove_plan`.
     members : mapping, optional
         Group name -> module path of each entry of the group's leading dimension, used
-        to name the module that breaks.
+        to name the modules that break.
     seed : int
         Seed of the random group elements.
     max_condition : float
-        Condition number of the random elements (singular values in
-        ``[max_condition^-1/2, max_condition^1/2]``).
+        Bound on the condition number of the random elements.
     rtol : float, optional
-        Tolerance relative to the largest output magnitude (default by the model's
-        dtype: 1e-5 for float64, 1e-4 for float32, ``HALF_RTOL_EPS`` = 8 machine
-        epsilons for bfloat16 and float16).
+        Tolerance relative to the largest output magnitude (default by the precision the
+        model computes in: 1e-6 for float64, 1e-4 for float32, ``HALF_RTOL_EPS`` = 8
+        machine epsilons for bfloat16 and float16).
 
     Returns
     -------
@@ -336,77 +641,33 @@ def verify_plan(
         Naming the first group (and member module) whose element changes the outputs.
     """
     bound = plan if isinstance(plan, BoundPlan) else plan.bind(model)
-    groups = bound.symmetric_groups
-    if not groups:
+    if not bound.symmetric_groups:
         return ["verify: no symmetric group to check"]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    dtype = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
-    tol_rel = _default_rtol(dtype) if rtol is None else rtol
-    compute = _compute_dtype(dtype)
-    generator = torch.Generator().manual_seed(seed)
-    notes: List[str] = []
-    worst = 0.0
-    with preserved_model_state(model), torch.no_grad():
-        probe = probe_inputs_for(model) if probe_inputs is None else probe_inputs
-        reference = _run(model, params, probe)
-        scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in reference)
-        tol = tol_rel * max(scale, 1e-30)
-        weak = []
-        for group in groups:
-            element = random_element(group, generator, compute, max_condition)
-            if element is None:
-                notes.append(f"verify: group {group.name!r} has no known group action: unchecked")
-                continue
-            element = element.to(next(iter(params.values())).device)
-            elements = [element if g is group else None for g in groups]
-            err = _deviation(
-                reference, _run(model, _acted(bound, params, elements, compute), probe)
-            )
-            if err > tol:
-                raise SymmetryVerificationError(
-                    _failure_message(
-                        model, bound, group, element, params, probe, reference, tol, err, members
-                    )
-                )
-            worst = max(worst, err)
-            control = _deviation(
-                reference, _run(model, _broken(group, params, element, compute), probe)
-            )
-            if control <= 10 * tol:
-                weak.append(f"{group.name} ({control:.2g})")
-    notes.insert(
-        0,
-        f"verified {len(groups)} symmetric groups on probe inputs: largest output change "
-        f"{worst:.2g} (tolerance {tol:.2g} = {tol_rel:g} x max |output|)",
+    proof = prove_plan(
+        model, bound, probe_inputs, seed=seed, max_condition=max_condition, rtol=rtol
     )
-    if weak:
-        notes.append(
-            "verify: weak check for " + "; ".join(weak) + ": breaking these symmetries barely "
-            "changes the outputs on the probe inputs (small weights or inactive adapters?)"
-        )
-    return notes
+    if proof.failed:
+        raise SymmetryVerificationError(failure_message(model, proof.failed[0], proof, members))
+    return proof.notes()
 
 
-def _failure_message(
-    model, bound, group, element, params, probe, reference, tol, err, members
+def failure_message(
+    model: torch.nn.Module,
+    check: GroupCheck,
+    proof: PlanProof,
+    members: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> str:
+    """Why ``check``'s group is not a symmetry of ``model``: its deviation and modules."""
+    names = (members or {}).get(check.name)
     where = ""
-    lead = group.shape[:-2]
-    names = (members or {}).get(group.name)
-    if len(lead) >= 1 and lead[0] > 1:
-        groups = bound.symmetric_groups
-        for index in range(lead[0]):
-            single = _identity_like(element, group.manifold)
-            single[index] = element[index]
-            elements = [single if g is group else None for g in groups]
-            moved = _acted(bound, params, elements, _compute_dtype(element.dtype))
-            if _deviation(reference, _run(model, moved, probe)) > tol:
-                module = names[index] if names and index < len(names) else f"entry {index}"
-                where = f" (first failing member: {module})"
-                break
+    if check.failing_members and (names is None or len(names) > 1):
+        first = check.failing_members[0]
+        module = names[first] if names and first < len(names) else str(first)
+        where = f" (first failing member: {module})"
+    deviation = check.deviation if check.deviation is not None else float("nan")
     return (
-        f"group {group.name!r} is not a symmetry of {type(model).__name__}{where}: a random "
-        f"group element changes the outputs by {err:.3g} (tolerance {tol:.3g}). The detector "
-        "recognised this module by its structure, but the model computes something else; "
-        "drop the group or write the plan by hand"
+        f"group {check.name!r} is not a symmetry of {type(model).__name__}{where}: a random "
+        f"group element changes the outputs by {deviation:.3g} (tolerance "
+        f"{proof.tolerance:.3g}). The detector recognised this module by its structure, but "
+        "the model computes something else; drop the group or write the plan by hand"
     )

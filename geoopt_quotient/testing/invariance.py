@@ -7,33 +7,25 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from ..manifolds import DiagonalQuotient, GLQuotient
+from ..manifolds.base import random_group_element
 from ..symmetry import find_symmetries
 from ..symmetry.plan import BoundPlan, SymmetryPlan
-from .models import random_group_elements
 
 __all__ = ["assert_invariant", "transformed_copy"]
 
 
 def _elements(
     plan: BoundPlan, condition: float, generator: torch.Generator, like: torch.Tensor
-) -> List:
-    """Random group elements drawn on ``generator``'s device, moved to ``like``'s."""
-    dtype = like.dtype
+) -> List[Optional[torch.Tensor]]:
+    """One random element of each symmetric group's own group (``None`` where it has
+    none), drawn on ``generator``'s device in float64 and moved to ``like``'s."""
     elements: List[Optional[torch.Tensor]] = []
     for group in plan.symmetric_groups:
         shape = tuple(group.shape)
-        if isinstance(group.manifold, GLQuotient):
-            a = random_group_elements(
-                shape[:-2], shape[-1], condition=condition, generator=generator, dtype=dtype
-            )
-        elif isinstance(group.manifold, DiagonalQuotient):
-            batch = shape[:-2] + shape[-1:]
-            a = random_group_elements(batch, 1, condition=condition, generator=generator)
-            a = a[..., 0, 0].to(dtype)
-        else:
-            a = None  # not a group this helper knows how to act with
-        elements.append(None if a is None else a.to(like.device))
+        a = random_group_element(
+            group.manifold, shape[:-2], h=shape[-1], max_condition=condition, generator=generator
+        )
+        elements.append(None if a is None else a.to(device=like.device, dtype=like.dtype))
     return elements
 
 
@@ -43,9 +35,17 @@ def transformed_copy(
     *,
     condition: float = 10.0,
     seed: int = 0,
+    first_factor_only: bool = False,
 ) -> torch.nn.Module:
     r"""A deep copy of ``model`` moved along every symmetric group of ``plan`` by a random
     group element with condition number ``condition`` (default plan: discovered).
+
+    Each group's element is drawn from the group its manifold divides by
+    (``manifold.random_element``): :math:`\mathrm{GL}(h)` for
+    :class:`~geoopt_quotient.GLQuotient`, the rotary-commuting subgroup for
+    :class:`~geoopt_quotient.RotaryGLQuotient`, positive scalings for
+    :class:`~geoopt_quotient.PositiveScalingQuotient`, non-zero scalings for
+    :class:`~geoopt_quotient.DiagonalQuotient`.
 
     Parameters
     ----------
@@ -53,15 +53,17 @@ def transformed_copy(
         The model; not changed.
     plan : SymmetryPlan, BoundPlan or None
         The symmetries to move along; ``None`` discovers them
-        (:func:`~geoopt_quotient.find_symmetries`). Groups on other manifolds than
-        :class:`~geoopt_quotient.GLQuotient` and :class:`~geoopt_quotient.DiagonalQuotient`
-        are left as they are.
+        (:func:`~geoopt_quotient.find_symmetries`). Groups on manifolds without a group
+        (the adaptive geometry, Geoopt's own manifolds) are left as they are.
     condition : float
-        Condition number :math:`\kappa \ge 1` of the random elements (default 10; see
-        :func:`random_group_elements`).
+        Bound :math:`\kappa \ge 1` on the condition number of the random elements
+        (default 10).
     seed : int
         Seed of the elements' generator (a CPU generator: the same elements on every
         device).
+    first_factor_only : bool
+        Move each group's first factor only (:math:`G A^{-1}` with :math:`H` kept):
+        not a symmetry, so the copy computes another function (a negative control).
 
     Returns
     -------
@@ -72,7 +74,8 @@ def transformed_copy(
     bound = plan if isinstance(plan, BoundPlan) else (plan or find_symmetries(model)).bind(model)
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     generator = torch.Generator().manual_seed(seed)  # the same elements on every device
-    moved = bound.act(params, _elements(bound, condition, generator, next(iter(params.values()))))
+    elements = _elements(bound, condition, generator, next(iter(params.values())))
+    moved = bound.act(params, elements, first_factor_only=first_factor_only)
     other = copy.deepcopy(model)
     with torch.no_grad():
         for name, value in moved.items():
@@ -89,6 +92,7 @@ def assert_invariant(
     seed: int = 0,
     rtol: float = 1e-6,
     atol: float = 1e-8,
+    first_factor_only: bool = False,
 ) -> torch.nn.Module:
     """Assert ``fn(model)`` equals ``fn`` of the model moved along its symmetries.
 
@@ -110,6 +114,9 @@ def assert_invariant(
         Seed of the group elements.
     rtol, atol : float
         Tolerances of :func:`torch.testing.assert_close` (defaults 1e-6 and 1e-8).
+    first_factor_only : bool
+        Move one factor of each group only (see :func:`transformed_copy`): the
+        assertion must then fail, which shows that ``fn`` can see the symmetries.
 
     Returns
     -------
@@ -121,6 +128,8 @@ def assert_invariant(
     AssertionError
         If ``fn`` of the moved copy differs from ``fn(model)``.
     """
-    other = transformed_copy(model, plan, condition=condition, seed=seed)
+    other = transformed_copy(
+        model, plan, condition=condition, seed=seed, first_factor_only=first_factor_only
+    )
     torch.testing.assert_close(fn(other), fn(model), rtol=rtol, atol=atol)
     return other

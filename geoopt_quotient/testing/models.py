@@ -20,14 +20,14 @@ examples shrink toward seed 0 and replay exactly.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from ..manifolds import DiagonalQuotient, GLQuotient
+from ..manifolds.base import has_group
+from ..manifolds.groups import general_linear
 from ..nn import QuotientMultiheadAttention
 
 __all__ = [
@@ -43,25 +43,6 @@ IntOrStrategy = Union[int, st.SearchStrategy]
 
 def _as_strategy(value: IntOrStrategy) -> st.SearchStrategy:
     return value if isinstance(value, st.SearchStrategy) else st.just(value)
-
-
-def _log_spread(
-    shape: Tuple[int, ...],
-    condition: float,
-    generator: Optional[torch.Generator],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Positive values with log-uniform spread in ``[condition**-1/2, condition**1/2]``.
-
-    Along the last axis (if it has at least two entries) the extremes are pinned to the
-    ends, so the ratio of the largest to the smallest value is exactly ``condition``.
-    """
-    half = 0.5 * math.log(condition)
-    logs = (2 * torch.rand(shape, generator=generator, dtype=dtype) - 1) * half
-    if shape and shape[-1] >= 2:
-        logs[..., 0] = half
-        logs[..., -1] = -half
-    return logs.exp()
 
 
 def random_group_elements(
@@ -106,29 +87,7 @@ def random_group_elements(
     """
     if condition < 1:
         raise ValueError(f"`condition` must be >= 1, got {condition}")
-    shape = (*tuple(batch_shape), dim, dim)
-
-    def haar() -> torch.Tensor:
-        q, r = torch.linalg.qr(torch.randn(shape, generator=generator, dtype=dtype))
-        return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
-
-    u, v = haar(), haar()
-    if dim == 1:
-        half = 0.5 * math.log(condition)
-        s = ((2 * torch.rand(shape[:-1], generator=generator, dtype=dtype) - 1) * half).exp()
-    else:
-        s = _log_spread(shape[:-1], condition, generator, dtype)
-    return (u * s.unsqueeze(-2)) @ v.mT
-
-
-def _random_scalings(
-    shape: Tuple[int, ...], condition: float, generator: torch.Generator, dtype: torch.dtype
-) -> torch.Tensor:
-    """Non-zero :math:`\\alpha` with random signs and ``max|α| / min|α| = condition``."""
-    signs = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(dtype)
-    flat = _log_spread((math.prod(shape),), condition, generator, dtype)
-    flat = flat[torch.randperm(flat.numel(), generator=generator)]
-    return signs * flat.reshape(shape)
+    return general_linear(batch_shape, dim, condition=condition, generator=generator, dtype=dtype)
 
 
 def quotient_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -142,13 +101,14 @@ def quotient_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     Returns
     -------
     list of (str, torch.nn.Parameter)
-        The parameters whose ``manifold`` is a :class:`~geoopt_quotient.GLQuotient` or a
-        :class:`~geoopt_quotient.DiagonalQuotient`, in ``named_parameters`` order.
+        The parameters whose ``manifold`` is a quotient by a non-trivial group
+        (:class:`~geoopt_quotient.GLQuotient` and its subgroups,
+        :class:`~geoopt_quotient.DiagonalQuotient`), in ``named_parameters`` order.
     """
     return [
         (name, p)
         for name, p in module.named_parameters()
-        if isinstance(getattr(p, "manifold", None), (GLQuotient, DiagonalQuotient))
+        if has_group(getattr(p, "manifold", None))
     ]
 
 
@@ -203,12 +163,9 @@ def group_elements_for(
         generator = torch.Generator().manual_seed(seed)
         out: Dict[str, torch.Tensor] = {}
         for name, manifold, shape, dtype in specs:
-            if isinstance(manifold, GLQuotient):
-                out[name] = random_group_elements(
-                    shape[:-2], shape[-1], condition=condition, generator=generator, dtype=dtype
-                )
-            else:
-                out[name] = _random_scalings((*shape[:-2], shape[-1]), condition, generator, dtype)
+            out[name] = manifold.random_element(
+                shape[:-2], h=shape[-1], max_condition=condition, generator=generator, dtype=dtype
+            )
         return out
 
     return elements()
