@@ -3,7 +3,8 @@
 A :class:`SymmetryPlan` says which parameter entries form which quotient-manifold point
 (:mod:`~geoopt_quotient.symmetry.plan`); :func:`find_symmetries` builds one from a model's
 module structure (:mod:`~geoopt_quotient.symmetry.huggingface`, ``torch.nn``, PEFT LoRA,
-``ManifoldParameter``) and :func:`verify_plan` checks it on probe inputs. Nothing here
+``ManifoldParameter``) and proves every group on the model's outputs before use
+(:func:`prove_plan`; :func:`verify_plan` raises where a group does not hold). Nothing here
 measures sharpness: the engine (:mod:`geoopt_quotient.sharpness`) consumes the plans.
 """
 
@@ -19,14 +20,25 @@ from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
 from .plan import BoundPlan, GeodesicEqualsAdaptiveWarning, PlanError, SymmetryGroup, SymmetryPlan
 from .torch_nn import multihead_attention_pairs
-from .verify import SymmetryVerificationError, probe_inputs_for, verify_plan
+from .verify import (
+    GroupCheck,
+    PlanProof,
+    SymmetryNotProvenWarning,
+    SymmetryVerificationError,
+    probe_inputs_for,
+    prove_plan,
+    verify_plan,
+)
 
 __all__ = [
     "BoundPlan",
     "GeodesicEqualsAdaptiveWarning",
+    "GroupCheck",
     "PairSpec",
     "PlanError",
+    "PlanProof",
     "SymmetryGroup",
+    "SymmetryNotProvenWarning",
     "SymmetryPlan",
     "SymmetryVerificationError",
     "bert_style_pairs",
@@ -39,6 +51,7 @@ __all__ = [
     "lora_pairs",
     "multihead_attention_pairs",
     "probe_inputs_for",
+    "prove_plan",
     "rotary_geometry",
     "stack_pairs",
     "verify_plan",

@@ -1,0 +1,266 @@
+"""Symmetries proven, not guessed: every group of a discovered plan is checked on the
+model's outputs before use, the manifolds own their groups, and a plan carries its metric."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import geoopt_quotient as gq  # noqa: E402
+from geoopt_quotient.manifolds.base import group_label, random_group_element  # noqa: E402
+from geoopt_quotient.symmetry import PlanError, SymmetryPlan  # noqa: E402
+from geoopt_quotient.symmetry.verify import (  # noqa: E402
+    SymmetryNotProvenWarning,
+    prove_plan,
+)
+from geoopt_quotient.testing import assert_invariant, transformed_copy  # noqa: E402
+
+F64 = torch.float64
+
+MANIFOLDS = {
+    "gl-mix": (gq.GLQuotient(5, 4, "mix"), 3),
+    "gl-inv": (gq.GLQuotient(5, 4, "inv"), 3),
+    "rotary-half": (gq.RotaryGLQuotient(5, 4, rotary_dim=2), 3),
+    "rotary-interleaved": (gq.RotaryGLQuotient(6, 5, rotary_dim=4, pairing="interleaved"), 4),
+    "positive": (gq.PositiveScalingQuotient(3, 2), 1),
+    "diagonal": (gq.DiagonalQuotient("inv"), 3),
+}
+
+
+def _point(manifold, rank, generator):
+    if isinstance(manifold, gq.DiagonalQuotient):
+        return torch.randn(2, 2, rank, generator=generator, dtype=F64)
+    return torch.randn(2, manifold.n + manifold.m, rank, generator=generator, dtype=F64)
+
+
+@pytest.mark.parametrize("name", list(MANIFOLDS))
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), condition=st.floats(1.0, 50.0))
+def test_the_manifolds_own_group_keeps_the_product_and_one_factor_alone_does_not(
+    name, seed, condition
+):
+    manifold, rank = MANIFOLDS[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = _point(manifold, rank, gen)
+    a = manifold.random_element((2,), h=rank, max_condition=condition, generator=gen)
+    scale = manifold.product(x).abs().max()
+    tol = 1e3 * condition * torch.finfo(F64).eps * scale
+    torch.testing.assert_close(
+        manifold.product(manifold.act(x, a)), manifold.product(x), rtol=0, atol=float(tol)
+    )
+    one = manifold.identity_element((2,), h=rank, dtype=F64)
+    torch.testing.assert_close(manifold.act(x, one), x, rtol=0, atol=0)
+    if condition > 2:  # the control: moving one factor changes the product
+        broken = manifold.product(manifold.act_on_first_factor(x, a))
+        assert (broken - manifold.product(x)).abs().max() > 1e-3 * scale
+
+
+def test_group_labels_and_metrics_come_from_the_manifold():
+    labels = {name: group_label(m, r) for name, (m, r) in MANIFOLDS.items()}
+    assert labels == {
+        "gl-mix": "GL(3) [9]",
+        "gl-inv": "GL(3) [9]",
+        "rotary-half": "rotary C*^1 x GL(1) [3]",
+        "rotary-interleaved": "rotary C*^2 [4]",
+        "positive": "GL(1)+ [1]",
+        "diagonal": "GL(1)^3 [3]",
+    }
+    assert group_label(gq.AdaptiveEuclidean(), 4) == "-"
+    assert random_group_element(gq.AdaptiveEuclidean(), (2,), h=3) is None
+    rotary = gq.RotaryGLQuotient(5, 4, rotary_dim=2, pairing="interleaved").with_metric("inv", 0.1)
+    assert type(rotary) is gq.RotaryGLQuotient and rotary.pairing == "interleaved"
+    assert (rotary.metric, rotary.eps, rotary.rotary_dim) == ("inv", 0.1, 2)
+
+
+def test_random_elements_respect_the_condition_bound():
+    gen = torch.Generator().manual_seed(0)
+    for manifold, rank in MANIFOLDS.values():
+        a = manifold.random_element((64,), h=rank, max_condition=7.0, generator=gen)
+        if a.dim() == 2:  # scalars per coordinate
+            ratio = a.abs().max() / a.abs().min()
+        else:
+            s = torch.linalg.svdvals(a)
+            ratio = (s[..., 0] / s[..., -1]).max()
+        assert ratio <= 7.0 * (1 + 1e-9)
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(F64).eval()
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+def test_default_discovery_proves_every_group_in_at_most_four_forward_passes():
+    model = tiny_llama()
+    counter = ForwardCounter(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SymmetryNotProvenWarning)
+        plan = gq.find_symmetries(model, kinds="all")
+    assert counter.calls <= 4, counter.calls
+    kinds = {g.kind for g in plan.groups}
+    assert kinds == {"query-key", "value-output", "mlp"}
+    assert any(n.startswith("verified 3 symmetric groups") for n in plan.notes), plan.notes
+
+
+def _normalise_heads(module, args, output):
+    b, s, _ = output.shape
+    heads = output.view(b, s, -1, 8)
+    return (heads / heads.norm(dim=-1, keepdim=True)).view(b, s, -1)
+
+
+def test_a_hook_that_normalises_values_removes_that_layers_value_output_group():
+    model = tiny_llama()
+    model.model.layers[1].self_attn.v_proj.register_forward_hook(_normalise_heads)
+    with pytest.warns(SymmetryNotProvenWarning, match=r"value-output.*layers\.1\.self_attn"):
+        plan = gq.find_symmetries(model)
+    vo = [g for g in plan.groups if g.kind == "value-output"]
+    assert len(vo) == 1 and vo[0].shape[0] == 1  # layer 0 keeps its group
+    assert all("layers.1." not in n for n in vo[0].param_names)
+    assert any("not a symmetry, left adaptive" in n for n in plan.notes)
+    gq.verify_plan(model, plan)  # what is left holds
+
+
+def test_a_hook_that_rescales_the_queries_removes_the_query_key_group():
+    model = tiny_llama()
+    scale = torch.linspace(0.5, 2.0, 32, dtype=F64)  # per query dimension, not per plane
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.register_forward_hook(lambda m, a, out: out * scale)
+    with pytest.warns(SymmetryNotProvenWarning, match="query-key"):
+        plan = gq.find_symmetries(model)
+    assert {g.kind for g in plan.groups} == {"value-output"}
+
+
+def test_a_general_gl_element_on_rotary_query_key_changes_the_function():
+    """The negative: the rotary Q/K pair is not GL(h)-symmetric, only its subgroup is."""
+    model = tiny_llama()
+    plan = gq.find_symmetries(model)
+    qk = next(g for g in plan.groups if g.kind == "query-key")
+    general = qk.with_manifold(gq.GLQuotient(qk.manifold.n, qk.manifold.m))
+    proof = prove_plan(model, SymmetryPlan([general]))
+    assert not proof.checks[0].holds and proof.checks[0].deviation > 1e3 * proof.tolerance
+    assert prove_plan(model, SymmetryPlan([qk])).checks[0].holds
+
+
+FAMILIES = {
+    "llama": lambda: tiny_llama(),
+    "gpt-neox": lambda: transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            rotary_pct=0.5,
+            max_position_embeddings=64,
+            initializer_range=0.2,
+        )
+    ),
+    "phi3": lambda: transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.2,
+            pad_token_id=0,
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_testing_kit_keeps_the_function_and_breaks_it_on_one_factor(family):
+    torch.manual_seed(0)
+    model = FAMILIES[family]().to(F64).eval()
+    x = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    plan = gq.find_symmetries(model, kinds="all")
+    assert {"query-key", "value-output"} <= {g.kind for g in plan.groups}
+
+    def logits(m):
+        return m(x).logits
+
+    # float32 norms inside the float64 models: float32's precision
+    assert_invariant(logits, model, plan, rtol=1e-4, atol=1e-4)
+    with pytest.raises(AssertionError):
+        assert_invariant(logits, model, plan, rtol=1e-4, atol=1e-4, first_factor_only=True)
+    moved = transformed_copy(model, plan)
+    changed = [not torch.equal(p, q) for p, q in zip(moved.parameters(), model.parameters())]
+    assert sum(changed) >= 4  # the weights moved, the function did not
+
+
+def test_a_meta_device_model_gets_an_unverified_plan_without_running():
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = gq.find_symmetries(model)
+    assert {g.kind for g in plan.groups} == {"query-key", "value-output"}
+    assert any(n.startswith("unverified: the model is on the meta device") for n in plan.notes)
+
+
+def test_a_model_without_probe_inputs_gets_a_one_line_error():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.register_module("attn", torch.nn.MultiheadAttention(4, 2))
+    with pytest.raises(PlanError, match="pass probe_inputs=") as error:
+        gq.find_symmetries(model)
+    assert "\n" not in str(error.value)
+    plan = gq.find_symmetries(model, verify=False)
+    assert plan.groups
+
+
+def test_the_probe_can_be_a_function_of_the_model():
+    model = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64)
+    x = torch.randn(3, 5, 8, dtype=F64)
+    plan = gq.find_symmetries(model, probe_inputs=lambda m: m(x, x, x)[0].pow(2).mean())
+    assert len(plan.groups) == 2 and plan.notes[0].startswith("verified 2")
+
+
+def _loss(model, batch):
+    return model(batch, labels=batch).loss
+
+
+def test_a_plan_carries_its_metric_and_a_mismatch_is_refused():
+    model = tiny_llama()
+    batches = [torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))]
+    plan = gq.find_symmetries(model, metric="mix")
+    assert plan.metric == "mix" and plan.bind(model).metric == "mix"
+    with pytest.raises(PlanError, match=r"'mix' metric, but metric='inv'"):
+        gq.geodesic_sharpness(model, _loss, batches, metric="inv", symmetries=plan, iters=1)
+    result = gq.geodesic_sharpness(model, _loss, batches, symmetries=plan, iters=1, progress=False)
+    assert result.settings["metric"] == "mix"
+    assert result.settings["rho"] == gq.sharpness.DEFAULT_RADII["mix"]
+    inv = gq.find_symmetries(model, metric="inv")
+    result = gq.geodesic_sharpness(model, _loss, batches, symmetries=inv, iters=1, progress=False)
+    assert result.settings["metric"] == "inv"
+    assert SymmetryPlan().metric is None
