@@ -606,8 +606,14 @@ def _unprobed_query_key(
     return True, *geometry, None, None
 
 
-def _partial_rotary_factor(config: object) -> Optional[float]:
+def _partial_rotary_factor(config: object, owner: torch.nn.Module) -> Optional[float]:
+    """The config's partial rotary factor for ``owner``'s layer: ``rope_parameters`` may
+    hold one dict per layer type (``config.layer_types[owner.layer_idx]``)."""
     rope = getattr(config, "rope_parameters", None)
+    types, index = getattr(config, "layer_types", None), getattr(owner, "layer_idx", None)
+    if isinstance(rope, dict) and isinstance(types, (list, tuple)) and isinstance(index, int):
+        if index < len(types) and isinstance(rope.get(types[index]), dict):
+            rope = rope[types[index]]
     candidates = [rope.get("partial_rotary_factor") if isinstance(rope, dict) else None]
     candidates += [getattr(config, name, None) for name in ("partial_rotary_factor", "rotary_pct")]
     return next((float(c) for c in candidates if isinstance(c, (int, float))), None)
@@ -616,7 +622,9 @@ def _partial_rotary_factor(config: object) -> Optional[float]:
 def rotary_geometry(
     owner: torch.nn.Module, config: object, head_dim: int
 ) -> Tuple[Optional[Tuple[int, str]], str]:
-    """How rotary embeddings act on the heads of ``owner``: ``((rotary_dim, pairing), "")``,
+    """How rotary embeddings act on the heads of ``owner``, read from its config and names
+    (used only where the model's rotary function cannot be probed, e.g. on the meta
+    device; see :mod:`~geoopt_quotient.symmetry.probe`): ``((rotary_dim, pairing), "")``,
     or ``(None, reason)`` where it cannot be read.
 
     The rotating dimensions are the first ``rotary_dim`` of each head: the module's
@@ -643,7 +651,7 @@ def rotary_geometry(
     """
     rotary_dim = _int_attr(owner, ("rotary_ndims", "rotary_dim"))
     if rotary_dim is None and config is not None:
-        factor = _partial_rotary_factor(config)
+        factor = _partial_rotary_factor(config, owner)
         config_dim = getattr(config, "rotary_dim", None)
         if factor is not None:
             rotary_dim = int(head_dim * factor)
