@@ -28,11 +28,21 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .._model_state import preserved_model_state
 from .layouts import PairSpec, head_columns, head_rows
+from .probe import (
+    ForwardRecord,
+    canonical_rotary,
+    local_tolerance,
+    moved_by_element,
+    pair_holds,
+    recorded_forward,
+    rotary_planes,
+)
 
 __all__ = [
     "Findings",
@@ -72,7 +82,13 @@ QK_BREAKING_CHILDREN = (
 )
 #: The children of :data:`QK_BREAKING_CHILDREN` that are norms of the queries or keys.
 QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:6]
-ROTARY_FORWARD_ARGS = ("position_embeddings", "rotary_pos_emb", "freqs_cis", "rotary_emb")
+ROTARY_FORWARD_ARGS = (
+    "position_embeddings",
+    "rotary_pos_emb",
+    "freqs_cis",
+    "rotary_emb",
+    "sinusoidal_pos",
+)
 ROTARY_CONFIG_ATTRS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")
 
 
@@ -91,12 +107,15 @@ class Findings:
     specs: List[PairSpec] = field(default_factory=list)
     claimed: Set[str] = field(default_factory=set)
     _notes: Dict[str, List[str]] = field(default_factory=dict)
+    #: specs to replay on their module before they are kept, with what a failure means
+    to_check: List[Tuple[PairSpec, str]] = field(default_factory=list)
 
     def note(self, message: str, path: str = "") -> None:
         self._notes.setdefault(message, []).append(path)
 
     def extend(self, other: Findings) -> None:
         self.specs.extend(other.specs)
+        self.to_check.extend(other.to_check)
         self.claimed |= other.claimed
         for message, paths in other._notes.items():
             self._notes.setdefault(message, []).extend(paths)
@@ -159,6 +178,7 @@ def linear_attention_pairs(
     value_output: bool = True,
     rotary_dim: int = 0,
     pairing: str = "half",
+    head_order: Optional[Sequence[int]] = None,
 ) -> List[PairSpec]:
     """Q/K and V/O pairs of attention built from four ``nn.Linear`` (q, k, v, o).
 
@@ -183,6 +203,11 @@ def linear_attention_pairs(
         :class:`~geoopt_quotient.RotaryGLQuotient`.
     pairing : {"half", "interleaved"}
         How the rotary embedding pairs those dimensions into planes.
+    head_order : sequence of int, optional
+        A permutation of each Q/K head's dimensions (column ``c`` of the point is
+        dimension ``head_order[c]`` of the head), for rotary planes that ``rotary_dim``
+        and ``pairing`` on the first dimensions do not describe (see
+        :func:`~geoopt_quotient.symmetry.probe.canonical_rotary`).
 
     Returns
     -------
@@ -216,7 +241,8 @@ def linear_attention_pairs(
         k_build, _ = factor(k, n_kv)
 
         def qk_layout(*t):
-            return torch.cat((stacked(q_build(*t[:q_arity])), k_build(*t[q_arity:])), dim=-2)
+            point = torch.cat((stacked(q_build(*t[:q_arity])), k_build(*t[q_arity:])), dim=-2)
+            return _reordered(point, head_order)
 
         n_qk = group * (q.in_features + int(q.bias is not None))
         m_qk = k.in_features + int(k.bias is not None)
@@ -257,6 +283,13 @@ def linear_attention_pairs(
             )
         )
     return specs
+
+
+def _reordered(point: torch.Tensor, head_order: Optional[Sequence[int]]) -> torch.Tensor:
+    """``point`` with each head's dimensions in ``head_order`` (an index-only map)."""
+    if head_order is None:
+        return point
+    return point[..., torch.as_tensor(list(head_order), device=point.device)]
 
 
 # ---------------------------------------------------------------- structure checks
@@ -350,6 +383,30 @@ def _unexpected_parameters(owner: torch.nn.Module, known: Set[str]) -> List[str]
 class _Context:
     model_config: object
     model_has_rotary: bool
+    model: Optional[torch.nn.Module] = None
+
+    def record(self) -> Tuple[Optional[ForwardRecord], str]:
+        """The model's recorded probe forward (one per model, cached), or why there is none."""
+        if self.model is None:
+            return None, "no model to run"
+        return recorded_forward(self.model)
+
+
+#: ``f(record) -> (..., heads, head_dim)``: a module's queries (or keys) per head, read
+#: from the recorded outputs of its projections.
+HeadsReader = Callable[[ForwardRecord], Optional[torch.Tensor]]
+
+
+def _rows_reader(linear_path: str, rows: torch.Tensor) -> HeadsReader:
+    """Heads ``rows`` (``(heads, head_dim)`` output rows) of a recorded ``nn.Linear``."""
+
+    def read(record: ForwardRecord) -> Optional[torch.Tensor]:
+        out = record.linear_outputs.get(linear_path)
+        if out is None:
+            return None
+        return out[..., rows.reshape(-1)].reshape(*out.shape[:-1], *rows.shape)
+
+    return read
 
 
 def attention_pairs(
@@ -416,27 +473,64 @@ def attention_pairs(
             path,
         )
         return found
-    query_key, rotary_dim, pairing = _query_key_group(path, owner, context, head_dim, found)
-    found.specs.extend(
-        linear_attention_pairs(
-            path,
-            projections,
-            heads,
-            head_dim,
-            num_kv_heads=n_kv,
-            query_key=query_key,
-            rotary_dim=rotary_dim,
-            pairing=pairing,
-        )
+    (q_path, _), (k_path, _) = projections[:2]
+    readers = (
+        _rows_reader(q_path, torch.arange(heads * head_dim).reshape(heads, head_dim)),
+        _rows_reader(k_path, torch.arange(n_kv * head_dim).reshape(n_kv, head_dim)),
     )
+    query_key, rotary_dim, pairing, order, qk_check = _query_key_group(
+        path, owner, context, head_dim, found, readers
+    )
+    specs = linear_attention_pairs(
+        path,
+        projections,
+        heads,
+        head_dim,
+        num_kv_heads=n_kv,
+        query_key=query_key,
+        rotary_dim=rotary_dim,
+        pairing=pairing,
+        head_order=order,
+    )
+    _add_checked(found, specs, qk_check)
     return found
 
 
+def _add_checked(found: Findings, specs: Sequence[PairSpec], qk_check: Optional[str]) -> None:
+    """Add ``specs``; the V/O pair (and the Q/K pair where ``qk_check`` says why) is
+    replayed on its module before it is kept (:func:`check_locally`)."""
+    for spec in specs:
+        found.specs.append(spec)
+        if spec.kind == "query-key" and qk_check:
+            found.to_check.append((spec, qk_check))
+        if spec.kind == "value-output":
+            found.to_check.append(
+                (
+                    spec,
+                    "the values pass through something between v and o (a norm of the "
+                    "values, a rotation...): only a smaller group, if any, survives (e.g. O(h) "
+                    "under a parameter-free norm of each head's values, which the library has no "
+                    "quotient for)",
+                )
+            )
+
+
 def _query_key_group(
-    path: str, owner: torch.nn.Module, context: _Context, head_dim: int, found: Findings
-) -> Tuple[bool, int, str]:
-    """Which group acts on Q/K: ``(quotiented, rotary_dim, pairing)``; a note says why
-    where Q/K is left to the adaptive geometry."""
+    path: str,
+    owner: torch.nn.Module,
+    context: _Context,
+    head_dim: int,
+    found: Findings,
+    readers: Tuple[HeadsReader, HeadsReader],
+) -> Tuple[bool, int, str, Optional[List[int]], Optional[str]]:
+    """Which group acts on Q/K: ``(quotiented, rotary_dim, pairing, head_order, check)``;
+    a note says why where Q/K is left to the adaptive geometry, ``check`` why the pair
+    must be replayed on its module before it is kept (``None``: no need).
+
+    The rotary planes are read by probing the model's own rotary function
+    (:func:`~geoopt_quotient.symmetry.probe.rotary_planes`); names and the config are
+    read only on the meta device, where nothing can be computed (with a note).
+    """
     breakers = _qk_breakers(owner)
     rotary = _rotary_reason(owner, context.model_config, context.model_has_rotary)
     if breakers:
@@ -453,23 +547,73 @@ def _query_key_group(
             "to the adaptive geometry (V/O is handled)",
             path,
         )
-        return False, 0, "half"
-    if rotary is None:
-        return True, 0, "half"
-    geometry, why = rotary_geometry(owner, context.model_config, head_dim)
-    if geometry is None:
+        return False, 0, "half", None, None
+    record, why_not = context.record()
+    if record is None:
+        return _unprobed_query_key(path, owner, context, head_dim, found, rotary, why_not)
+    reading = rotary_planes(record, path, *readers)
+    if reading.reason and not reading.found:  # the module did not run in the probe
+        return _unprobed_query_key(path, owner, context, head_dim, found, rotary, reading.reason)
+    if reading.reason:
         found.note(
-            f"Q/K under rotary position embeddings ({rotary}), but {why}: the "
-            "rotary-commuting subgroup is not guessed; Q/K left to the adaptive geometry "
-            "(V/O is handled)",
+            f"Q/K under rotary position embeddings, but {reading.reason} (read by probing "
+            "the model's rotary function): Q/K left to the adaptive geometry (V/O is handled)",
             path,
         )
-        return False, 0, "half"
-    return True, *geometry
+        return False, 0, "half", None, None
+    if reading.found and reading.planes:
+        return (True, *canonical_rotary(reading.planes, head_dim), None)
+    if rotary is None:
+        return True, 0, "half", None, None
+    check = (
+        f"Q/K looked rotary ({rotary}) but no rotary function was seen rotating its "
+        "queries and keys in the probe forward, and a general GL(h) on Q/K changes the "
+        "module's output"
+    )
+    return True, 0, "half", None, check
 
 
-def _partial_rotary_factor(config: object) -> Optional[float]:
+def _unprobed_query_key(
+    path: str,
+    owner: torch.nn.Module,
+    context: _Context,
+    head_dim: int,
+    found: Findings,
+    rotary: Optional[str],
+    why_not: str,
+) -> Tuple[bool, int, str, Optional[List[int]], Optional[str]]:
+    """Q/K of a model that could not be probed: on the meta device, the rotary geometry
+    read from the config and names (noted as unverified); otherwise left adaptive."""
+    if rotary is None:
+        return True, 0, "half", None, None
+    meta = any(p.is_meta for p in owner.parameters())
+    geometry, why = rotary_geometry(owner, context.model_config, head_dim)
+    if not meta or geometry is None:
+        reason = why_not if not meta else why
+        found.note(
+            f"Q/K under rotary position embeddings ({rotary}), but the rotary planes could "
+            f"not be read ({reason}): Q/K left to the adaptive geometry (V/O is handled)",
+            path,
+        )
+        return False, 0, "half", None, None
+    found.note(
+        f"Q/K under rotary position embeddings ({rotary}): {why_not}, so the rotary "
+        f"function was not probed; assumed {geometry[0]} rotating dimensions with "
+        f"{geometry[1]!r} pairing, read from the config and the modelling module's names "
+        "(not verified: run discovery on the materialised model to read them)",
+        path,
+    )
+    return True, *geometry, None, None
+
+
+def _partial_rotary_factor(config: object, owner: torch.nn.Module) -> Optional[float]:
+    """The config's partial rotary factor for ``owner``'s layer: ``rope_parameters`` may
+    hold one dict per layer type (``config.layer_types[owner.layer_idx]``)."""
     rope = getattr(config, "rope_parameters", None)
+    types, index = getattr(config, "layer_types", None), getattr(owner, "layer_idx", None)
+    if isinstance(rope, dict) and isinstance(types, (list, tuple)) and isinstance(index, int):
+        if index < len(types) and isinstance(rope.get(types[index]), dict):
+            rope = rope[types[index]]
     candidates = [rope.get("partial_rotary_factor") if isinstance(rope, dict) else None]
     candidates += [getattr(config, name, None) for name in ("partial_rotary_factor", "rotary_pct")]
     return next((float(c) for c in candidates if isinstance(c, (int, float))), None)
@@ -478,7 +622,9 @@ def _partial_rotary_factor(config: object) -> Optional[float]:
 def rotary_geometry(
     owner: torch.nn.Module, config: object, head_dim: int
 ) -> Tuple[Optional[Tuple[int, str]], str]:
-    """How rotary embeddings act on the heads of ``owner``: ``((rotary_dim, pairing), "")``,
+    """How rotary embeddings act on the heads of ``owner``, read from its config and names
+    (used only where the model's rotary function cannot be probed, e.g. on the meta
+    device; see :mod:`~geoopt_quotient.symmetry.probe`): ``((rotary_dim, pairing), "")``,
     or ``(None, reason)`` where it cannot be read.
 
     The rotating dimensions are the first ``rotary_dim`` of each head: the module's
@@ -505,7 +651,7 @@ def rotary_geometry(
     """
     rotary_dim = _int_attr(owner, ("rotary_ndims", "rotary_dim"))
     if rotary_dim is None and config is not None:
-        factor = _partial_rotary_factor(config)
+        factor = _partial_rotary_factor(config, owner)
         config_dim = getattr(config, "rotary_dim", None)
         if factor is not None:
             rotary_dim = int(head_dim * factor)
@@ -669,7 +815,7 @@ FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj")
 FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj")
 
 
-def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int):
+def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int, shards: int = 1):
     """Output rows of a fused QKV projection, per head: ``(q, k, v)`` integer tensors of
     shapes ``(heads, head_dim)``, ``(kv_heads, head_dim)``, ``(kv_heads, head_dim)``.
 
@@ -681,10 +827,12 @@ def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int):
 
     Parameters
     ----------
-    layout : {"per-head", "blocks", "kv-groups"}
+    layout : {"per-head", "blocks", "kv-groups", "mp-shards"}
         The row layout.
     heads, kv_heads, head_dim : int
         Query heads, key/value heads and the head size.
+    shards : int
+        Model-parallel shards of the ``"mp-shards"`` layout.
 
     Returns
     -------
@@ -692,6 +840,9 @@ def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int):
         The row indices of Q, K and V, head by head.
     """
     group = heads // kv_heads
+    if layout == "mp-shards":
+        rows = torch.arange(3 * heads * head_dim).reshape(shards, 3, -1)
+        return tuple(rows[:, part].reshape(-1, head_dim) for part in (0, 2, 1))
     if layout == "per-head":
         rows = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim)
         return rows[:, 0], rows[:, 1], rows[:, 2]
@@ -716,6 +867,7 @@ def fused_attention_pairs(
     query_key: bool = True,
     rotary_dim: int = 0,
     pairing: str = "half",
+    head_order: Optional[Sequence[int]] = None,
 ) -> List[PairSpec]:
     """Q/K and V/O pairs of attention with one fused ``nn.Linear`` for Q, K and V.
 
@@ -732,7 +884,7 @@ def fused_attention_pairs(
         Output rows of Q ``(heads, head_dim)``, K and V ``(kv_heads, head_dim)``.
     query_key : bool
         Whether to build the Q/K pair.
-    rotary_dim, pairing
+    rotary_dim, pairing, head_order
         As for :func:`linear_attention_pairs`.
 
     Returns
@@ -766,9 +918,10 @@ def fused_attention_pairs(
 
         def qk_layout(weight, *bias):
             b = bias[0] if bias else None
-            return torch.cat(
+            point = torch.cat(
                 (stacked(factor(weight, b, q_rows)), factor(weight, b, k_rows)), dim=-2
             )
+            return _reordered(point, head_order)
 
         specs.append(
             PairSpec(
@@ -808,6 +961,8 @@ def fused_attention_pairs(
 
 def _fused_layout(module: torch.nn.Module, child: str) -> str:
     """The row layout of a fused projection, from the module's attributes."""
+    if _int_attr(module, ("mp_num",)) is not None:
+        return "mp-shards"
     if child == "qkv_proj" or (
         getattr(module, "multi_query", False) is True
         and not getattr(module, "new_decoder_architecture", False)
@@ -834,8 +989,9 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
     head_dim = _int_attr(module, HEAD_DIM_ATTRS)
     heads = _int_attr(module, HEADS_ATTRS) or _int_attr(config, HEADS_ATTRS)
     layout = _fused_layout(module, fused_name)
+    shards = _int_attr(module, ("mp_num",)) or 1
     n_kv = _int_attr(module, KV_HEADS_ATTRS)
-    if layout == "per-head":
+    if layout in ("per-head", "mp-shards"):
         n_kv = heads
     elif n_kv is None and layout == "blocks" and fused_name == "qkv_proj":
         n_kv = _int_attr(config, KV_HEADS_ATTRS) or heads
@@ -848,6 +1004,7 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
         and heads % n_kv == 0
         and fused.out_features == (heads + 2 * n_kv) * head_dim
         and o.in_features == heads * head_dim
+        and (heads * head_dim) % shards == 0
     )
     unexpected = _unexpected_parameters(module, {fused_name, o_name})
     if not fits or unexpected:
@@ -859,18 +1016,23 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
         )
         found.note(f"{label}: {why}; left to the adaptive geometry", path)
         return found
-    query_key, rotary_dim, pairing = _query_key_group(path, module, context, head_dim, found)
-    found.specs.extend(
-        fused_attention_pairs(
-            path,
-            (_prefixed(path, fused_name), fused),
-            (_prefixed(path, o_name), o),
-            fused_rows(layout, heads, n_kv, head_dim),
-            query_key=query_key,
-            rotary_dim=rotary_dim,
-            pairing=pairing,
-        )
+    rows = fused_rows(layout, heads, n_kv, head_dim, shards)
+    fused_path = _prefixed(path, fused_name)
+    readers = (_rows_reader(fused_path, rows[0]), _rows_reader(fused_path, rows[1]))
+    query_key, rotary_dim, pairing, order, qk_check = _query_key_group(
+        path, module, context, head_dim, found, readers
     )
+    specs = fused_attention_pairs(
+        path,
+        (fused_path, fused),
+        (_prefixed(path, o_name), o),
+        rows,
+        query_key=query_key,
+        rotary_dim=rotary_dim,
+        pairing=pairing,
+        head_order=order,
+    )
+    _add_checked(found, specs, qk_check)
     return found
 
 
@@ -912,7 +1074,7 @@ def find_attention(model: torch.nn.Module, skip: Set[str] = frozenset()) -> Find
     model_has_rotary = any(
         "rotary" in type(m).__name__.lower() or hasattr(m, "inv_freq") for m in model.modules()
     )
-    context = _Context(getattr(model, "config", None), model_has_rotary)
+    context = _Context(getattr(model, "config", None), model_has_rotary, model)
     found = Findings()
     modules = list(model.named_modules())
     for path, module in modules:
@@ -934,7 +1096,56 @@ def find_attention(model: torch.nn.Module, skip: Set[str] = frozenset()) -> Find
             "geometry",
             path,
         )
+    return check_locally(model, found)
+
+
+def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
+    """Replay the module of each spec in ``found.to_check`` with a random element of its
+    group acting on its parameters; drop the specs whose module output moves, with a note.
+
+    Runs only where the model's probe forward was recorded
+    (:func:`~geoopt_quotient.symmetry.probe.recorded_forward`); elsewhere the specs are
+    kept and a note says they were not replayed.
+    """
+    if not found.to_check:
+        return found
+    record, why_not = recorded_forward(model)
+    if record is None:
+        found.note(f"pairs not replayed on their modules: {why_not}")
+        found.to_check = []
+        return found
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    dropped = set()
+    for spec, meaning in found.to_check:
+        moved = moved_by_element(spec, params)
+        with preserved_model_state(model):  # eval mode: no dropout in the replays
+            holds, deviation = pair_holds(record, spec.module, modules[spec.module], moved)
+        if holds is False:
+            dropped.add(id(spec))
+            ran = _other_children(record, spec)
+            found.note(
+                f"{spec.kind} pair dropped: a random element of its group changes the "
+                f"module's output by {deviation:.2g} (relative; tolerance "
+                f"{local_tolerance(next(iter(moved.values())).dtype):.1g}): {meaning}"
+                + (f"; modules run besides the pair's: {ran}" if ran else ""),
+                spec.module,
+            )
+    found.specs = [s for s in found.specs if id(s) not in dropped]
+    found.to_check = []
     return found
+
+
+def _other_children(record: ForwardRecord, spec: PairSpec) -> str:
+    """The children a module ran in the probe forward, other than the pair's own."""
+    prefix = f"{spec.module}." if spec.module else ""
+    own = {n.rsplit(".", 1)[0] for n in spec.params}
+    ran = []
+    for child in record.children_run.get(spec.module, []):
+        name = child[len(prefix) :]
+        if child not in own and name not in ran and not name.startswith("dropout"):
+            ran.append(name)
+    return ", ".join(ran)
 
 
 def bert_style_pairs(model: torch.nn.Module) -> Iterator[PairSpec]:

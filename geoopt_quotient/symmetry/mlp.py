@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .huggingface import Findings, _linear, _prefixed
+from .huggingface import Findings, _linear, _prefixed, check_locally
 from .layouts import PairSpec
 
 __all__ = ["gated_mlp_pairs"]
@@ -30,6 +30,12 @@ FUSED = ("gate_up_proj", "down_proj")
 #: (in, out) children of plain MLPs ``out(act(in(x)))`` (OPT, T5, GPT-NeoX, Falcon, Phi...)
 PLAIN = (("fc1", "fc2"), ("wi", "wo"), ("dense_h_to_4h", "dense_4h_to_h"))
 ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
+#: What it means when a unit's scaling of ``up`` against ``down`` moves the MLP's output.
+BETWEEN_FACTORS = (
+    "something sits between the product act(gate) * up and down (a norm of the hidden "
+    "units) or adds to up (an adapter), so scaling a unit's up row against its down column "
+    "is not a symmetry"
+)
 
 
 def _activation(module: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -111,12 +117,17 @@ def gated_mlp_pairs(model: torch.nn.Module) -> Findings:
     -------
     Findings
         One :class:`~geoopt_quotient.symmetry.PairSpec` of kind ``"mlp"`` per MLP, with
-        ``head_dim = 1`` and one pair per hidden unit (``positive=True`` for ReLU).
+        ``head_dim = 1`` and one pair per hidden unit (``positive=True`` for ReLU). Each
+        MLP is replayed with a random scaling of its units
+        (:func:`~geoopt_quotient.symmetry.huggingface.check_locally`): one whose output
+        moves (a norm between the product and ``down``, an adapter added to ``up``) is
+        dropped with a note.
     """
     found = Findings()
     for path, module in model.named_modules():
         spec = _mlp(path, module)
         if spec is not None:
             found.specs.append(spec)
+            found.to_check.append((spec, BETWEEN_FACTORS))
             found.claimed.add(path)
-    return found
+    return check_locally(model, found)

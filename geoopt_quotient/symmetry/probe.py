@@ -1,0 +1,500 @@
+r"""Reading a model's structure from one recorded forward pass: rotary planes, local checks.
+
+Discovery decides from numbers, not from names. :func:`recorded_forward` runs the model
+once on tiny probe inputs (built from its config) and records, per module, the
+arguments of its calls and the outputs of its ``nn.Linear`` children; it also records
+every call of the model's own rotary functions (candidates found by name, ``rotary``,
+``rope``, ``rotate`` or ``pos_emb`` in the attention class's module or on the class) made
+directly inside an attention module, with their inputs and outputs.
+
+:func:`rotary_planes` then feeds basis vectors of the head through the recorded rotary
+call at every probed position and reads off which dimensions rotate together: a rotary
+embedding maps each plane :math:`(i, j)` by :math:`\begin{pmatrix} c & -s \\ s & c
+\end{pmatrix}` (angle depending on the position) and leaves the other dimensions
+unchanged. The queries it rotates are matched, column by column, against the query
+heads read from the projection's recorded output, so the planes are in the head's own
+coordinates whatever the function's signature, its slicing (partial rotary) or its
+pairing convention. :func:`pair_holds` replays one module with a random group element
+applied to a pair's factors and compares its output: a parameter-free norm between the
+factors (values normalised per head, a norm between the MLP's product and ``down``) or
+an adapter added to one factor makes it move.
+
+A model on the meta device (or one whose forward cannot run on the default probe) is
+not probed: :func:`recorded_forward` says why, and discovery notes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.func import functional_call
+
+__all__ = [
+    "ForwardRecord",
+    "RotaryReading",
+    "canonical_rotary",
+    "pair_holds",
+    "recorded_forward",
+    "rotary_planes",
+]
+
+#: Names of the callables that may apply rotary embeddings (candidates only: the
+#: numbers decide whether and how they rotate the queries and keys).
+ROTARY_CANDIDATE = re.compile(r"rot(ary|ate)|rope|pos_emb", re.IGNORECASE)
+#: Probe sequence length: a few positions, spread over the model's position range.
+PROBE_LENGTH = 6
+#: Calls recorded per module (a shared block may run at several layers).
+CALLS_PER_MODULE = 4
+
+
+@dataclass
+class RotaryCall:
+    """One call of a rotary candidate: its function, arguments and outputs."""
+
+    function: Callable
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    outputs: List[torch.Tensor]
+
+
+@dataclass
+class ForwardRecord:
+    """What one forward pass recorded, by module path."""
+
+    calls: Dict[str, List[Tuple[Tuple[Any, ...], Dict[str, Any]]]] = field(default_factory=dict)
+    linear_outputs: Dict[str, torch.Tensor] = field(default_factory=dict)
+    rotary_calls: Dict[str, List[RotaryCall]] = field(default_factory=dict)
+    children_run: Dict[str, List[str]] = field(default_factory=dict)
+    replays: Dict[Tuple, Any] = field(default_factory=dict)
+
+
+_RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, Tuple[Tuple, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _fingerprint(model: torch.nn.Module) -> Tuple:
+    return tuple((n, tuple(p.shape), p.dtype, str(p.device)) for n, p in model.named_parameters())
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    return value
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _candidates(model: torch.nn.Module) -> List[Tuple[Any, str, Callable, bool]]:
+    """``(owner, name, function, is_class)`` of every rotary candidate to wrap."""
+    seen, out = set(), []
+    for module in model.modules():
+        cls = type(module)
+        if not cls.__module__.startswith("transformers.") or cls in seen:
+            continue
+        seen.add(cls)
+        source = sys.modules.get(cls.__module__)
+        for name, value in vars(source).items() if source is not None else ():
+            if inspect.isfunction(value) and ROTARY_CANDIDATE.search(name):
+                out.append((source, name, value, False))
+        for name, value in vars(cls).items():
+            if isinstance(value, staticmethod) and ROTARY_CANDIDATE.search(name):
+                out.append((cls, name, value.__func__, True))
+    unique = {(id(owner), name): entry for entry in out for owner, name in [entry[:2]]}
+    return list(unique.values())
+
+
+@contextlib.contextmanager
+def _recording(model: torch.nn.Module, record: ForwardRecord) -> Iterator[None]:
+    """Hooks on every module and wrappers on the rotary candidates, removed on exit."""
+    stack: List[str] = []
+    depth = [0]
+    handles = []
+
+    def pre(path):
+        def hook(module, args, kwargs):
+            if stack:
+                record.children_run.setdefault(stack[-1], []).append(path)
+            calls = record.calls.setdefault(path, [])
+            if len(calls) < CALLS_PER_MODULE:
+                calls.append((_detached(args), _detached(kwargs)))
+            stack.append(path)
+
+        return hook
+
+    def post(path):
+        def hook(module, args, output):
+            stack.pop()
+            if isinstance(module, torch.nn.Linear) and isinstance(output, torch.Tensor):
+                record.linear_outputs.setdefault(path, output.detach().clone())
+
+        return hook
+
+    def wrap(function):
+        def wrapper(*args, **kwargs):
+            depth[0] += 1
+            try:
+                out = function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0 and stack:
+                calls = record.rotary_calls.setdefault(stack[-1], [])
+                if len(calls) < 2 * CALLS_PER_MODULE:
+                    outputs = [t.detach().clone() for t in _tensors(out)]
+                    calls.append(RotaryCall(function, _detached(args), _detached(kwargs), outputs))
+            return out
+
+        return wrapper
+
+    patched = []
+    try:
+        for path, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(post(path)))
+        for owner, name, function, is_class in _candidates(model):
+            original = owner.__dict__[name]
+            replacement = staticmethod(wrap(function)) if is_class else wrap(function)
+            setattr(owner, name, replacement)
+            patched.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+        for handle in handles:
+            handle.remove()
+
+
+def _probe_inputs(model: torch.nn.Module) -> Dict[str, Any]:
+    from .verify import probe_inputs_for
+
+    inputs = probe_inputs_for(model, batch_size=1, seq_len=PROBE_LENGTH)
+    inputs.pop("attention_mask", None)
+    return inputs
+
+
+def _spread_positions(model: torch.nn.Module, inputs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The inputs with positions spread over the model's range (slow rotary planes turn
+    by measurable angles), or ``None`` where the forward takes no ``position_ids``."""
+    ids = inputs.get("input_ids")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    try:
+        accepts = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if ids is None or not accepts or not isinstance(limit, int) or limit <= ids.shape[-1]:
+        return None
+    positions = torch.linspace(0, limit - 1, ids.shape[-1]).round().long().to(ids.device)
+    return {**inputs, "position_ids": positions.expand_as(ids)}
+
+
+def recorded_forward(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
+    """One recorded forward pass of ``model`` on probe inputs: ``(record, "")`` or
+    ``(None, reason)``. Cached per model (and its parameters' shapes, dtypes, devices)."""
+    key = _fingerprint(model)
+    cached = _RECORDS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    result = _record(model)
+    _RECORDS[model] = (key, result)
+    return result
+
+
+def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
+    if any(p.is_meta for p in model.parameters()):
+        return None, "the model is on the meta device (nothing can be computed)"
+    try:
+        inputs = _probe_inputs(model)
+    except Exception as error:
+        return None, f"no probe inputs could be built ({error})"
+    from .._model_state import preserved_model_state
+
+    errors = []
+    for attempt in (_spread_positions(model, inputs), inputs):
+        if attempt is None:
+            continue
+        record = ForwardRecord()
+        try:
+            with preserved_model_state(model), torch.no_grad(), _recording(model, record):
+                model(**attempt)
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+            continue
+        return record, ""
+    return None, f"its forward failed on the probe inputs ({errors[-1][:200]})"
+
+
+# ---------------------------------------------------------------- rotary planes
+@dataclass
+class RotaryReading:
+    """What the probe read from an attention module's rotary calls.
+
+    ``planes`` are pairs of head dimensions that rotate together, ``fixed`` the
+    dimensions no call moves; ``reason`` says why nothing could be read (then both are
+    empty), ``found`` whether any call rotated this module's queries and keys.
+    """
+
+    found: bool
+    planes: List[Tuple[int, int]] = field(default_factory=list)
+    fixed: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # rotary tables are often computed in float32 even in a float64 model
+    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    return 64 * eps
+
+
+def _column_offset(data: torch.Tensor, heads: torch.Tensor) -> Optional[int]:
+    """Offset ``o`` with ``data[..., c]`` equal (as a multiset) to ``heads[..., o + c]``,
+    each head possibly repeated (key heads shared by several query heads)."""
+    r, hd = data.shape[-1], heads.shape[-1]
+    rows, ref_rows = data.numel() // r, heads.numel() // hd
+    if r > hd or rows % ref_rows:
+        return None
+    cols = data.reshape(-1, r).to(torch.float64).sort(dim=0).values
+    ref = heads.reshape(-1, hd).to(torch.float64).repeat(rows // ref_rows, 1)
+    ref = ref.sort(dim=0).values
+    scale = ref.abs().max().clamp_min(1e-30)
+    tol = _tolerance(data.dtype) * scale
+    for offset in range(hd - r + 1):
+        if (cols - ref[:, offset : offset + r]).abs().max() <= tol:
+            return offset
+    return None
+
+
+def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
+    """Matrices ``(positions, r, r)`` of the call's map on argument ``slot``: basis vectors
+    in, the output of the same slot out (the other data arguments zero)."""
+    data = call.args[slot]
+    r = data.shape[-1]
+    out_index = slots.index(slot)
+    columns = []
+    for j in range(r):
+        args = list(call.args)
+        for s in slots:
+            args[s] = torch.zeros_like(call.args[s])
+        args[slot] = torch.zeros_like(data)
+        args[slot][..., j] = 1
+        outputs = _tensors(call.function(*args, **call.kwargs))
+        if len(outputs) != len(slots):
+            return None
+        for k, other in enumerate(outputs):
+            if k != out_index and other.abs().max() > 0:
+                return None  # the data arguments mix: not a rotation of each
+        columns.append(outputs[out_index].reshape(-1, r).to(torch.float64))
+    return torch.stack(columns, dim=-1)
+
+
+def _planes(maps: torch.Tensor, tol: float) -> Optional[Tuple[List[Tuple[int, int]], List[int]]]:
+    """Planes and fixed dimensions of maps ``(positions, r, r)``, or ``None`` where they
+    are not rotations of disjoint planes (and the identity elsewhere)."""
+    r = maps.shape[-1]
+    eye = torch.eye(r, dtype=maps.dtype)
+    off = (maps - eye * maps).abs().amax(dim=0) > tol  # couplings i <- j
+    planes, fixed = [], []
+    for j in range(r):
+        partners = off[:, j].nonzero().flatten().tolist()
+        if not partners:
+            if (maps[:, j, j] - 1).abs().max() > tol:
+                return None  # scaled, not rotated
+            fixed.append(j)
+            continue
+        if len(partners) != 1 or off[j].nonzero().flatten().tolist() != partners:
+            return None
+        i = partners[0]
+        if j < i:
+            block = maps[:, [j, i]][:, :, [j, i]]
+            c, s = block[:, 0, 0], block[:, 1, 0]
+            if (block[:, 1, 1] - c).abs().max() > tol or (block[:, 0, 1] + s).abs().max() > tol:
+                return None
+            planes.append((j, i))
+    return planes, fixed
+
+
+def rotary_planes(
+    record: ForwardRecord,
+    path: str,
+    query_heads: Callable[[ForwardRecord], Optional[torch.Tensor]],
+    key_heads: Callable[[ForwardRecord], Optional[torch.Tensor]],
+) -> RotaryReading:
+    """The rotary planes of the attention module at ``path``, read from its recorded calls.
+
+    Parameters
+    ----------
+    record : ForwardRecord
+        The recorded forward pass.
+    path : str
+        The attention module (the rotary function is called in it or in a submodule).
+    query_heads, key_heads : callable
+        ``f(record) -> (..., heads, head_dim)``: the module's pre-rotary queries (keys)
+        from the recorded projection outputs, or ``None`` if not recorded.
+
+    Returns
+    -------
+    RotaryReading
+        Planes in head coordinates; ``found=False`` if no recorded call rotated queries
+        and keys of this module.
+    """
+    q, k = query_heads(record), key_heads(record)
+    if q is None or k is None:
+        return RotaryReading(False, reason="the module did not run in the probe forward")
+    hd = q.shape[-1]
+    readings = {}
+    inside = [c for p, cs in record.rotary_calls.items() if _within(p, path) for c in cs]
+    for call in inside:
+        slots = [
+            i
+            for i, a in enumerate(call.args)
+            if isinstance(a, torch.Tensor) and any(a.shape == o.shape for o in call.outputs)
+        ]
+        for slot in slots:
+            data = call.args[slot]
+            for side, heads in (("query", q), ("key", k)):
+                offset = _column_offset(data, heads) if side not in readings else None
+                if offset is None:
+                    continue
+                maps = _replay_maps(call, slot, slots)
+                found = None if maps is None else _planes(maps, _tolerance(data.dtype))
+                if found is None:
+                    return RotaryReading(
+                        True, reason=f"{call.function.__name__} does not rotate disjoint planes"
+                    )
+                planes, fixed = found
+                moved = [(a + offset, b + offset) for a, b in planes]
+                rest = [d for d in range(hd) if not any(d in p for p in moved)]
+                readings[side] = (sorted(moved), rest)
+    if not readings:
+        return RotaryReading(False)
+    if set(readings) != {"query", "key"} or readings["query"] != readings["key"]:
+        return RotaryReading(True, reason="the queries and keys are not rotated alike")
+    planes, fixed = readings["query"]
+    return RotaryReading(True, planes, fixed)
+
+
+def _within(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(f"{root}.")
+
+
+def canonical_rotary(
+    planes: Sequence[Tuple[int, int]], head_dim: int
+) -> Tuple[int, str, Optional[List[int]]]:
+    """``(rotary_dim, pairing, order)`` of planes: ``order`` (``None`` where not needed)
+    permutes a head's dimensions so that the planes are ``(j, j + r/2)`` on the first
+    ``r`` of them (``pairing="half"``); planes ``(2j, 2j+1)`` on the first ``r`` give
+    ``"interleaved"`` without a permutation."""
+    planes = sorted(planes)
+    k = len(planes)
+    rest = [d for d in range(head_dim) if not any(d in p for p in planes)]
+    if planes == [(j, j + k) for j in range(k)] and rest == list(range(2 * k, head_dim)):
+        return 2 * k, "half", None
+    if planes == [(2 * j, 2 * j + 1) for j in range(k)] and rest == list(range(2 * k, head_dim)):
+        return 2 * k, "interleaved", None
+    order = [a for a, _ in planes] + [b for _, b in planes] + rest
+    return 2 * k, "half", order
+
+
+# ---------------------------------------------------------------- local checks
+def _leaves(output: Any) -> List[torch.Tensor]:
+    return [t for t in _tensors(output) if t.is_floating_point()]
+
+
+def pair_holds(
+    record: ForwardRecord,
+    module_path: str,
+    module: torch.nn.Module,
+    moved: Dict[str, torch.Tensor],
+) -> Tuple[Optional[bool], float]:
+    """Whether ``module`` computes the same outputs with its parameters ``moved``.
+
+    Replays every recorded call of the module with the parameters in ``moved`` (by full
+    name in the model) replaced; returns ``(holds, deviation)``, the largest deviation
+    relative to the largest output, ``holds=None`` when the module was not recorded.
+    """
+    calls = record.calls.get(module_path)
+    if not calls:
+        return None, 0.0
+    prefix = f"{module_path}." if module_path else ""
+    local = {n[len(prefix) :]: t for n, t in moved.items() if n.startswith(prefix)}
+    worst, dtype = 0.0, torch.float32
+    with torch.no_grad():
+        for args, kwargs in calls:
+            before = _leaves(module(*args, **kwargs))
+            after = _leaves(functional_call(module, local, args, kwargs, strict=False))
+            for a, b in zip(before, after):
+                dtype = a.dtype
+                scale = a.abs().max().clamp_min(torch.finfo(a.dtype).tiny)
+                worst = max(worst, float((a - b).abs().max() / scale))
+    return worst <= local_tolerance(dtype), worst
+
+
+def local_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of a local check: float32 resolution (many families compute
+    attention or norms in float32 inside a float64 model) times a margin for the
+    element's condition number and the module's depth."""
+    return 4096 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+
+
+def _element(heads: int, h: int, rotary_dim: int, pairing: str, positive: bool, gen, dtype):
+    """Random well-conditioned elements ``(heads, h, h)`` of a pair's group (singular
+    values in [1/2, 2]): GL(h), or the rotary-commuting subgroup, or positive scalings."""
+    scales = torch.empty(heads, h, dtype=dtype).uniform_(-0.69, 0.69, generator=gen).exp()
+    if positive:
+        return scales.reshape(heads, 1, 1) if h == 1 else torch.diag_embed(scales)
+    q1 = torch.linalg.qr(torch.randn(heads, h, h, generator=gen, dtype=dtype)).Q
+    q2 = torch.linalg.qr(torch.randn(heads, h, h, generator=gen, dtype=dtype)).Q
+    general = q1 @ torch.diag_embed(scales) @ q2
+    if not rotary_dim:
+        return general
+    element = torch.zeros(heads, h, h, dtype=dtype)
+    element[:, rotary_dim:, rotary_dim:] = general[:, rotary_dim:, rotary_dim:]
+    k = rotary_dim // 2
+    modulus, angle = scales[:, :k], 3 * scales[:, k:rotary_dim]
+    a, b = modulus * torch.cos(angle), modulus * torch.sin(angle)
+    for j in range(k):
+        i0, i1 = (j, j + k) if pairing == "half" else (2 * j, 2 * j + 1)
+        element[:, i0, i0], element[:, i1, i1] = a[:, j], a[:, j]
+        element[:, i0, i1], element[:, i1, i0] = -b[:, j], b[:, j]
+    return element
+
+
+def moved_by_element(spec: Any, params: Dict[str, torch.Tensor], seed: int = 0):
+    """The parameters of ``spec`` (a :class:`~geoopt_quotient.symmetry.PairSpec`) moved by
+    a random element ``A`` of its group: ``G -> G A``, ``H -> H A^{-T}`` per head."""
+    names = list(spec.params)
+    tensors = [params[n] for n in names]
+    dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    point = spec.layout(*tensors).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    element = _element(
+        spec.num_heads, spec.head_dim, spec.rotary_dim, spec.pairing, spec.positive, gen, dtype
+    ).to(point.device)
+    g, h = point[..., : spec.n, :], point[..., spec.n :, :]
+    moved = torch.cat((g @ element, h @ torch.linalg.inv(element).mT), dim=-2)
+    sizes = [t.numel() for t in tensors]
+    starts = torch.tensor([0, *sizes]).cumsum(0)
+    index = spec.layout(
+        *(torch.arange(s, s + n).reshape(t.shape) for s, n, t in zip(starts, sizes, tensors))
+    )
+    flat = torch.cat([t.reshape(-1) for t in tensors]).clone()
+    flat[index.reshape(-1)] = moved.reshape(-1).to(flat.dtype)
+    return {n: flat[s : s + c].view(t.shape) for n, s, c, t in zip(names, starts, sizes, tensors)}
