@@ -304,7 +304,7 @@ def test_plan_has_the_expected_groups(name):
     if case.note:
         assert any(case.note in note for note in plan.notes), plan.notes
     else:
-        assert plan.notes == []
+        assert [n for n in plan.notes if not n.startswith("verified")] == []
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -498,7 +498,7 @@ def test_peft_lora_pairs_are_symmetries():
     kinds = [(g.kind, tuple(g.shape), g.count) for g in bound.symmetric_groups]
     # the embedding adapter: (1, 1, 16 + 50, 2); q and v adapters of 2 layers: (4, 1, 16 + 16, 2)
     assert kinds == [("lora", (1, 1, 66, 2), 1), ("lora", (4, 1, 32, 2), 4)]
-    assert plan.notes == []  # the wrapped base projections are frozen: nothing to say
+    assert [n for n in plan.notes if not n.startswith("verified")] == []  # frozen base
     params = {n: p.detach() for n, p in model.named_parameters()}
     inputs = CASES["bert"].inputs(0)
     elements = elements_for(bound, seed=3)

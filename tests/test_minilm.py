@@ -95,7 +95,7 @@ def test_plan_covers_every_head(setup):
         ("query-key", (6, 12, 385 + 385, 32), 72),
         ("value-output", (6, 12, 385 + 384, 32), 72),
     ]
-    assert bound.notes == []
+    assert [n for n in bound.notes if not n.startswith("verified")] == []
 
 
 def test_verify_passes_on_the_real_weights(setup):

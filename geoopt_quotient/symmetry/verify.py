@@ -210,7 +210,45 @@ def default_probe(model: torch.nn.Module) -> Any:
         k = x if model.kdim == model.embed_dim else x.new_ones(*shape, model.kdim)
         v = x if model.vdim == model.embed_dim else x.new_ones(*shape, model.vdim)
         return (x, k, v)
-    return probe_inputs_for(model)
+    if getattr(_base_model(model), "config", None) is not None:
+        return probe_inputs_for(model)
+    single = _single_input(model)
+    if single is None:
+        raise PlanError(
+            f"cannot build probe inputs for {type(model).__name__}: it has no Hugging Face "
+            "config and its first layer does not say what it takes; pass probe_inputs= (a dict "
+            "of keyword arguments, a tuple, a tensor or a function of the model), or verify=False"
+        )
+    return single
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """Random input for a module whose ``forward`` takes one required argument, read off
+    its first parameterised layer: tokens for an ``Embedding``, features for a
+    ``Linear``; ``None`` otherwise."""
+    try:
+        signature = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    required = [
+        p
+        for p in signature
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    first = next((m for m in model.modules() if next(m.parameters(False), None) is not None), None)
+    if len(required) != 1 or first is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    p = next(first.parameters())
+    if isinstance(first, torch.nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 7), generator=gen).to(p.device)
+    if isinstance(first, torch.nn.Linear):
+        return torch.randn(2, first.in_features, generator=gen, dtype=torch.float64).to(p)
+    return None
 
 
 def as_probe(probe_inputs: Any) -> Probe:
@@ -407,6 +445,7 @@ class _Prover:
         self.dtype = floating[0] if floating else torch.float32
         self.compute = _compute_dtype(self.dtype)
         self.generator = torch.Generator().manual_seed(seed)
+        self.projections = torch.Generator().manual_seed(seed + 1)
         self.forward_calls = 0
 
     def outputs(self, params: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
@@ -460,7 +499,7 @@ class _Prover:
         for i in range(3):
             total = sum(
                 (
-                    torch.randn(t.shape, generator=self.generator).to(t.device, t.real.dtype)
+                    torch.randn(t.shape, generator=self.projections).to(t.device, t.real.dtype)
                     * t.real
                 ).sum()
                 for t in leaves
