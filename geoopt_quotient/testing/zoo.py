@@ -119,6 +119,20 @@ TINY: Dict[str, Any] = {
     "zero_expert_num": 2,
     "n_group": 1,
     "topk_group": 1,
+    # state-space and linear-attention mixers
+    "mamba_d_ssm": 64,
+    "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 8,
+    "ssm_state_size": 8,
+    "linear_head_dim": 8,
+    "linear_num_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
     # multi-head latent attention
     "q_lora_rank": 16,
     "kv_lora_rank": 16,
@@ -160,13 +174,8 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     # a padded position attends to nothing in the n-gram stream: NaN logits
     "prophetnet": {"_probe": {"attention_mask": None}},
     # validators: the Mamba-2 heads must tile expand * hidden_size
-    "bamba": {"mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8},
-    "granitemoehybrid": {
-        "mamba_n_heads": 4,
-        "mamba_d_state": 8,
-        "mamba_chunk_size": 8,
-        "layer_types": ["linear_attention", "full_attention"],
-    },
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "nemotron_h": {"chunk_size": 8, "n_groups": 1},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     # layer-type lists whose defaults are longer than two layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
@@ -191,8 +200,18 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     },
     "dots3_note_text": {"num_key_value_heads": 4},
     "dots1": {"n_shared_experts": 1},
+    # Gemma 4's full-attention layers have their own head size (default 512)
+    "gemma4": {"text_config": {"global_head_dim": 16}},
+    "gemma4_text": {"global_head_dim": 16},
+    "gemma4_unified": {"text_config": {"global_head_dim": 16}},
+    "gemma4_unified_text": {"global_head_dim": 16},
+    "gemma4_unified_assistant": {"text_config": {"global_head_dim": 16}},
     "gemma4_assistant": {
-        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+        "text_config": {
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "global_head_dim": 16,
+        }
     },
     "cohere_compass_text": {
         "layer_types": ["full_attention"] * 2,
@@ -635,11 +654,13 @@ def _group_rows(model, bound, params, inputs, reference, elements) -> List[Dict[
 
     rows = []
     for group, element in zip(bound.symmetric_groups, elements):
-        deviation = None
+        deviation = control = None
         if element is not None:
             acting = [element if g is group else None for g in bound.symmetric_groups]
             moved = logits_of(model, bound.act(params, acting), inputs)
             deviation = relative_change(reference, moved)
+            broken = logits_of(model, _first_factor_only(group, params, element), inputs)
+            control = relative_change(reference, broken)
         rows.append(
             {
                 "name": group.name,
@@ -647,9 +668,25 @@ def _group_rows(model, bound, params, inputs, reference, elements) -> List[Dict[
                 "label": symmetry_label(group.manifold, group.shape[-1]),
                 "shape": list(group.shape),
                 "deviation": _json_float(deviation),
+                "control": _json_float(control),
             }
         )
     return rows
+
+
+def _first_factor_only(
+    group: Any, params: Mapping[str, torch.Tensor], element: torch.Tensor
+) -> Dict[str, torch.Tensor]:
+    """``params`` with ``element`` acting on the group's first factor only (``G A^{-1}``
+    with ``H`` untouched; ``g / a`` with ``h`` untouched): not a symmetry, a control
+    that the logits respond to the group's parameters at all."""
+    point = group.gather(params)
+    moved = group.manifold.act(point, element)
+    first = getattr(group.manifold, "n", 1)  # rows of G; one row for diagonal pairs
+    out = dict(params)
+    broken = torch.cat((moved[..., :first, :], point[..., first:, :]), dim=-2)
+    out.update(group.scatter(broken, params))
+    return out
 
 
 def _exactness(rows: List[Dict[str, Any]], all_at_once: Any, threshold: float) -> bool:
@@ -693,7 +730,11 @@ def check_model(
     Returns
     -------
     dict
-        JSON-able: ``groups`` (name, kind, label, shape, deviation per group),
+        JSON-able: ``groups`` (name, kind, label, shape, deviation per group, and
+        ``control``: the change when the element acts on the first factor only, which
+        is not a symmetry and must change the logits clearly, and ``reached``: whether
+        it does, by more than 10 thresholds; a group the text probe does not reach,
+        such as a vision tower's, is not tested by its deviation),
         ``all_at_once``, ``threshold``, ``threshold_reason``, ``reduced_precision_ops``,
         ``exact``, ``attention_quotiented``, ``notes``. A deviation that is not finite is
         written as a string (``"inf"``, ``"nan"``); ``None`` for a group without a known
@@ -718,6 +759,11 @@ def check_model(
     if rows and all(e is not None for e in elements):
         moved = logits_of(model, bound.act(params, elements), inputs)
         all_at_once = _json_float(relative_change(reference, moved))
+    for row in rows:  # a control within the threshold: the probe does not reach the group
+        control = row["control"]
+        row["reached"] = not (
+            control is None or (isinstance(control, float) and control <= 10 * threshold)
+        )
     kinds = sorted({r["kind"] for r in rows})
     return {
         "groups": rows,
