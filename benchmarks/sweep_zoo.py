@@ -109,6 +109,12 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "attention_quotiented": sum(bool(r.get("attention_quotiented")) for r in built),
         "with_symmetric_groups": sum(bool(r.get("groups")) for r in built),
         "float32_threshold": sum(r.get("threshold") == zoo.FLOAT32_RTOL for r in built),
+        # groups the text probe does not reach (a vision tower's): claimed, not tested
+        "groups_not_reached": {
+            r["family"]: sorted({g["kind"] for g in r["groups"] if not g["reached"]})
+            for r in built
+            if any(not g["reached"] for g in r.get("groups", []))
+        },
         "not_exact": {
             r["family"]: r["error"]
             or ", ".join(sorted({g["kind"] for g in r["groups"] if not _within(g, r)}))
