@@ -34,6 +34,7 @@ MODULES = (
     "geoopt_quotient.nn",
     "geoopt_quotient.optim",
     "geoopt_quotient.testing",
+    "geoopt_quotient.testing.zoo",
     "geoopt_quotient.integrations",
     "geoopt_quotient.experiments.diagonal",
     "geoopt_quotient.experiments.population",
