@@ -25,26 +25,10 @@ pytestmark = [pytest.mark.usefixtures("single_thread")]
 #: Families whose claimed groups are not exact today, and why. Remove an entry when
 #: discovery is fixed (the xfail is strict: a family that passes fails here).
 KNOWN_NOT_EXACT = {
-    "bitnet": "mlp: an RMSNorm (ffn_sub_norm) between the gated product and down_proj",
-    "codegen": "query-key and value-output: the fused qkv_proj is split in mp_num=4 blocks "
-    "(q, v, k order) with interleaved rotary (rotate_every_two)",
-    "cohere": "query-key: interleaved rotary planes (repeat_interleave), not rotate_half",
-    "cohere2": "query-key: interleaved rotary planes (repeat_interleave), not rotate_half",
-    "cohere2_moe": "query-key: interleaved rotary planes (repeat_interleave), not rotate_half",
-    "ernie4_5": "query-key: interleaved rotary planes (x[..., 0::2], x[..., 1::2])",
-    "ernie4_5_moe": "query-key: interleaved rotary planes (x[..., 0::2], x[..., 1::2])",
-    "gemma3n_text": "value-output: the last layers reuse the key/value states of earlier "
-    "layers (num_kv_shared_layers)",
-    "gemma4": "value-output: a scale-free RMSNorm on the values (v_norm)",
-    "gemma4_text": "value-output: a scale-free RMSNorm on the values (v_norm)",
-    "gemma4_unified": "value-output: a scale-free RMSNorm on the values (v_norm)",
-    "gemma4_unified_text": "value-output: a scale-free RMSNorm on the values (v_norm)",
-    "glm": "query-key: interleaved partial rotary planes (x[..., 0::2], x[..., 1::2])",
-    "glm4": "query-key: interleaved partial rotary planes (x[..., 0::2], x[..., 1::2])",
-    "helium": "query-key: interleaved rotary planes (x[..., 0::2], x[..., 1::2])",
-    "mimo_v2_flash": "query-key: partial rotary factor per layer type in rope_parameters",
-    "roformer": "query-key: sinusoidal rotary on interleaved planes",
-    "zamba2": "mlp: per-layer LoRA-like adapters on the shared gate/up projections",
+    "llama4": "query-key: an L2 norm of the rotated queries and keys (use_qk_norm) leaves no "
+    "rotary-commuting scaling; the model-level proof of default discovery removes it",
+    "llama4_text": "query-key: an L2 norm of the rotated queries and keys (use_qk_norm) leaves "
+    "no rotary-commuting scaling; the model-level proof of default discovery removes it",
 }
 
 #: Families that cannot be built or run tiny in float64 without files, network or extra
@@ -60,17 +44,17 @@ EXPECTED_NOT_BUILT = {
 
 
 @functools.cache
-def row_of(family: str) -> dict:
+def row_of(family: str, verify: bool = False) -> dict:
     """The sweep's row of ``family``, computed once a session."""
-    return zoo.check_family(family)
+    return zoo.check_family(family, verify=verify)
 
 
-def _cases():
+def _cases(known=KNOWN_NOT_EXACT):
     for family in zoo.causal_lm_families():
         if family in EXPECTED_NOT_BUILT:
             continue
         marks = []
-        if family in KNOWN_NOT_EXACT:
+        if family in known:
             marks.append(pytest.mark.xfail(reason=KNOWN_NOT_EXACT[family], strict=True))
         yield pytest.param(family, marks=marks, id=family)
 
@@ -84,7 +68,8 @@ def _describe(row: dict) -> str:
 
 
 @pytest.mark.parametrize("family", list(_cases()))
-def test_every_claimed_group_is_exact(family):
+def test_every_group_discovery_claims_by_structure_is_exact(family):
+    """``verify=False``: module structure and the rotary probe alone."""
     row = row_of(family)
     assert row["built"], f"{family} no longer builds: {row['reason']}"
     assert not row["error"], _describe(row)
@@ -92,6 +77,16 @@ def test_every_claimed_group_is_exact(family):
     for group in row["groups"]:  # the check can see a broken group where the probe reaches
         if group["reached"]:
             assert group["control"] == "inf" or group["control"] > 10 * row["threshold"]
+
+
+@pytest.mark.parametrize("family", list(_cases(known={})))
+def test_every_group_of_default_discovery_is_exact(family):
+    """The default arguments (every group proven on the model): no claimed group changes
+    the logits, and only the families known to claim too much by structure lose a group."""
+    row = row_of(family, verify=True)
+    assert row["built"] and not row["error"], _describe(row)
+    assert row["exact"], _describe(row)
+    assert bool(row["demoted"]) == (family in KNOWN_NOT_EXACT), row["demoted"]
 
 
 def test_families_that_cannot_be_built_are_the_expected_ones():

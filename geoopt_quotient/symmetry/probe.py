@@ -454,42 +454,20 @@ def local_tolerance(dtype: torch.dtype) -> float:
     return 4096 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
 
 
-def _element(heads: int, h: int, rotary_dim: int, pairing: str, positive: bool, gen, dtype):
-    """Random well-conditioned elements ``(heads, h, h)`` of a pair's group (singular
-    values in [1/2, 2]): GL(h), or the rotary-commuting subgroup, or positive scalings."""
-    scales = torch.empty(heads, h, dtype=dtype).uniform_(-0.69, 0.69, generator=gen).exp()
-    if positive:
-        return scales.reshape(heads, 1, 1) if h == 1 else torch.diag_embed(scales)
-    q1 = torch.linalg.qr(torch.randn(heads, h, h, generator=gen, dtype=dtype)).Q
-    q2 = torch.linalg.qr(torch.randn(heads, h, h, generator=gen, dtype=dtype)).Q
-    general = q1 @ torch.diag_embed(scales) @ q2
-    if not rotary_dim:
-        return general
-    element = torch.zeros(heads, h, h, dtype=dtype)
-    element[:, rotary_dim:, rotary_dim:] = general[:, rotary_dim:, rotary_dim:]
-    k = rotary_dim // 2
-    modulus, angle = scales[:, :k], 3 * scales[:, k:rotary_dim]
-    a, b = modulus * torch.cos(angle), modulus * torch.sin(angle)
-    for j in range(k):
-        i0, i1 = (j, j + k) if pairing == "half" else (2 * j, 2 * j + 1)
-        element[:, i0, i0], element[:, i1, i1] = a[:, j], a[:, j]
-        element[:, i0, i1], element[:, i1, i0] = -b[:, j], b[:, j]
-    return element
-
-
 def moved_by_element(spec: Any, params: Dict[str, torch.Tensor], seed: int = 0):
     """The parameters of ``spec`` (a :class:`~geoopt_quotient.symmetry.PairSpec`) moved by
-    a random element ``A`` of its group: ``G -> G A``, ``H -> H A^{-T}`` per head."""
+    a random element of its own group (``spec.manifold(...).random_element``, condition
+    number at most 4), acting per head as the manifold does."""
     names = list(spec.params)
     tensors = [params[n] for n in names]
     dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     point = spec.layout(*tensors).to(dtype)
+    manifold = spec.manifold("mix", 0.0)
     gen = torch.Generator().manual_seed(seed)
-    element = _element(
-        spec.num_heads, spec.head_dim, spec.rotary_dim, spec.pairing, spec.positive, gen, dtype
-    ).to(point.device)
-    g, h = point[..., : spec.n, :], point[..., spec.n :, :]
-    moved = torch.cat((g @ element, h @ torch.linalg.inv(element).mT), dim=-2)
+    element = manifold.random_element(
+        (spec.num_heads,), h=spec.head_dim, max_condition=4.0, generator=gen, dtype=dtype
+    )
+    moved = manifold.act(point, element.to(point.device))
     sizes = [t.numel() for t in tensors]
     starts = torch.tensor([0, *sizes]).cumsum(0)
     index = spec.layout(

@@ -53,6 +53,7 @@ __all__ = [
     "PlanProof",
     "SymmetryNotProvenWarning",
     "SymmetryVerificationError",
+    "WeightPrecision",
     "probe_inputs_for",
     "prove_plan",
     "verify_plan",
@@ -61,6 +62,11 @@ __all__ = [
 #: Relative tolerance (of the largest output magnitude) by the precision the model
 #: computes in.
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-4}
+#: Relative tolerance of a float64 model that computes parts of its forward pass from the
+#: weights in float32 (norms, softmax): float32 rounding (machine epsilon 2^-23) of
+#: invariant activations computed from different weights, amplified by up to 64 through
+#: the layers.
+FLOAT32_IN_FLOAT64_RTOL = 64 * torch.finfo(torch.float32).eps
 #: Tolerance of a half-precision model in units of its dtype's machine epsilon: every
 #: transformed weight is rounded to the dtype (relative error up to eps/2), and so is
 #: every activation of the forward pass, layer after layer.
@@ -275,16 +281,37 @@ class _Probed(torch.nn.Module):
         return self.probe(self.model)
 
 
-class _LowestPrecision(TorchDispatchMode):
-    """Records the lowest floating-point precision among the results of operations that
-    depend (through any chain of operations) on the given tensors."""
+class WeightPrecision(TorchDispatchMode):
+    """A dispatch mode that records the lowest floating-point precision among the results
+    of the operations that depend, through any chain of operations, on the given tensors
+    (the weights), and which operators computed below the weights' own precision.
+
+    Tables computed from constants alone (rotary ``cos``/``sin`` from ``inv_freq``) do
+    not count: they are the same before and after a group acts, so their rounding cancels.
+
+    Parameters
+    ----------
+    roots : sequence of torch.Tensor
+        The weights, as the forward pass receives them.
+
+    Attributes
+    ----------
+    lowest : torch.dtype or None
+        The lowest precision seen (``None``: no floating result depended on the roots).
+    below : dict of str to int
+        Operator name -> how often it produced a weight-dependent result of lower precision
+        than the roots.
+    """
 
     def __init__(self, roots: Sequence[torch.Tensor]):
         super().__init__()
         self.tainted = WeakIdKeyDictionary()
         for root in roots:
             self.tainted[root] = True
+        floating = [r.dtype for r in roots if r.is_floating_point()]
+        self.own = max(floating, key=_eps) if floating else None
         self.lowest: Optional[torch.dtype] = None
+        self.below: Dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -293,16 +320,23 @@ class _LowestPrecision(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.tainted[t] = True
-                    self._record(t.dtype)
+                    self._record(t.dtype, str(func.overloadpacket))
         return out
 
-    def _record(self, dtype: torch.dtype) -> None:
+    def _record(self, dtype: torch.dtype, name: str) -> None:
         if dtype.is_complex:
             dtype = dtype.to_real()
         if not dtype.is_floating_point:
             return
-        if self.lowest is None or torch.finfo(dtype).eps > torch.finfo(self.lowest).eps:
+        if self.lowest is None or _eps(dtype) > _eps(self.lowest):
             self.lowest = dtype
+        if self.own is not None and _eps(dtype) > _eps(self.own):
+            self.below[name] = self.below.get(name, 0) + 1
+
+
+def _eps(dtype: torch.dtype) -> float:
+    """Machine epsilon: the larger, the lower the precision (bfloat16 below float16)."""
+    return torch.finfo(dtype).eps
 
 
 def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
@@ -321,22 +355,27 @@ def _deviation(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def default_rtol(dtype: torch.dtype) -> float:
+def default_rtol(dtype: torch.dtype, weights: Optional[torch.dtype] = None) -> float:
     """The default tolerance of :func:`prove_plan`, relative to the largest output.
 
-    :data:`RTOL` for float64 and float32; for a half-precision dtype (bfloat16, float16)
+    :data:`RTOL` for float64 and float32 (:data:`FLOAT32_IN_FLOAT64_RTOL` for float64
+    weights used in float32); for a half-precision dtype (bfloat16, float16)
     :data:`HALF_RTOL_EPS` times its machine epsilon; ``1e-3`` otherwise.
 
     Parameters
     ----------
     dtype : torch.dtype
-        The precision the model computes in.
+        The lowest precision the model computes in from its weights.
+    weights : torch.dtype, optional
+        The weights' dtype.
 
     Returns
     -------
     float
         The relative tolerance.
     """
+    if weights == torch.float64 and dtype == torch.float32:
+        return FLOAT32_IN_FLOAT64_RTOL
     if dtype in RTOL:
         return RTOL[dtype]
     if dtype.is_floating_point and torch.finfo(dtype).bits <= 16:
@@ -486,7 +525,7 @@ class _Prover:
             for n, p in self.params.items()
         }
         roots = [params[n] for n in sorted(names)]
-        with torch.enable_grad(), _LowestPrecision(roots) as precision:
+        with torch.enable_grad(), WeightPrecision(roots) as precision:
             leaves = self.outputs(params)
         lowest = precision.lowest or self.dtype
         reference = [t.detach().to(torch.float64) for t in leaves]
@@ -607,7 +646,7 @@ def prove_plan(
 
 def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProof:
     scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in reference)
-    rtol = default_rtol(precision) if rtol is None else rtol
+    rtol = default_rtol(precision, prover.dtype) if rtol is None else rtol
     tol = rtol * max(scale, 1e-30)
     elements = prover.draw(max_condition)
 

@@ -39,6 +39,9 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch.func import functional_call
 
+from ..manifolds.base import random_group_element
+from ..symmetry.verify import FLOAT32_IN_FLOAT64_RTOL, WeightPrecision
+
 __all__ = [
     "ATTENTION_KINDS",
     "EXACT_RTOL",
@@ -472,9 +475,11 @@ def draw_group_element(
         Shape ``(*lead, h, h)`` (``(*lead, k)`` for diagonal groups); ``None`` if the
         group's manifold has no known group action.
     """
-    from ..symmetry.verify import random_element
-
-    return random_element(group, generator, dtype, max_condition)
+    shape = tuple(group.shape)
+    return random_group_element(
+        group.manifold, shape[:-2], h=shape[-1], max_condition=max_condition,
+        generator=generator, dtype=dtype,
+    )  # fmt: skip
 
 
 def probe_inputs(model: torch.nn.Module, batch_size: int = 2, seq_len: int = 7) -> Dict[str, Any]:
@@ -561,45 +566,6 @@ def relative_change(reference: torch.Tensor, moved: torch.Tensor) -> float:
     return float((moved - reference).abs().max()) / max(scale, torch.finfo(torch.float64).tiny)
 
 
-class _ReducedPrecisionOps:
-    """A dispatch mode that lists the operators computing, from the parameters, a floating
-    tensor of lower precision than float64 (the parameters' dtype).
-
-    A tensor is *tainted* if it is a parameter or an operator's output with a tainted
-    input; an operator whose tainted output is float32 (or less) is recorded. Tables
-    computed from constants alone (rotary ``cos``/``sin`` from ``inv_freq``) do not count:
-    they are the same before and after a group acts, so their rounding cancels.
-    """
-
-    def __init__(self, params: Mapping[str, torch.Tensor]):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        tainted = WeakIdKeyDictionary()
-        for p in params.values():
-            tainted[p] = True
-        found: Dict[str, int] = {}
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                from torch.utils._pytree import tree_leaves
-
-                out = func(*args, **(kwargs or {}))
-                leaves = tree_leaves((args, kwargs or {}))
-                if not any(isinstance(t, torch.Tensor) and t in tainted for t in leaves):
-                    return out
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        tainted[t] = True
-                        if t.is_floating_point() and torch.finfo(t.dtype).bits < 64:
-                            name = str(func.overloadpacket)
-                            found[name] = found.get(name, 0) + 1
-                return out
-
-        self.mode = Mode()
-        self.found = found
-
-
 def reduced_precision_ops(
     model: torch.nn.Module, params: Mapping[str, torch.Tensor], inputs: Mapping[str, Any]
 ) -> Dict[str, int]:
@@ -621,17 +587,15 @@ def reduced_precision_ops(
         Operator name (``aten._to_copy`` ...) -> how often it produced a tainted tensor
         below float64; empty if the forward pass is float64 throughout.
     """
-    probe = _ReducedPrecisionOps(params)
-    with probe.mode:
+    with WeightPrecision(list(params.values())) as precision:
         logits_of(model, params, inputs)
-    return dict(probe.found)
+    return dict(precision.below)
 
 
 #: Relative change of the logits below which a group is exact for a float64 model that
-#: computes parts of its forward pass in float32 (:func:`reduced_precision_ops`): float32
-#: rounding (machine epsilon 2^-23) of invariant activations that are computed from
-#: different weights, amplified by up to 64 through the layers.
-FLOAT32_RTOL = 64 * torch.finfo(torch.float32).eps
+#: computes parts of its forward pass in float32 (:func:`reduced_precision_ops`): the
+#: tolerance of symmetry verification for such models.
+FLOAT32_RTOL = FLOAT32_IN_FLOAT64_RTOL
 
 ATTENTION_KINDS = ("query-key", "value-output")
 
@@ -659,7 +623,7 @@ def _group_rows(model, bound, params, inputs, reference, elements) -> List[Dict[
             acting = [element if g is group else None for g in bound.symmetric_groups]
             moved = logits_of(model, bound.act(params, acting), inputs)
             deviation = relative_change(reference, moved)
-            broken = logits_of(model, _first_factor_only(group, params, element), inputs)
+            broken = logits_of(model, bound.act(params, acting, first_factor_only=True), inputs)
             control = relative_change(reference, broken)
         rows.append(
             {
@@ -672,21 +636,6 @@ def _group_rows(model, bound, params, inputs, reference, elements) -> List[Dict[
             }
         )
     return rows
-
-
-def _first_factor_only(
-    group: Any, params: Mapping[str, torch.Tensor], element: torch.Tensor
-) -> Dict[str, torch.Tensor]:
-    """``params`` with ``element`` acting on the group's first factor only (``G A^{-1}``
-    with ``H`` untouched; ``g / a`` with ``h`` untouched): not a symmetry, a control
-    that the logits respond to the group's parameters at all."""
-    point = group.gather(params)
-    moved = group.manifold.act(point, element)
-    first = getattr(group.manifold, "n", 1)  # rows of G; one row for diagonal pairs
-    out = dict(params)
-    broken = torch.cat((moved[..., :first, :], point[..., first:, :]), dim=-2)
-    out.update(group.scatter(broken, params))
-    return out
 
 
 def _exactness(rows: List[Dict[str, Any]], all_at_once: Any, threshold: float) -> bool:
@@ -740,10 +689,13 @@ def check_model(
         written as a string (``"inf"``, ``"nan"``); ``None`` for a group without a known
         action (such a family is not exact).
     """
-    from ..symmetry import find_symmetries
+    from ..symmetry import SymmetryNotProvenWarning, find_symmetries
 
     inputs = probe_inputs(model) if inputs is None else inputs
-    plan = find_symmetries(model, kinds="all", verify=verify)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SymmetryNotProvenWarning)
+        plan = find_symmetries(model, kinds="all", verify=verify, probe_inputs=inputs)
+    demoted = [str(w.message) for w in caught if w.category is SymmetryNotProvenWarning]
     bound = plan.bind(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     reference = logits_of(model, params, inputs)
@@ -775,6 +727,7 @@ def check_model(
         "attention_quotiented": any(k in ATTENTION_KINDS for k in kinds),
         "kinds": kinds,
         "notes": list(plan.notes),
+        "demoted": demoted,
     }
 
 
