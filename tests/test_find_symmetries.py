@@ -33,7 +33,12 @@ from geoopt_quotient import (  # noqa: E402
     find_symmetries,
     geodesic_sharpness,
 )
-from geoopt_quotient.symmetry import SymmetryVerificationError, linear_attention_pairs  # noqa: E402
+from geoopt_quotient.symmetry import (  # noqa: E402
+    SymmetryNotProvenWarning,
+    SymmetryVerificationError,
+    linear_attention_pairs,
+    verify_plan,
+)
 
 pytestmark = pytest.mark.on_device
 
@@ -356,9 +361,12 @@ def test_verify_builds_a_probe_from_the_config(name):
 
 
 def test_verify_needs_probe_inputs_without_a_config():
-    model = model_for("mha")
+    model = model_for("mha")  # tokens in: its first layer is an Embedding
+    plan = find_symmetries(model)
+    assert any(note.startswith("verified 2") for note in plan.notes)
+    unknown = torch.nn.Sequential(torch.nn.LayerNorm(11), model)
     with pytest.raises(PlanError, match="probe_inputs"):
-        find_symmetries(model, verify=True)
+        find_symmetries(unknown, verify=True)
     tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
     plan = find_symmetries(model, verify=True, probe_inputs=tokens)
     assert any(note.startswith("verified 2") for note in plan.notes)
@@ -390,10 +398,15 @@ def test_verify_names_the_group_that_is_not_a_symmetry():
     torch.manual_seed(0)
     model = torch.nn.Sequential(LyingAttention(), LyingAttention()).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
-    plan = find_symmetries(model)  # the structure fools the detector...
+    plan = find_symmetries(model, verify=False)  # the structure fools the detector...
     assert {g.kind for g in plan.groups} == {"query-key", "value-output"}
     with pytest.raises(SymmetryVerificationError, match=r"query-key.*first failing member: 0"):
-        find_symmetries(model, verify=True, probe_inputs=x)  # ...but not the check
+        verify_plan(model, plan, x)  # ...but not the check
+    with pytest.warns(SymmetryNotProvenWarning, match=r"query-key.*first failing member: 0"):
+        proven = find_symmetries(model, probe_inputs=x)  # default discovery drops it
+    assert {g.kind for g in proven.groups} == {"value-output"}
+    with pytest.raises(PlanError, match="do not run it"):  # 2-D features for a 3-D forward
+        find_symmetries(model)
 
 
 # ---------------------------------------------------------------- notes
@@ -424,7 +437,7 @@ def test_half_recognised_modules_are_notes_not_guesses():
     model.fused = torch.nn.Module()
     model.fused.num_heads, model.fused.head_dim = 2, 4
     model.fused.qkv_proj, model.fused.o_proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
-    plan = find_symmetries(model)
+    plan = find_symmetries(model, verify=False)  # a ModuleDict: no forward to prove on
     text = "\n".join(plan.notes)
     assert "shapes: " in text and "Q/K shapes do not fit" in text
     assert "param: " in text and "(gate)" in text

@@ -639,7 +639,17 @@ def prove_plan(
     if not prover.groups:
         return PlanProof(rtol=rtol or 0.0, precision=prover.dtype)
     with preserved_model_state(model):
-        reference, precision, grads = prover.reference()
+        try:
+            reference, precision, grads = prover.reference()
+        except Exception as error:
+            if probe_inputs is not None or isinstance(error, PlanError):
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise PlanError(
+                f"the probe inputs built for {type(model).__name__} do not run it "
+                f"({type(error).__name__}: {first}); pass probe_inputs= (a dict of keyword "
+                "arguments, a tuple, a tensor or a function of the model), or verify=False"
+            ) from error
         with torch.no_grad():
             return _prove(prover, reference, precision, grads, max_condition, rtol)
 
