@@ -235,7 +235,8 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
     """Random input for a module whose ``forward`` takes one required argument, read off
     its first parameterised layer: tokens for an ``Embedding``, features for a
-    ``Linear``; ``None`` otherwise."""
+    ``Linear``, a ``(2, 5, embed_dim)`` sequence for a ``MultiheadAttention``; ``None``
+    otherwise."""
     try:
         signature = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
@@ -254,6 +255,8 @@ def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
         return torch.randint(0, first.num_embeddings, (2, 7), generator=gen).to(p.device)
     if isinstance(first, torch.nn.Linear):
         return torch.randn(2, first.in_features, generator=gen, dtype=torch.float64).to(p)
+    if isinstance(first, torch.nn.MultiheadAttention):  # e.g. a TransformerEncoderLayer
+        return torch.randn(2, 5, first.embed_dim, generator=gen, dtype=torch.float64).to(p)
     return None
 
 
