@@ -13,6 +13,7 @@ from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
+from .probe import why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
 from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan
 
@@ -163,19 +164,14 @@ def find_symmetries(
 
 def _unprovable(model: torch.nn.Module) -> Optional[str]:
     """Why the model cannot be run to prove its plan here, or ``None``."""
-    params = list(model.parameters())
-    if any(p.is_meta for p in params):
-        return (
-            "unverified: the model is on the meta device, so the plan rests on module "
-            "structure alone; load the weights and prove it with verify_plan(model, plan)"
-        )
-    if any(type(p).__name__ == "DTensor" for p in params):
-        return (
-            "unverified: the model is sharded (FSDP2), so the plan rests on module structure "
-            "alone; prove it on an unsharded model of the same architecture (e.g. a small "
-            "config) with verify_plan(model, plan)"
-        )
-    return None
+    why_not = why_not_runnable(model)
+    if not why_not:
+        return None
+    return (
+        f"unverified: {why_not}, so the plan rests on module structure alone; prove it with "
+        "verify_plan(model, plan) on the loaded model, or on an unsharded model of the same "
+        "architecture (e.g. a small config)"
+    )
 
 
 def _proven(

@@ -1120,8 +1120,8 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     for spec, meaning in found.to_check:
         if any(n not in params for n in spec.params):
             continue  # a module shared under another name: the model-level proof decides
-        moved = moved_by_element(spec, params)
         try:
+            moved = moved_by_element(spec, params)
             with preserved_model_state(model):  # eval mode: no dropout in the replays
                 holds, deviation = pair_holds(record, spec.module, modules[spec.module], moved)
         except Exception:

@@ -43,6 +43,7 @@ __all__ = [
     "pair_holds",
     "recorded_forward",
     "rotary_planes",
+    "why_not_runnable",
 ]
 
 #: Names of the callables that may apply rotary embeddings (candidates only: the
@@ -218,9 +219,21 @@ def recorded_forward(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], s
     return result
 
 
+def why_not_runnable(model: torch.nn.Module) -> str:
+    """Why one process cannot run ``model`` here ("" if it can): its parameters are on the
+    meta device, or sharded (FSDP2's ``DTensor``: a forward pass needs every rank)."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        return "the model is on the meta device (nothing can be computed)"
+    if any(type(p).__name__ == "DTensor" for p in params):
+        return "the model is sharded (FSDP2): one process cannot run it alone"
+    return ""
+
+
 def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
-    if any(p.is_meta for p in model.parameters()):
-        return None, "the model is on the meta device (nothing can be computed)"
+    why_not = why_not_runnable(model)
+    if why_not:
+        return None, why_not
     try:
         inputs = _probe_inputs(model)
     except Exception as error:
