@@ -84,18 +84,29 @@ def all_parameters_penalty(m):
     return 1e-2 * sum(p.pow(2).sum() for p in m.parameters())
 
 
+def structure(model):
+    return gq.find_symmetries(model, verify=False)
+
+
 MEASURES = {
     "adaptive": lambda model, loss, batches: (
         gq.adaptive_sharpness(model, loss, batches, rho=0.05, iters=4).per_batch
     ),
+    # the plan by structure on both sides: a wrapper whose output adds a penalty of all
+    # weights is not symmetric, and default discovery (proving the groups on its outputs)
+    # would rightly leave it without groups
     "geodesic": lambda model, loss, batches: (
-        gq.geodesic_sharpness(model, loss, batches, rho=0.05, iters=4).per_batch
+        gq.geodesic_sharpness(
+            model, loss, batches, rho=0.05, iters=4, symmetries=structure(model)
+        ).per_batch
     ),
     "geodesic-average": lambda model, loss, batches: (
-        gq.geodesic_sharpness(model, loss, batches, rho=0.05, iters=3, kind="average").per_batch
+        gq.geodesic_sharpness(
+            model, loss, batches, rho=0.05, iters=3, kind="average", symmetries=structure(model)
+        ).per_batch
     ),
     "hessian-trace": lambda model, loss, batches: (
-        gq.hessian_trace(model, loss, batches[:1], probes=2).per_batch
+        gq.hessian_trace(model, loss, batches[:1], probes=2, symmetries=structure(model)).per_batch
     ),
 }
 

@@ -16,7 +16,9 @@ import torch
 
 from .._checks import ABLATIONS, NAMED_MEASURES, check_positive_float, split_measure
 from ..sharpness import DEFAULT_RADII, SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from ..symmetry import BoundPlan, find_symmetries
+from ..sharpness.measure import loss_probe
+from ..symmetry import BoundPlan, SymmetryPlan, find_symmetries
+from ..symmetry.verify import probe_for
 
 __all__ = [
     "ABLATIONS",
@@ -129,7 +131,7 @@ def measure_sharpness(
     path: str = "second_order",
     seed: int = 0,
     eps: float = 0.0,
-    verify: bool = False,
+    verify: bool = True,
     probe_inputs: Any = None,
     plans: Optional[Dict[str, BoundPlan]] = None,
     on_measure: Optional[Callable[[str], None]] = None,
@@ -171,9 +173,12 @@ def measure_sharpness(
         geodesic measures; adaptive sharpness and the no-curvature ablations walk
         straight lines).
     verify : bool
-        Check the first metric's discovered symmetries on ``probe_inputs``.
+        Prove the discovered symmetries on the model (default; one discovery serves every
+        metric, :meth:`~geoopt_quotient.SymmetryPlan.with_metric`); ``False``: by module
+        structure alone.
     probe_inputs : object
-        Inputs for the check, as for :func:`~geoopt_quotient.find_symmetries`.
+        Inputs of the proof, as for :func:`~geoopt_quotient.find_symmetries`; default
+        built from the model's config, else ``loss_fn`` on the first batch.
     plans : dict or None
         Filled with the bound plan of each metric discovered (metric name -> plan).
     on_measure : callable or None
@@ -195,6 +200,7 @@ def measure_sharpness(
     """
     radii = measure_radii(measures, rho)
     plans = {} if plans is None else plans
+    found: List[SymmetryPlan] = []
     common = dict(iters=iters, kind=kind, seed=seed, progress=False, distributed=distributed)
     results: Dict[str, Union[SharpnessResult, List[SharpnessResult]]] = {}
     for measure, radius in radii.items():
@@ -207,11 +213,16 @@ def measure_sharpness(
             )
             continue
         if metric not in plans:
-            check = verify and not plans
-            plan = find_symmetries(
-                model, metric=metric, eps=eps, verify=check, probe_inputs=probe_inputs
-            )
-            plans[metric] = plan.bind(model)
+            if not found:  # one discovery (and proof); the other metric's plan follows it
+                probe = probe_inputs
+                if verify and probe is None:
+                    probe = probe_for(model, loss_probe(loss_fn, batches))
+                found.append(
+                    find_symmetries(
+                        model, metric=metric, eps=eps, verify=verify, probe_inputs=probe
+                    )
+                )
+            plans[metric] = found[0].with_metric(metric, eps).bind(model)
         results[measure] = geodesic_sharpness(
             model,
             loss_fn,

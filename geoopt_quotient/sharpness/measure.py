@@ -36,7 +36,7 @@ from ..manifolds import AdaptiveEuclidean
 from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
 from ..symmetry.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan, plan_metric
-from ..symmetry.verify import default_probe
+from ..symmetry.verify import probe_for
 from .apgd import (
     PATHS,
     BallGroup,
@@ -208,12 +208,7 @@ def resolve_plan(
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        try:
-            inputs = default_probe(model)
-        except PlanError:
-            if probe is None:
-                raise
-            inputs = probe
+        inputs = probe_for(model, probe)
         return find_symmetries(model, metric=metric, eps=eps, probe_inputs=inputs).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))

@@ -19,7 +19,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from ..manifolds import AdaptiveEuclidean
-from ..manifolds.base import group_label
+from ..manifolds.base import QuotientManifold, group_label
 from . import strided, structured
 from .strided import StridedLayout, strided_layout, write_back
 from .structured import PointStructure
@@ -370,6 +370,18 @@ class SymmetryPlan:
     def metric(self) -> str | None:
         """The invariant metric of the plan's quotients (see :func:`plan_metric`)."""
         return plan_metric(self.groups)
+
+    def with_metric(self, metric: str, eps: float = 0.0) -> SymmetryPlan:
+        """The same groups, each quotient in ``metric`` with a relaxation of at least ``eps``
+        (``QuotientManifold.with_metric``; other manifolds as they are): a plan proven in one
+        metric serves the other without a second proof."""
+        groups = [
+            g.with_manifold(g.manifold.with_metric(metric, eps))
+            if isinstance(g.manifold, QuotientManifold)
+            else g
+            for g in self.groups
+        ]
+        return SymmetryPlan(groups, self.adaptive_eps, list(self.notes))
 
     def bind(self, model: torch.nn.Module, *, trainable_only: bool = True) -> BoundPlan:
         """Check the plan against ``model`` and add adaptive groups for the rest."""

@@ -260,6 +260,17 @@ def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
+def probe_for(model: torch.nn.Module, fallback: Any = None) -> Any:
+    """:func:`default_probe` of ``model``, or ``fallback`` (e.g. the loss on a batch) when
+    none can be built; the :class:`PlanError` when there is no fallback either."""
+    try:
+        return default_probe(model)
+    except PlanError:
+        if fallback is None:
+            raise
+        return fallback
+
+
 def as_probe(probe_inputs: Any) -> Probe:
     """A function ``model -> outputs`` from probe inputs: keyword arguments (a mapping),
     positional arguments (a tuple), one input (a tensor), or such a function itself."""
