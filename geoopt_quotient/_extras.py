@@ -6,6 +6,8 @@ import importlib
 from types import ModuleType
 from typing import Dict, Sequence
 
+from .errors import GeooptQuotientError
+
 __all__ = ["EXTRAS", "MissingExtraError", "require", "require_all"]
 
 #: The extra that installs each optional top-level module, and the module's package name.
@@ -18,7 +20,7 @@ EXTRAS: Dict[str, tuple] = {
 }
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(GeooptQuotientError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
+from ..errors import GeooptQuotientError
 from .defaults import default_radius
 from .measure import (
     LossFn,
@@ -64,7 +65,7 @@ LOG_RHO_RESOLUTION = 1e-3
 _RESERVED = ("rho", "metric", "progress")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(GeooptQuotientError, ValueError):
     """The target cannot be bracketed (or the rule is undefined) for this model and data."""
 
 

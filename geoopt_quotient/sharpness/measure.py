@@ -32,6 +32,7 @@ from .._checks import (
 )
 from .._extras import require
 from .._model_state import preserved_model_state
+from ..errors import GeooptQuotientWarning
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
@@ -553,7 +554,7 @@ def _restart_searches(
         yield maximize_in_ball(groups, objective, rho=rho, init="random", **start)
 
 
-class ZeroSharpnessWarning(UserWarning):
+class ZeroSharpnessWarning(GeooptQuotientWarning, UserWarning):
     """Worst-case sharpness exactly 0: no perturbation increased the loss."""
 
 
