@@ -17,6 +17,7 @@ EXTRAS: Dict[str, tuple] = {
     "PIL": ("experiments", "Pillow"),
     "pandas": ("experiments", "pandas"),
     "hypothesis": ("testing", "hypothesis"),
+    "accelerate": ("integrations", "accelerate"),
 }
 
 
@@ -48,9 +49,10 @@ def require_all(modules: Sequence[str], purpose: str) -> None:
 def _message(modules: Sequence[str], purpose: str) -> str:
     roots = [m.split(".")[0] for m in modules]
     extras = sorted({EXTRAS.get(r, ("experiments", r))[0] for r in roots})
-    packages = ", ".join(dict.fromkeys(EXTRAS.get(r, ("", r))[1] for r in roots))
+    names = list(dict.fromkeys(EXTRAS.get(r, ("", r))[1] for r in roots))
     wanted = ",".join(extras)
     return (
-        f"{purpose} needs {packages}, which the '{wanted}' extra installs: "
-        f"pip install 'geoopt-quotient[{wanted}]'"
+        f"{purpose} needs {', '.join(names)}, which the '{wanted}' extra installs: "
+        f"pip install -e '.[{wanted}]' in the clone of geoopt-quotient "
+        f"(or pip install {' '.join(names)})"
     )

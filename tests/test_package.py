@@ -132,5 +132,24 @@ def test_the_library_imports_without_the_experiment_extras():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert "pip install 'geoopt-quotient[experiments]'" in lines[0]
+    assert "pip install -e '.[experiments]' in the clone of geoopt-quotient" in lines[0]
+    assert "geoopt-quotient[" not in lines[0]  # no index has the package
     assert "matplotlib" in lines[0]
+
+
+def test_the_trainer_integration_has_its_dependency_in_an_extra():
+    """``transformers.Trainer`` needs accelerate: the ``integrations`` extra installs it,
+    and the test suite's extras include it (its Trainer tests need it)."""
+    import configparser
+    from pathlib import Path
+
+    from geoopt_quotient._extras import EXTRAS, MissingExtraError, require
+
+    parser = configparser.ConfigParser()
+    parser.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extras = {k: v.split() for k, v in parser["options.extras_require"].items()}
+    for extra in ("integrations", "test", "dev"):
+        assert any(r.startswith("accelerate") for r in extras[extra]), extra
+    assert EXTRAS["accelerate"][0] == "integrations"
+    with pytest.raises(MissingExtraError, match=r"pip install -e '\.\[testing\]' in the clone"):
+        require("hypothesis.nonexistent_module", "the testing kit")
