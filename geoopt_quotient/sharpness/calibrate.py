@@ -39,6 +39,7 @@ from .measure import (
     resolve_plan,
 )
 from .path_gap import PathGapWarning
+from .results import ResultList
 
 __all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_radii", "calibrate_rho"]
 
@@ -173,7 +174,9 @@ def calibrate_rho(
     float
         The radius :math:`\rho^\star`: the evaluated radius whose running maximum
         :math:`\hat S` is closest to the target (relative error at most ``rtol`` unless a
-        warning said otherwise). With ``return_history``, ``(rho, evaluations)``.
+        warning said otherwise). With ``return_history``, ``(rho, evaluations)``, the
+        evaluations a :class:`~geoopt_quotient.sharpness.ResultList` of
+        :class:`RhoEvaluation` (a list with ``to_frame`` and ``to_csv``).
 
     Raises
     ------
@@ -258,7 +261,7 @@ def calibrate_rho(
     search = _Search(sharpness, target, rtol, max_evals, progress, measure)
     with search:
         best = search.run(rho_start, low, high)
-    return (best.rho, list(search.history)) if return_history else best.rho
+    return (best.rho, ResultList(search.history)) if return_history else best.rho
 
 
 def calibrate_radii(
