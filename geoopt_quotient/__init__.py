@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 
 from . import _moved
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _moved.install()
 

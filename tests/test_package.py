@@ -185,3 +185,17 @@ def test_the_help_lines_read_from_the_sources_are_the_commands_own():
     registered = {choice.dest: choice.help for choice in action._choices_actions}
     assert cli.command_summaries(cli) == registered
     assert sorted(registered) == ["population", "reproduce", "sharpness"]
+
+
+def test_the_version_is_the_same_everywhere():
+    """The package, the citation file and the changelog's latest release agree."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    citation = re.search(r"^version: (\S+)$", (root / "CITATION.cff").read_text(), re.M)
+    changelog = (root / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)$", changelog, re.M)
+    assert citation.group(1) == gq.__version__ == releases[0]
+    assert changelog.index("## Unreleased") < changelog.index(f"## {gq.__version__}")
+    assert len(changelog.splitlines()) <= 300  # a changelog, not a lab notebook
