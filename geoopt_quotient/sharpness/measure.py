@@ -29,7 +29,6 @@ from .._checks import (
     check_positive_float,
     check_positive_int,
 )
-from .._extras import require
 from .._model_state import preserved_model_state
 from ..errors import GeooptQuotientWarning
 from ..manifolds import AdaptiveEuclidean
@@ -58,7 +57,7 @@ from .layout import BallLayout
 from .path_gap import exact_groups, path_gap, warn_if_path_gap
 from .precision import AutocastState
 from .ranks import BatchShare
-from .results import ResultList, write_csv
+from .results import ResultList, Table
 from .sharded import is_sharded, measure_sharded
 
 __all__ = [
@@ -76,7 +75,7 @@ Radii = Union[float, Sequence[float]]
 
 
 @dataclass
-class SharpnessResult:
+class SharpnessResult(Table):
     r"""Sharpness of one model.
 
     Attributes
@@ -170,16 +169,6 @@ class SharpnessResult:
             for row, gap, exact in zip(rows, self.path_gaps, self.exact_losses or []):
                 row.update(path_gap=gap, exact_loss=exact)
         return rows
-
-    def to_csv(self, path: str) -> str:
-        """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
-        return write_csv(self.rows(), path)
-
-    def to_frame(self):
-        """:meth:`rows` as a :class:`pandas.DataFrame` (pandas comes with the
-        ``experiments`` extra)."""
-        pandas = require("pandas", "SharpnessResult.to_frame")
-        return pandas.DataFrame(self.rows())
 
 
 def resolve_plan(

@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
 from .._extras import require
 
-__all__ = ["ResultList", "write_csv"]
+__all__ = ["ResultList", "Table"]
 
 
-def write_csv(rows: Sequence[Dict[str, Any]], path: str) -> str:
-    """Write ``rows`` (dicts with the same keys) to a CSV file at ``path``, the first row's
-    keys as the header (no pandas needed); returns the path."""
-    with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["batch"])
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+class Table:
+    """Writes the records of :meth:`rows` (dicts with the same keys) as a table."""
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """The records of the table, one dict per row (the subclass's)."""
+        raise NotImplementedError
+
+    def to_csv(self, path: str) -> str:
+        """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
+        rows = self.rows()
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["batch"])
+            writer.writeheader()
+            writer.writerows(rows)
+        return path
+
+    def to_frame(self):
+        """:meth:`rows` as a :class:`pandas.DataFrame` (pandas comes with the
+        ``experiments`` extra)."""
+        pandas = require("pandas", f"{type(self).__name__}.to_frame")
+        return pandas.DataFrame(self.rows())
 
 
-class ResultList(list):
+class ResultList(Table, list):
     """A list of results, one per radius, that also writes them as one table.
 
     What :func:`~geoopt_quotient.sharpness.geodesic_sharpness` and
@@ -57,13 +70,3 @@ class ResultList(list):
                 row["ratio"] = result.ratio
             rows.append(row)
         return rows
-
-    def to_csv(self, path: str) -> str:
-        """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
-        return write_csv(self.rows(), path)
-
-    def to_frame(self):
-        """:meth:`rows` as a :class:`pandas.DataFrame` (pandas comes with the
-        ``experiments`` extra)."""
-        pandas = require("pandas", "ResultList.to_frame")
-        return pandas.DataFrame(self.rows())
