@@ -45,6 +45,12 @@ class ResultList(Table, list):
     ``list``: indexing, iteration, ``len`` and comparison with a list are those of the
     list of the results.
 
+    Parameters
+    ----------
+    iterable : iterable
+        The results: :class:`~geoopt_quotient.sharpness.SharpnessResult` objects (or
+        other objects with ``rows()``) or dataclasses, one per radius.
+
     Examples
     --------
     >>> from geoopt_quotient.sharpness import ResultList, RhoEvaluation
