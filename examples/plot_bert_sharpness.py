@@ -52,8 +52,9 @@ def loss_fn(m, b):  # during the call, m's parameters are the perturbed ones
 plan = gq.find_symmetries(model, metric="mix")
 print(plan.bind(model).summary(max_adaptive_rows=6))
 
-geodesic = gq.geodesic_sharpness(model, loss_fn, loader, rho=0.05, symmetries=plan, iters=10)
-adaptive = gq.adaptive_sharpness(model, loss_fn, loader, rho=0.05, iters=10)
+# each measure at its default radius (gq.sharpness.DEFAULT_RADII: mix 0.01, adaptive 0.2)
+geodesic = gq.geodesic_sharpness(model, loss_fn, loader, symmetries=plan, iters=10)
+adaptive = gq.adaptive_sharpness(model, loss_fn, loader, iters=10)
 print(f"geodesic sharpness {geodesic.value:.6g} over {len(geodesic.per_batch)} batches")
 print(f"adaptive sharpness {adaptive.value:.6g}")
 
@@ -73,8 +74,8 @@ for condition in conditions:
     batch = next(iter(loader))
     with torch.no_grad():
         change = (moved(**batch).logits - model(**batch).logits).abs().max().item()
-    geo = gq.geodesic_sharpness(moved, loss_fn, loader, rho=0.05, iters=10).value
-    ada = gq.adaptive_sharpness(moved, loss_fn, loader, rho=0.05, iters=10).value
+    geo = gq.geodesic_sharpness(moved, loss_fn, loader, iters=10).value
+    ada = gq.adaptive_sharpness(moved, loss_fn, loader, iters=10).value
     values["geodesic (mix)"].append(geo)
     values["adaptive"].append(ada)
     print(

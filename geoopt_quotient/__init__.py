@@ -4,6 +4,7 @@
 every subpackage is imported on first attribute access (``gq.GLQuotient``,
 ``gq.nn.FactorizedLinear``). The library's layers, each importing only those below it:
 
+* :mod:`~geoopt_quotient.errors`: the base exception and warning of the package;
 * :mod:`~geoopt_quotient.manifolds`: the quotient geometries (Geoopt manifolds);
 * :mod:`~geoopt_quotient.symmetry`: symmetry plans and their discovery in real models;
 * :mod:`~geoopt_quotient.sharpness`: the engine (Auto-PGD in a ball, sharpness, Hessian);
@@ -20,12 +21,13 @@ from typing import Any, Dict, List
 
 from . import _moved
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _moved.install()
 
 #: Top-level names, and the subpackage each is imported from on first access.
 EXPORTS: Dict[str, str] = {
+    **dict.fromkeys(("GeooptQuotientError", "GeooptQuotientWarning"), "errors"),
     **dict.fromkeys(
         (
             "AdaptiveEuclidean",
@@ -80,6 +82,7 @@ EXPORTS: Dict[str, str] = {
 #: Subpackages imported on first access as attributes of the package.
 SUBMODULES = (
     "cli",
+    "errors",
     "experiments",
     "integrations",
     "manifolds",

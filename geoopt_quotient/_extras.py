@@ -6,6 +6,8 @@ import importlib
 from types import ModuleType
 from typing import Dict, Sequence
 
+from .errors import GeooptQuotientError
+
 __all__ = ["EXTRAS", "MissingExtraError", "require", "require_all"]
 
 #: The extra that installs each optional top-level module, and the module's package name.
@@ -15,10 +17,11 @@ EXTRAS: Dict[str, tuple] = {
     "PIL": ("experiments", "Pillow"),
     "pandas": ("experiments", "pandas"),
     "hypothesis": ("testing", "hypothesis"),
+    "accelerate": ("integrations", "accelerate"),
 }
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(GeooptQuotientError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
@@ -46,9 +49,10 @@ def require_all(modules: Sequence[str], purpose: str) -> None:
 def _message(modules: Sequence[str], purpose: str) -> str:
     roots = [m.split(".")[0] for m in modules]
     extras = sorted({EXTRAS.get(r, ("experiments", r))[0] for r in roots})
-    packages = ", ".join(dict.fromkeys(EXTRAS.get(r, ("", r))[1] for r in roots))
+    names = list(dict.fromkeys(EXTRAS.get(r, ("", r))[1] for r in roots))
     wanted = ",".join(extras)
     return (
-        f"{purpose} needs {packages}, which the '{wanted}' extra installs: "
-        f"pip install 'geoopt-quotient[{wanted}]'"
+        f"{purpose} needs {', '.join(names)}, which the '{wanted}' extra installs: "
+        f"pip install -e '.[{wanted}]' in the clone of geoopt-quotient "
+        f"(or pip install {' '.join(names)})"
     )

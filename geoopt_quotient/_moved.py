@@ -1,6 +1,6 @@
 """Module paths and names that moved, kept importable with a :class:`FutureWarning`.
 
-Release 0.2 separated the library from the paper's experiments: symmetry discovery
+Release 0.2.0 separated the library from the paper's experiments: symmetry discovery
 moved from ``geoopt_quotient.models`` to :mod:`geoopt_quotient.symmetry`, the plan data
 model from ``geoopt_quotient.sharpness.plan`` to :mod:`geoopt_quotient.symmetry.plan`, and
 the experiments (diagonal networks, population studies, checkpoints, records, figures)

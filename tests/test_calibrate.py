@@ -82,6 +82,7 @@ def test_history_records_every_evaluation_and_ends_at_the_answer(single_thread):
         return_history=True,
     )
     assert all(isinstance(h, RhoEvaluation) for h in history)
+    assert [row["rho"] for row in history.rows()] == [h.rho for h in history]  # a ResultList
     assert history[-1].rho == rho
     assert abs(history[-1].ratio - 1.0) <= 0.01
     # bracketing doubles from rho_start=0.05 once, then follows the log-log secant of the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -145,10 +146,50 @@ def test_each_process_gets_its_rows_of_every_batch():
 
 
 def test_uneven_batches_are_refused_with_a_batch_size_that_works():
-    with pytest.raises(InputError, match=r"batch 1 has 3 rows.*2 processes.*--batch-size 2, 4"):
+    with pytest.raises(
+        InputError, match=r"batch 1 has 3 rows.*2 processes.*--batch-size 2 \(or 4, 6\)$"
+    ):
         rows_of_batches(batches_of([4, 3, 1]), 0, 2, 3)  # 8 rows: 4 + 4 or 2 + 2 + 2 + 2
-    with pytest.raises(InputError, match="--max-examples 6 or another multiple of 2"):
+    with pytest.raises(InputError, match=r"give --max-examples 6$"):
         rows_of_batches(batches_of([4, 3]), 0, 2, 4)  # 7 rows: no batch size splits them
+    with pytest.raises(InputError, match=r"give --max-examples 6 --batch-size 2 \(or 4, 6\)$"):
+        rows_of_batches(batches_of([3, 3, 1]), 0, 2, 3)  # 6 rows in 3 + 3 would not split
+
+
+def advised(rows, world, batch_size):
+    """The ``--max-examples`` and ``--batch-size`` values the refusal of ``rows`` advises
+    (``None`` where it keeps the given one), or ``None`` where ``rows`` are accepted."""
+    try:
+        rows_of_batches(batches_of(rows), 0, world, batch_size)
+    except InputError as error:
+        message = str(error)
+    else:
+        return None
+    examples = re.search(r"--max-examples (\d+)", message)
+    sizes = re.search(r"--batch-size (\d+)(?: \(or ([\d, ]+)\))?", message)
+    size_choices = [batch_size]
+    if sizes:
+        size_choices = [int(sizes.group(1))]
+        size_choices += [int(s) for s in (sizes.group(2) or "").split(", ") if s]
+    return int(examples.group(1)) if examples else sum(rows), size_choices
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("total", [5, 7, 11, 12, 13])
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8])
+def test_following_the_advice_gives_batches_that_split(world, total, batch_size):
+    """What the refusal advises is accepted: no second refusal."""
+    full, rest = divmod(total, batch_size)
+    rows = [batch_size] * full + ([rest] if rest else [])
+    advice = advised(rows, world, batch_size)
+    if advice is None:
+        return
+    examples, sizes = advice
+    assert 0 < examples <= total
+    for size in sizes:
+        full, rest = divmod(examples, size)
+        again = [size] * full + ([rest] if rest else [])
+        assert advised(again, world, size) is None, (rows, examples, size)
 
 
 @pytest.mark.parametrize(

@@ -132,5 +132,70 @@ def test_the_library_imports_without_the_experiment_extras():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert "pip install 'geoopt-quotient[experiments]'" in lines[0]
+    assert "pip install -e '.[experiments]' in the clone of geoopt-quotient" in lines[0]
+    assert "geoopt-quotient[" not in lines[0]  # no index has the package
     assert "matplotlib" in lines[0]
+
+
+def test_the_trainer_integration_has_its_dependency_in_an_extra():
+    """``transformers.Trainer`` needs accelerate: the ``integrations`` extra installs it,
+    and the test suite's extras include it (its Trainer tests need it)."""
+    import configparser
+    from pathlib import Path
+
+    from geoopt_quotient._extras import EXTRAS, MissingExtraError, require
+
+    parser = configparser.ConfigParser()
+    parser.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extras = {k: v.split() for k, v in parser["options.extras_require"].items()}
+    for extra in ("integrations", "test", "dev"):
+        assert any(r.startswith("accelerate") for r in extras[extra]), extra
+    assert EXTRAS["accelerate"][0] == "integrations"
+    with pytest.raises(MissingExtraError, match=r"pip install -e '\.\[testing\]' in the clone"):
+        require("hypothesis.nonexistent_module", "the testing kit")
+
+
+def test_the_command_lines_help_imports_nothing_heavy():
+    """``geoopt-quotient --help`` reads the commands' help lines from their sources: no
+    torch, no command module imported (4 s before; 0.06 s after, on the CI machine)."""
+    code = (
+        "import sys\n"
+        "from geoopt_quotient.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['nonexistent'], []):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'geoopt_quotient.cli.sharpness')\n"
+        "         if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "population" in result.stdout and "invalid choice: 'nonexistent'" in result.stderr
+
+
+def test_the_help_lines_read_from_the_sources_are_the_commands_own():
+    import argparse
+
+    from geoopt_quotient import cli
+
+    full = cli.build_parser()
+    action = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    registered = {choice.dest: choice.help for choice in action._choices_actions}
+    assert cli.command_summaries(cli) == registered
+    assert sorted(registered) == ["population", "reproduce", "sharpness"]
+
+
+def test_the_version_is_the_same_everywhere():
+    """The package, the citation file and the changelog's latest release agree."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    citation = re.search(r"^version: (\S+)$", (root / "CITATION.cff").read_text(), re.M)
+    changelog = (root / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)$", changelog, re.M)
+    assert citation.group(1) == gq.__version__ == releases[0]
+    assert changelog.index("## Unreleased") < changelog.index(f"## {gq.__version__}")
+    assert len(changelog.splitlines()) <= 300  # a changelog, not a lab notebook

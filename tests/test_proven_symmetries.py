@@ -226,7 +226,9 @@ def test_a_meta_device_model_gets_an_unverified_plan_without_running():
         model = transformers.LlamaForCausalLM(config)
     plan = gq.find_symmetries(model)
     assert {g.kind for g in plan.groups} == {"query-key", "value-output"}
-    assert any(n.startswith("unverified: the model is on the meta device") for n in plan.notes), plan.notes
+    assert any(n.startswith("unverified: the model is on the meta device") for n in plan.notes), (
+        plan.notes
+    )
 
 
 def test_a_model_without_probe_inputs_gets_a_one_line_error():

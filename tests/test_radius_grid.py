@@ -13,7 +13,7 @@ from geoopt_quotient import (
     geodesic_sharpness,
     maximize_in_ball,
 )
-from geoopt_quotient.sharpness import DEFAULT_RADII
+from geoopt_quotient.sharpness import DEFAULT_RADII, ResultList
 
 SCALES = [0.25, 0.5, 1.0]  # of the default radius: the exact paths integrate up to it
 
@@ -97,6 +97,32 @@ def test_grid_keeps_the_given_order_and_measures_each_radius_once():
     assert [r.settings["rho"] for r in grid] == [0.3, 0.02, 0.3]
     assert grid[0] is grid[2]
     assert grid[0].value >= grid[1].value
+
+
+def test_a_grid_is_a_list_that_writes_one_table(tmp_path):
+    import csv
+
+    model, loss_fn, batches = bert_case()
+    grid = adaptive_sharpness(model, loss_fn, batches, rho=[0.02, 0.08], iters=2)
+    assert isinstance(grid, list) and isinstance(grid, ResultList)
+    assert grid == [grid[0], grid[1]] and len(grid) == 2
+    rows = grid.rows()
+    assert [(row["rho"], row["batch"]) for row in rows] == [
+        (0.02, 0),
+        (0.02, 1),
+        (0.08, 0),
+        (0.08, 1),
+    ]
+    assert [row["sharpness"] for row in rows] == grid[0].per_batch + grid[1].per_batch
+    with open(grid.to_csv(str(tmp_path / "grid.csv")), newline="") as file:
+        written = list(csv.DictReader(file))
+    assert [float(row["sharpness"]) for row in written] == [row["sharpness"] for row in rows]
+    pytest.importorskip("pandas")
+    frame = grid.to_frame()
+    assert frame.shape[0] == 4 and list(frame["rho"]) == [0.02, 0.02, 0.08, 0.08]
+    single = adaptive_sharpness(model, loss_fn, batches, rho=0.02, iters=2)
+    assert not isinstance(single, list)  # one radius: one result, as before
+    assert single.per_batch == grid[0].per_batch
 
 
 def test_single_radius_value_is_unchanged():

@@ -691,5 +691,5 @@ def test_sharpness_result_as_rows_csv_and_data_frame(tmp_path, monkeypatch):
     read_back = pandas.read_csv(path, float_precision="round_trip")
     assert frame.equals(read_back[frame.columns].astype(frame.dtypes))
     monkeypatch.setitem(sys.modules, "pandas", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'geoopt-quotient\[experiments\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[experiments\]' in the clone"):
         result.to_frame()

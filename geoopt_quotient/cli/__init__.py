@@ -39,17 +39,16 @@ handler with that many torch threads and restores the previous count afterwards.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import pkgutil
 import sys
+from pathlib import Path
 from types import ModuleType
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
-from .._extras import MissingExtraError, require_all
-from ..experiments.classifiers import InputError
-from ._runtime import end_distributed, torch_threads
-
-__all__ = ["build_parser", "discover", "error_line", "main"]
+__all__ = ["build_parser", "command_summaries", "discover", "error_line", "main"]
 
 PROG = "geoopt-quotient"
 
@@ -80,8 +79,49 @@ def discover(package: ModuleType) -> List[ModuleType]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every discovered subcommand."""
+def command_summaries(package: ModuleType) -> Dict[str, str]:
+    """The subcommands of ``package`` and their one-line help, read from the sources of
+    its public submodules without importing them.
+
+    A subcommand's module sets ``HELP = "..."`` (a string literal, which its ``register``
+    passes as ``help=``); importing the modules would import what the commands compute
+    with (torch, transformers), seconds for a ``--help``.
+
+    Parameters
+    ----------
+    package : module
+        A package of subcommands (:mod:`geoopt_quotient.cli`).
+
+    Returns
+    -------
+    dict
+        ``name -> help`` of every public submodule that sets ``HELP``, sorted by name.
+    """
+    found = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        spec = importlib.util.find_spec(f"{package.__name__}.{info.name}")
+        if spec is None or spec.origin is None:
+            continue
+        for node in ast.parse(Path(spec.origin).read_text()).body:
+            targets = [getattr(t, "id", None) for t in getattr(node, "targets", ())]
+            if isinstance(node, ast.Assign) and "HELP" in targets:
+                found[info.name] = ast.literal_eval(node.value)
+    return found
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every discovered subcommand.
+
+    Parameters
+    ----------
+    command : str or None
+        Only this subcommand, in full (its module imported); or, for a name that is no
+        subcommand, every subcommand as a name and its help only (no module imported:
+        enough for ``--help``, ``--version`` and the error for an unknown command).
+        Default ``None``: every subcommand in full.
+    """
     from .. import __version__
 
     parser = argparse.ArgumentParser(
@@ -93,7 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in discover(sys.modules[__name__]):
+    package = sys.modules[__name__]
+    if command is None:
+        modules = discover(package)
+    else:
+        summaries = command_summaries(package)
+        if command not in summaries:
+            for name, summary in summaries.items():
+                subparsers.add_parser(name, help=summary)
+            return parser
+        modules = [importlib.import_module(f"{__name__}.{command}")]
+    for module in modules:
         module.register(subparsers)
     return parser
 
@@ -139,8 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         With status 2 on an argument error, a data error or a missing optional
         dependency (and with status 0 after ``--help`` or ``--version``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    args = build_parser(command).parse_args(argv)  # only the command given is imported
+
+    from .._extras import MissingExtraError, require_all
+    from ..experiments.classifiers import InputError
+    from ._runtime import end_distributed, torch_threads
+
     finished = False
     try:
         require_all(getattr(args, "needs", ()), f"{args.parser.prog}")

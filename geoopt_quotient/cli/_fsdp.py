@@ -189,7 +189,8 @@ def rows_of_batches(
     ------
     InputError
         If a batch's rows do not split evenly over the processes; the message says which
-        ``--batch-size`` would work (and ``--max-examples`` where none does).
+        ``--batch-size`` would work, or, where none does for these examples, which
+        ``--max-examples`` and ``--batch-size`` together do.
     """
     rows = [int(targets.shape[0]) for _, targets in batches]
     for index, count in enumerate(rows):
@@ -210,13 +211,20 @@ def _uneven(rows: Sequence[int], index: int, world: int, batch_size: int) -> str
         f"--fsdp: batch {index} has {rows[index]} rows, which do not split evenly over "
         f"{world} processes (every process needs the same number of rows of each batch)"
     )
-    if total % world:
+    if total % world:  # no batch size splits these examples: fewer, and a size for them
         usable = total - total % world
-        return f"{message}: give --max-examples {usable} or another multiple of {world}"
-    sizes = ", ".join(str(s) for s in working_sizes(rows, world, batch_size))
-    return f"{message}: give --batch-size {sizes} or another size that makes every batch " + (
-        f"a multiple of {world} rows"
-    )
+        sizes = working_sizes([usable], world, batch_size)
+        if batch_size in sizes:
+            return f"{message}: give --max-examples {usable}"
+        return f"{message}: give --max-examples {usable} --batch-size {_choices(sizes)}"
+    sizes = working_sizes(rows, world, batch_size)
+    return f"{message}: give --batch-size {_choices(sizes)}"
+
+
+def _choices(sizes: Sequence[int]) -> str:
+    """``"2"``, ``"2 (or 4)"``, ``"2 (or 4, 6)"``."""
+    rest = ", ".join(str(s) for s in sizes[1:])
+    return f"{sizes[0]} (or {rest})" if rest else str(sizes[0])
 
 
 def probe_rows(inputs: Dict[str, torch.Tensor], model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -238,11 +238,15 @@ def settings_from_args(args: argparse.Namespace, defaults: StudySettings) -> Stu
     )
 
 
+#: The command's line in ``geoopt-quotient --help`` (read from this source, unimported).
+HELP = "sharpness vs generalization gap over a directory of checkpoints (Kendall tau)"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``population`` subcommand."""
     parser = subparsers.add_parser(
         "population",
-        help="sharpness vs generalization gap over a directory of checkpoints (Kendall tau)",
+        help=HELP,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -130,11 +130,15 @@ several processes (torchrun --nproc_per_node N): every process loads the model a
 """
 
 
+#: The command's line in ``geoopt-quotient --help`` (read from this source, unimported).
+HELP = "adaptive and geodesic sharpness of a local sequence classifier or causal LM"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``sharpness`` subcommand."""
     parser = subparsers.add_parser(
         "sharpness",
-        help="adaptive and geodesic sharpness of a local sequence classifier or causal LM",
+        help=HELP,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

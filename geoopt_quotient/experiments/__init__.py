@@ -11,7 +11,7 @@
 * :mod:`~geoopt_quotient.experiments.figures`: figures, drawn without pyplot.
 
 Figures, the digits data set and image folders need the ``experiments`` extra
-(``pip install 'geoopt-quotient[experiments]'``); without it they raise
+(``pip install -e '.[experiments]'`` in the clone); without it they raise
 :class:`~geoopt_quotient._extras.MissingExtraError`, which names the extra. Subpackages
 are imported on first attribute access.
 """

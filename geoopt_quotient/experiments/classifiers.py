@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..errors import GeooptQuotientError
+
 __all__ = [
     "Batch",
     "InputError",
@@ -61,7 +63,7 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 ARRAY_SUFFIXES = (".npz",)
 
 
-class InputError(ValueError):
+class InputError(GeooptQuotientError, ValueError):
     """A problem with a checkpoint directory or a data file; the message says which and why."""
 
 

@@ -3,7 +3,7 @@
 Each function builds a :class:`matplotlib.figure.Figure` of its own and writes it to a
 PNG file: no global state of matplotlib changes (no backend switch, no open pyplot
 figure), so they are safe to call from a notebook. matplotlib comes with the
-``experiments`` extra (``pip install 'geoopt-quotient[experiments]'``).
+``experiments`` extra (``pip install -e '.[experiments]'`` in the clone).
 """
 
 from __future__ import annotations

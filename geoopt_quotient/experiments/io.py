@@ -9,6 +9,8 @@ from typing import Dict, Union
 
 import torch
 
+from ..errors import GeooptQuotientError
+
 __all__ = ["UnsafeCheckpointError", "find_weights", "load_state_dict"]
 
 PathLike = Union[str, os.PathLike]
@@ -16,7 +18,7 @@ SAFETENSORS = (".safetensors",)
 PICKLED = (".pt", ".pth", ".bin", ".ckpt")
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(GeooptQuotientError, ValueError):
     """A checkpoint would need arbitrary code (a pickle beyond plain tensors) to load."""
 
 

@@ -6,10 +6,12 @@ import math
 
 import torch
 
+from ..errors import GeooptQuotientError
+
 __all__ = ["GeodesicDomainError", "rank_report"]
 
 
-class GeodesicDomainError(ValueError):
+class GeodesicDomainError(GeooptQuotientError, ValueError):
     """A geodesic would leave the manifold (e.g. a mix geodesic with ``1 + 2 B t <= 0``), or
     its numerical integration broke down."""
 

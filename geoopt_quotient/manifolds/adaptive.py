@@ -234,15 +234,30 @@ class AdaptiveEuclidean(QuotientManifold):
         return (noise * self.scale(x)).to(x.dtype)
 
     def random(self, *size, dtype=None, device=None, std: float = 1.0) -> ManifoldTensor:
+        """A point with standard normal entries times ``std``.
+
+        Raises
+        ------
+        ValueError
+            For a shape with fewer than :attr:`ndim` dimensions (as Geoopt's ``Euclidean``).
+        """
         shape = size2shape(*size)
-        return ManifoldTensor(torch.randn(*shape, dtype=dtype, device=device) * std, manifold=self)
+        self._assert_check_shape(shape, "x")
+        return ManifoldTensor(torch.randn(shape, dtype=dtype, device=device) * std, manifold=self)
 
     random_normal = random
 
     def origin(self, *size, dtype=None, device=None, seed: int | None = 42) -> ManifoldTensor:
-        """The all-ones point (the zero point would be frozen everywhere with eps=0)."""
+        """The all-ones point (the zero point would be frozen everywhere with eps=0).
+
+        Raises
+        ------
+        ValueError
+            For a shape with fewer than :attr:`ndim` dimensions (as Geoopt's ``Euclidean``).
+        """
         shape = size2shape(*size)
-        return ManifoldTensor(torch.ones(*shape, dtype=dtype, device=device), manifold=self)
+        self._assert_check_shape(shape, "x")
+        return ManifoldTensor(torch.ones(shape, dtype=dtype, device=device), manifold=self)
 
 
 class _ScaleState:
@@ -267,9 +282,17 @@ class _ScaleState:
         return self.manifold.scale(x.to(self.dtype), out=out).pow_(2)
 
     def weight(self, x: torch.Tensor) -> torch.Tensor:
-        """:math:`1 / c^2` of the entries ``x``, with frozen entries mapped to 0 instead of inf."""
+        """:math:`1 / c^2` of the entries ``x``, with frozen entries mapped to 0 instead of inf.
+
+        In place, except where autograd records the operations (``x`` requires a
+        gradient): there the reciprocal, which its derivative reads, is not overwritten,
+        and the frozen entries' reciprocal is never formed, so that their derivative is
+        zero (not NaN). The values are the same either way.
+        """
         c2 = self.scale_squared(x)
         frozen = (c2 > 0).logical_not_()  # also NaN, as torch.where(c2 > 0, ...) would
+        if c2.requires_grad:
+            return c2.masked_fill(frozen, 1.0).reciprocal().masked_fill(frozen, 0.0)
         return c2.reciprocal_().masked_fill_(frozen, 0.0)
 
     def weighted_product(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,70 @@ independent of the representative.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import geoopt
 import torch
 from geoopt.tensor import ManifoldParameter, ManifoldTensor
 
-__all__ = ["RiemannianAdam", "RiemannianSGD"]
+from ..errors import GeooptQuotientError
+
+__all__ = ["RiemannianAdam", "RiemannianSGD", "StepSizeError"]
+
+
+class StepSizeError(GeooptQuotientError, torch.linalg.LinAlgError):
+    """A step of a Riemannian optimizer left a point where its geometry cannot be computed.
+
+    On :class:`~geoopt_quotient.GLQuotient` and its subgroups a step too large for the
+    curvature can throw the factors off the manifold (a factor loses rank, or its
+    entries overflow), and the next Cholesky factorisation of a Gram matrix fails. The
+    message names the optimizer's learning rate and the parameter. Also a
+    :class:`torch.linalg.LinAlgError`, the error it replaces.
+    """
+
+
+@contextlib.contextmanager
+def _step_size_errors(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Turn a :class:`torch.linalg.LinAlgError` of a step into a :class:`StepSizeError`."""
+    try:
+        yield
+    except torch.linalg.LinAlgError as error:
+        if isinstance(error, StepSizeError):
+            raise
+        raise StepSizeError(_step_size_message(optimizer, error)) from error
+
+
+def _off_manifold(optimizer: torch.optim.Optimizer) -> List[str]:
+    """Where the optimizer's manifold parameters are off their manifolds (a check per
+    point: only on the error path)."""
+    found = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, point in enumerate(group["params"]):
+            if not isinstance(point, (ManifoldParameter, ManifoldTensor)):
+                continue
+            ok, reason = point.manifold.check_point_on_manifold(point.detach(), explain=True)
+            if not ok:
+                found.append(f"parameter {i} of group {g} on {point.manifold!r}: {reason}")
+    return found
+
+
+def _step_size_message(optimizer: torch.optim.Optimizer, error: Exception) -> str:
+    rates = sorted({group["lr"] for group in optimizer.param_groups})
+    lr = ", ".join(f"lr={rate:g}" for rate in rates)
+    off = _off_manifold(optimizer)
+    where = "; ".join(off[:3]) + (f" (and {len(off) - 3} more)" if len(off) > 3 else "")
+    cause = str(error).splitlines()[0]
+    return (
+        f"{type(optimizer).__name__} ({lr}): the geometry at a point could not be "
+        f"computed ({cause})"
+        + (f"; off the manifold: {where}" if off else "")
+        + ". A step too large for the curvature throws a point off its manifold (a factor "
+        "loses rank or its entries overflow): lower the learning rate "
+        f"(e.g. lr={rates[-1] / 10:g}), clip the gradient's norm, or relax the geometry "
+        "with eps > 0. If this was the first step, the starting point is not on the "
+        "manifold."
+    )
 
 
 class RiemannianSGD(geoopt.optim.RiemannianSGD):
@@ -79,6 +136,12 @@ class RiemannianSGD(geoopt.optim.RiemannianSGD):
         Every ``stabilize`` steps geoopt projects the points back onto their
         manifolds (``projx``) and the buffers onto the tangent spaces; default ``None``,
         never.
+
+    Raises
+    ------
+    StepSizeError
+        From :meth:`step`, where a step left a point at which the geometry cannot be
+        computed (the learning rate was too large).
     """
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -87,7 +150,8 @@ class RiemannianSGD(geoopt.optim.RiemannianSGD):
             with torch.enable_grad():
                 loss = closure()
         self._seed_momentum()
-        super().step()
+        with _step_size_errors(self):
+            super().step()
         return loss
 
     @torch.no_grad()
@@ -144,6 +208,9 @@ class RiemannianAdam(geoopt.optim.RiemannianAdam):
     ------
     ValueError
         For ``maximize=True`` or ``decoupled_weight_decay=True``.
+    StepSizeError
+        From :meth:`step`, where a step left a point at which the geometry cannot be
+        computed (the learning rate was too large).
     """
 
     def __init__(self, params, *args: Any, **kwargs: Any):
@@ -151,6 +218,10 @@ class RiemannianAdam(geoopt.optim.RiemannianAdam):
             if kwargs.get(flag, False):
                 raise ValueError(f"RiemannianAdam does not implement `{flag}=True`")
         super().__init__(params, *args, **kwargs)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        with _step_size_errors(self):
+            return super().step(closure)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)

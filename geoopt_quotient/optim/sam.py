@@ -31,6 +31,7 @@ import geoopt
 import torch
 
 from .._checks import GEODESIC_PATHS, check_choice, check_positive_float
+from ..errors import GeooptQuotientWarning
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric, is_plain_euclidean
 from ..manifolds.tangent import tangent_space
@@ -51,7 +52,7 @@ __all__ = ["BALLS", "GeodesicSAM", "SAMAscent", "ZeroAscentWarning"]
 BALLS = ("geodesic", "adaptive", "euclidean")
 
 
-class ZeroAscentWarning(UserWarning):
+class ZeroAscentWarning(GeooptQuotientWarning, UserWarning):
     """GeodesicSAM's ascent step was skipped: the gradient is 0 in the ball's metric."""
 
 

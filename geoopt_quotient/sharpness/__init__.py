@@ -13,6 +13,7 @@ from .measure import (
     geodesic_sharpness,
 )
 from .path_gap import PathGapWarning
+from .results import ResultList
 from .sharded import ShardingError
 from .stats import kendall_tau, kendall_tau_bootstrap
 
@@ -26,6 +27,7 @@ __all__ = [
     "LossFnError",
     "NonFiniteError",
     "PathGapWarning",
+    "ResultList",
     "RhoEvaluation",
     "ShardingError",
     "SharpnessResult",

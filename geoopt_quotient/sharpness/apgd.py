@@ -22,6 +22,7 @@ import torch
 from geoopt.manifolds.base import Manifold
 
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
+from ..errors import GeooptQuotientError
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.adaptive import GradientSweep
 from ..manifolds.tangent import tangent_space
@@ -49,7 +50,7 @@ Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 KEEP_GRADIENT_MAX_BYTES = 1 << 30
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(GeooptQuotientError, FloatingPointError):
     """The objective or its gradient became NaN/Inf during the maximisation."""
 
 

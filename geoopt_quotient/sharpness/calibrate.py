@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
+from ..errors import GeooptQuotientError
 from .defaults import default_radius
 from .measure import (
     LossFn,
@@ -39,6 +40,7 @@ from .measure import (
     resolve_plan,
 )
 from .path_gap import PathGapWarning
+from .results import ResultList
 
 __all__ = ["MEASURES", "CalibrationError", "RhoEvaluation", "calibrate_radii", "calibrate_rho"]
 
@@ -65,7 +67,7 @@ LOG_RHO_RESOLUTION = 1e-3
 _RESERVED = ("rho", "metric", "progress")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(GeooptQuotientError, ValueError):
     """The target cannot be bracketed (or the rule is undefined) for this model and data."""
 
 
@@ -173,7 +175,9 @@ def calibrate_rho(
     float
         The radius :math:`\rho^\star`: the evaluated radius whose running maximum
         :math:`\hat S` is closest to the target (relative error at most ``rtol`` unless a
-        warning said otherwise). With ``return_history``, ``(rho, evaluations)``.
+        warning said otherwise). With ``return_history``, ``(rho, evaluations)``, the
+        evaluations a :class:`~geoopt_quotient.sharpness.ResultList` of
+        :class:`RhoEvaluation` (a list with ``to_frame`` and ``to_csv``).
 
     Raises
     ------
@@ -258,7 +262,7 @@ def calibrate_rho(
     search = _Search(sharpness, target, rtol, max_evals, progress, measure)
     with search:
         best = search.run(rho_start, low, high)
-    return (best.rho, list(search.history)) if return_history else best.rho
+    return (best.rho, ResultList(search.history)) if return_history else best.rho
 
 
 def calibrate_radii(

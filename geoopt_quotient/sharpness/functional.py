@@ -27,6 +27,8 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..errors import GeooptQuotientError
+
 __all__ = [
     "IndependentLossError",
     "LossFnError",
@@ -49,7 +51,7 @@ LOSS_FN_RULE = (
 )
 
 
-class LossFnError(RuntimeError):
+class LossFnError(GeooptQuotientError, RuntimeError):
     """``loss_fn`` is written so that the perturbation would not reach its value."""
 
 

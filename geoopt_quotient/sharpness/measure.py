@@ -14,7 +14,6 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 import warnings
@@ -30,8 +29,8 @@ from .._checks import (
     check_positive_float,
     check_positive_int,
 )
-from .._extras import require
 from .._model_state import preserved_model_state
+from ..errors import GeooptQuotientWarning
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
@@ -59,6 +58,7 @@ from .layout import BallLayout
 from .path_gap import exact_groups, path_gap, warn_if_path_gap
 from .precision import AutocastState
 from .ranks import BatchShare
+from .results import ResultList, Table
 from .sharded import is_sharded, measure_sharded
 
 __all__ = [
@@ -76,7 +76,7 @@ Radii = Union[float, Sequence[float]]
 
 
 @dataclass
-class SharpnessResult:
+class SharpnessResult(Table):
     r"""Sharpness of one model.
 
     Attributes
@@ -170,21 +170,6 @@ class SharpnessResult:
             for row, gap, exact in zip(rows, self.path_gaps, self.exact_losses or []):
                 row.update(path_gap=gap, exact_loss=exact)
         return rows
-
-    def to_csv(self, path: str) -> str:
-        """Write :meth:`rows` to a CSV file at ``path`` (no pandas needed); returns the path."""
-        rows = self.rows()
-        with open(path, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["batch"])
-            writer.writeheader()
-            writer.writerows(rows)
-        return path
-
-    def to_frame(self):
-        """:meth:`rows` as a :class:`pandas.DataFrame` (pandas comes with the
-        ``experiments`` extra)."""
-        pandas = require("pandas", "SharpnessResult.to_frame")
-        return pandas.DataFrame(self.rows())
 
 
 def resolve_plan(
@@ -604,7 +589,7 @@ def _restart_searches(
         yield maximize_in_ball(groups, objective, rho=rho, init="random", **start)
 
 
-class ZeroSharpnessWarning(UserWarning):
+class ZeroSharpnessWarning(GeooptQuotientWarning, UserWarning):
     """Worst-case sharpness exactly 0: no perturbation increased the loss."""
 
 
@@ -750,16 +735,17 @@ def check_points(plan: BoundPlan, points: List[torch.Tensor]) -> None:
 
 def _over_radii(
     rho: Radii, measure: Callable[[List[float]], List[SharpnessResult]]
-) -> Union[SharpnessResult, List[SharpnessResult]]:
+) -> Union[SharpnessResult, ResultList]:
     """``measure`` at one radius (its result) or at a grid of them (one result per radius,
-    in the order given; measured once each, in increasing order)."""
+    in the order given, in a :class:`~.results.ResultList`; measured once each, in
+    increasing order)."""
     grid = _radius_grid(rho)
     if grid is None:
         check_positive_float(rho, "rho")
         return measure([rho])[0]
     radii = sorted(set(grid))
     by_radius = dict(zip(radii, measure(radii)))
-    return [by_radius[r] for r in grid]
+    return ResultList(by_radius[r] for r in grid)
 
 
 def _radius_grid(rho: Radii) -> List[float] | None:
@@ -926,12 +912,13 @@ def geodesic_sharpness(
 
     Returns
     -------
-    SharpnessResult or list of SharpnessResult
+    SharpnessResult or ResultList
         :attr:`~SharpnessResult.value` is the sharpness :math:`S_{\max}` (or
         :math:`S_{\mathrm{avg}}`), the mean over batches of
         :attr:`~SharpnessResult.per_batch`; the result also holds the clean and
         perturbed losses, the Auto-PGD histories, the passes made and the timings.
-        For a sequence ``rho``, a list of one result per radius, in the order given
+        For a sequence ``rho``, a :class:`ResultList` (a list with ``to_frame`` and
+        ``to_csv``) of one result per radius, in the order given
         (``settings["rho"]`` its radius; a repeated radius is measured once, and its
         results are one object); ``seconds`` is the whole call's time, the passes and
         ``seconds_per_batch`` those of the radius (both searches), and the history
@@ -1136,7 +1123,7 @@ def adaptive_sharpness(
 
     Returns
     -------
-    SharpnessResult or list of SharpnessResult
+    SharpnessResult or ResultList
         The sharpness in :attr:`~SharpnessResult.value`, with per-batch values,
         losses, Auto-PGD histories, passes and timings; for a sequence ``rho``, one
         result per radius, as for :func:`geodesic_sharpness`.

@@ -57,6 +57,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
+from ..errors import GeooptQuotientWarning
 from ..manifolds import GeodesicDomainError
 from ..manifolds._gl_tangent import GLTangentSpace
 from ..manifolds._linalg import block_length, capped, compute_dtype
@@ -71,7 +72,7 @@ __all__ = ["PATH_GAP_TOLERANCE", "PathGapWarning", "path_gap", "warn_if_path_gap
 PATH_GAP_TOLERANCE = 0.1
 
 
-class PathGapWarning(UserWarning):
+class PathGapWarning(GeooptQuotientWarning, UserWarning):
     """The second-order path's loss at the maximiser is far from the exact geodesic's."""
 
 

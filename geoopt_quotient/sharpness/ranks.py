@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tupl
 
 import torch
 
+from ..errors import GeooptQuotientError
 from .functional import add_note
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(GeooptQuotientError, RuntimeError):
     """Another rank of the process group raised; its own traceback says why."""
 
 

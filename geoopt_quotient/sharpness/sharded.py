@@ -66,6 +66,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from ..errors import GeooptQuotientError
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric
@@ -83,7 +84,7 @@ HOW_TO_SHARD = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(GeooptQuotientError, ValueError):
     """A sharded model (DTensor parameters) that a function cannot measure: a placement
     other than FSDP2's default, or a function without a sharded path (the message says
     what to do)."""

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 from geoopt.manifolds.base import Manifold
 
+from ..errors import GeooptQuotientError, GeooptQuotientWarning
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import QuotientManifold, group_label
 from . import strided, structured
@@ -35,11 +36,11 @@ __all__ = [
 Layout = Callable[..., torch.Tensor]
 
 
-class PlanError(ValueError):
+class PlanError(GeooptQuotientError, ValueError):
     """A symmetry plan does not fit the model it is applied to."""
 
 
-class GeodesicEqualsAdaptiveWarning(UserWarning):
+class GeodesicEqualsAdaptiveWarning(GeooptQuotientWarning, UserWarning):
     """Geodesic sharpness was asked for where the plan quotients nothing (or leaves some
     attention to the adaptive geometry): there it is adaptive sharpness."""
 

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._model_state import preserved_model_state
+from ..errors import GeooptQuotientWarning
 from ..manifolds.base import random_group_element
 from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
 
@@ -89,7 +90,7 @@ class SymmetryVerificationError(PlanError):
     """A group of a symmetry plan changes the model's outputs: it is not a symmetry."""
 
 
-class SymmetryNotProvenWarning(UserWarning):
+class SymmetryNotProvenWarning(GeooptQuotientWarning, UserWarning):
     """Discovery claimed a group that the model's outputs refute; it is left to the adaptive
     geometry."""
 

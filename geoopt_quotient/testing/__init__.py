@@ -1,7 +1,7 @@
 """Hypothesis strategies and assertions for testing code that should respect symmetries.
 
 Requires ``hypothesis``, which the ``testing`` extra installs
-(``pip install 'geoopt-quotient[testing]'``).
+(``pip install -e '.[testing]'`` in the clone).
 """
 
 from . import _needs  # noqa: F401  (first: names the extra if hypothesis is missing)

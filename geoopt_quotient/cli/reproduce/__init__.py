@@ -14,11 +14,15 @@ from .. import discover
 __all__ = ["register"]
 
 
+#: The command's line in ``geoopt-quotient --help`` (read from this source, unimported).
+HELP = "reproduce an experiment of the paper"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``reproduce`` and its targets."""
     parser = subparsers.add_parser(
         "reproduce",
-        help="reproduce an experiment of the paper",
+        help=HELP,
         description="Reproduce an experiment of 'Hide & Seek' (da Silva, Dangel & Oore, 2025).",
     )
     targets = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
