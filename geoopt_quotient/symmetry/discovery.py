@@ -13,7 +13,7 @@ from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
-from .probe import why_not_runnable
+from .probe import shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
 from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan
 
@@ -137,15 +137,8 @@ def find_symmetries(
     check_choice(metric, METRICS, "metric")
     eps = check_nonnegative_float(eps, "eps")
     wanted = _kinds(kinds)
-    found = Findings()
-    for path, module in model.named_modules():
-        if isinstance(module, torch.nn.MultiheadAttention):
-            found.specs.extend(multihead_attention_pairs(path, module))
-            found.claimed.add(path)
-    found.extend(lora_pairs(model, eps))
-    found.extend(find_attention(model, skip=set(found.claimed)))
-    if "mlp" in wanted:
-        found.extend(gated_mlp_pairs(model))
+    with shared_records():  # one recorded probe forward for every detector
+        found = _found(model, wanted, eps)
     specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
     extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
     notes = found.rendered_notes()
@@ -160,6 +153,20 @@ def find_symmetries(
     if not groups:
         notes.insert(0, NO_SYMMETRY)
     return SymmetryPlan(groups, notes=notes)
+
+
+def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findings:
+    """What the detectors recognise in ``model`` (attention, LoRA, and MLPs if wanted)."""
+    found = Findings()
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.MultiheadAttention):
+            found.specs.extend(multihead_attention_pairs(path, module))
+            found.claimed.add(path)
+    found.extend(lora_pairs(model, eps))
+    found.extend(find_attention(model, skip=set(found.claimed)))
+    if "mlp" in wanted:
+        found.extend(gated_mlp_pairs(model))
+    return found
 
 
 def _unprovable(model: torch.nn.Module) -> Optional[str]:

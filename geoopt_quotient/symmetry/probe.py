@@ -29,7 +29,6 @@ import contextlib
 import inspect
 import re
 import sys
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -43,6 +42,7 @@ __all__ = [
     "pair_holds",
     "recorded_forward",
     "rotary_planes",
+    "shared_records",
     "why_not_runnable",
 ]
 
@@ -76,9 +76,19 @@ class ForwardRecord:
     replays: Dict[Tuple, Any] = field(default_factory=dict)
 
 
-_RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, Tuple[Tuple, Any]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Records shared within :func:`shared_records` (one dict per active scope, by model id).
+_SCOPES: List[Dict[int, Tuple[torch.nn.Module, Tuple[Optional[ForwardRecord], str]]]] = []
+
+
+@contextlib.contextmanager
+def shared_records() -> Iterator[None]:
+    """Within this scope each model is run and recorded once, and the record is shared by
+    every detector that asks (one discovery); outside it nothing is kept between calls."""
+    _SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
 
 
 def _fingerprint(model: torch.nn.Module) -> Tuple:
@@ -209,14 +219,13 @@ def _spread_positions(model: torch.nn.Module, inputs: Dict[str, Any]) -> Optiona
 
 def recorded_forward(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
     """One recorded forward pass of ``model`` on probe inputs: ``(record, "")`` or
-    ``(None, reason)``. Cached per model (and its parameters' shapes, dtypes, devices)."""
-    key = _fingerprint(model)
-    cached = _RECORDS.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    result = _record(model)
-    _RECORDS[model] = (key, result)
-    return result
+    ``(None, reason)``; shared within :func:`shared_records`."""
+    if not _SCOPES:
+        return _record(model)
+    scope = _SCOPES[-1]
+    if id(model) not in scope:
+        scope[id(model)] = (model, _record(model))  # the model pins its id in the scope
+    return scope[id(model)][1]
 
 
 def why_not_runnable(model: torch.nn.Module) -> str:
