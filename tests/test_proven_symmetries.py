@@ -266,3 +266,18 @@ def test_a_plan_carries_its_metric_and_a_mismatch_is_refused():
     result = gq.geodesic_sharpness(model, _loss, batches, symmetries=inv, iters=1, progress=False)
     assert result.settings["metric"] == "inv"
     assert SymmetryPlan().metric is None
+
+
+def test_outputs_that_become_non_finite_refute_a_group():
+    model = tiny_llama()
+    v_proj = model.model.layers[0].self_attn.v_proj
+    original = v_proj.weight.detach().clone()
+
+    def poison(module, args, out):  # any other value weights: NaN outputs
+        return out if torch.equal(module.weight, original) else out * float("nan")
+
+    v_proj.register_forward_hook(poison)
+    plan = gq.find_symmetries(model, verify=False)
+    proof = prove_plan(model, plan)
+    vo = next(c for c in proof.checks if "value-output" in c.name)
+    assert not vo.holds and vo.deviation == float("inf")

@@ -367,7 +367,21 @@ def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
 
 
 def _deviation(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
+    """The largest entry-wise change; equal entries (infinities and NaNs included) change
+    by 0, an entry that became non-finite by ``inf``."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x.numel():
+            same = (x == y) | (x.isnan() & y.isnan())
+            diff = torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=float("inf"))
+            worst = max(worst, float(diff.max()))
+    return worst
+
+
+def _scale(reference: List[torch.Tensor]) -> float:
+    """The largest finite output magnitude."""
+    finite = [t[t.isfinite()].abs() for t in reference]
+    return max((float(t.max()) for t in finite if t.numel()), default=0.0)
 
 
 def default_rtol(dtype: torch.dtype, weights: Optional[torch.dtype] = None) -> float:
@@ -670,7 +684,7 @@ def prove_plan(
 
 
 def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProof:
-    scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in reference)
+    scale = _scale(reference)
     rtol = default_rtol(precision, prover.dtype) if rtol is None else rtol
     tol = rtol * max(scale, 1e-30)
     elements = prover.draw(max_condition)
