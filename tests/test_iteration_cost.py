@@ -472,7 +472,7 @@ def test_combination_writes_the_perturbed_point_in_the_same_sweep(size, block, i
         operands = [t.clone() for t in (a, b, c)]
         out = {"new": torch.empty_like(a), "first": operands[0]}.get(into)
         out = {"gradient": operands[1], "previous": operands[2]}.get(into, out)
-        apgd._combine_(out, tuple(operands), weights, shift)
+        apgd.combine_(out, tuple(operands), weights, shift)
         return out
 
     old_block, apgd.COMBINE_BLOCK = apgd.COMBINE_BLOCK, block
