@@ -22,9 +22,10 @@ import torch
 from bench_sharpness_iteration import build_model
 
 from geoopt_quotient.sharpness.apgd import KEEP_GRADIENT_MAX_BYTES
+from geoopt_quotient.sharpness.ball import ball_groups
 from geoopt_quotient.sharpness.functional import trainable_parameters
 from geoopt_quotient.sharpness.layout import BallLayout
-from geoopt_quotient.sharpness.measure import _ball_groups, resolve_plan
+from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.symmetry.plan import SymmetryPlan
 
 MEASURES = ("adaptive", "inv", "mix")
@@ -38,7 +39,7 @@ def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
         plan = resolve_plan(model, None, measure)
     base = trainable_parameters(model)
     points = [p.detach() for p in plan.gather(base)]
-    return BallLayout(plan, base, _ball_groups(plan, points, "second_order", True))
+    return BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
 
 
 def main(argv=None) -> Dict[str, Any]:

@@ -648,7 +648,7 @@ def compile_unit(run: Run, case: Case, metric: str, scope: str) -> Dict[str, Any
 
     args = run.args
     plan = case.plans[metric]
-    # the ball's points and spaces as geoopt_quotient.sharpness.measure builds them
+    # the ball's points and spaces as geoopt_quotient.sharpness.ball builds them
     points = [p.detach() for p in plan.gather(trainable_parameters(case.model))]
     chosen = [i for i, g in enumerate(plan.groups) if scope == "all" or g.kind != "adaptive"]
     spaces = [tangent_space(plan.groups[i].manifold, points[i]) for i in chosen]

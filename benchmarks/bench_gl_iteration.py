@@ -6,7 +6,7 @@ by the sharpness ball's layout, are one batch of 288 points of two ``769 x 64`` 
 what the batched tangent space (``geoopt_quotient.manifolds._gl_tangent``) does in one
 Auto-PGD iteration: the second-order retraction, its pullback, the Riemannian gradient
 with the Gram entries (the whole matrix every other iteration, the gradient's column
-otherwise) and the update's combination (``apgd._combine_``, with the products with the
+otherwise) and the update's combination (``apgd.combine_``, with the products with the
 point derived). Per iteration and metric it reports the process time, the minor page
 faults (``resource.getrusage``) and the slices of the vectors' size that operators
 allocate (results with blocks of the factors' rows, a ``TorchDispatchMode``), both as
@@ -115,7 +115,7 @@ class Loop:
         else:
             space.egrad2rgrad_gram_(vectors, 1)
         written = space.combination(vectors, self.weights) if column else None
-        apgd._combine_(self.out, vectors, self.weights)
+        apgd.combine_(self.out, vectors, self.weights)
         if written is not None:
             written(self.out)
         self.xi, self.previous, self.out = self.out, xi, previous

@@ -302,7 +302,7 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
             for space, a, g, p in zip(unit.spaces, xi, grads, xi_prev)
         ],
         "combination and perturbed point": lambda: [
-            apgd._combine_(p, (a, g, p), weights, (x, ball.perturbed_buffer(i)))
+            apgd.combine_(p, (a, g, p), weights, (x, ball.perturbed_buffer(i)))
             for i, (x, a, g, p) in enumerate(zip(points, xi, grads, xi_prev))
         ],
         "copy": lambda: torch._foreach_copy_(copies, xi),

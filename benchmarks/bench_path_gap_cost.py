@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
-from geoopt_quotient.sharpness import measure
+from geoopt_quotient.sharpness import engine
 
 MODELS = ("tiny-vit", "bert-11m", "bert-base")
 #: Sequences per batch (of 128 tokens), those of ``bench_iteration_overhead.py``'s rows.
@@ -59,7 +59,7 @@ class PathGapWrapper:
         self.probe = probe
         self.records: List[Any] = []
         self.reports: List[Any] = []
-        self.original = measure.path_gap
+        self.original = engine.path_gap
 
     def __call__(self, *args):
         with self.probe() as record:
@@ -69,11 +69,11 @@ class PathGapWrapper:
         return out
 
     def __enter__(self):
-        measure.path_gap = self
+        engine.path_gap = self
         return self
 
     def __exit__(self, *exc):
-        measure.path_gap = self.original
+        engine.path_gap = self.original
 
 
 class ProcessTime:

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from geoopt_quotient.sharpness.ball import ball_groups
 from geoopt_quotient.sharpness.functional import trainable_parameters
 from geoopt_quotient.sharpness.layout import BallLayout
-from geoopt_quotient.sharpness.measure import _ball_groups, resolve_plan
+from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.symmetry.plan import SymmetryPlan
 
 MEASURES = ("adaptive", "inv", "mix")
@@ -65,7 +66,7 @@ def single_process() -> Dict[str, Any]:
         plan = plan_for(model, measure)
         base = trainable_parameters(model)
         points = [p.detach() for p in plan.gather(base)]
-        layout = BallLayout(plan, base, _ball_groups(plan, points, "second_order", True))
+        layout = BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
         rows[measure] = {
             "kept": layout.bytes_per_parameter(keep_best_gradient=True),
             "not_kept": layout.bytes_per_parameter(keep_best_gradient=False),

@@ -14,10 +14,16 @@ from typing import Any, Optional, TextIO
 
 from tqdm.auto import tqdm
 
-__all__ = ["EVERY_PERCENT", "LineProgress", "progress_bar"]
+__all__ = ["EVERY_PERCENT", "LineProgress", "progress_bar", "show_progress"]
 
 #: :class:`LineProgress` prints a line each time this many more percent are done.
 EVERY_PERCENT = 10
+
+
+def show_progress(progress: Optional[bool]) -> bool:
+    """Whether to show a progress bar: ``progress``, or when ``None`` whether stderr is a
+    terminal."""
+    return sys.stderr.isatty() if progress is None else progress
 
 
 def progress_bar(

@@ -28,9 +28,9 @@ from geoopt_quotient import (  # noqa: E402
     geodesic_sharpness,
     hessian_trace,
 )
+from geoopt_quotient.sharpness.ball import ball_groups  # noqa: E402
 from geoopt_quotient.sharpness.functional import trainable_parameters  # noqa: E402
 from geoopt_quotient.sharpness.layout import BallLayout  # noqa: E402
-from geoopt_quotient.sharpness.measure import _ball_groups  # noqa: E402
 
 WORLD = 2
 ROWS = 2  # per rank and batch
@@ -243,7 +243,7 @@ def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):
     plan = find_symmetries(model, metric="mix").bind(model)
     base = trainable_parameters(model)
     points = [p.detach() for p in plan.gather(base)]
-    layout = BallLayout(plan, base, _ball_groups(plan, points, "second_order", True))
+    layout = BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
     single = layout.bytes_per_parameter(keep_best_gradient=True)["total"]
     per_rank = [run["memory"]["total"] for run in fsdp_run]
     assert max(per_rank) <= 0.6 * single, (per_rank, single)

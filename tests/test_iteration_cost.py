@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness import apgd
+from geoopt_quotient.sharpness import ball as ball_module
 from geoopt_quotient.sharpness import layout as layout_module
-from geoopt_quotient.sharpness import measure as measure_module
 from geoopt_quotient.sharpness.apgd import BallGroup, maximize_in_ball
 
 pytestmark = [
@@ -205,7 +205,7 @@ def test_berts_query_key_and_value_output_groups_are_one_batch_with_equal_factor
     plan = gq.find_symmetries(model, metric="inv").bind(model)
     base = {name: p.detach() for name, p in model.named_parameters()}
     points = [p.detach() for p in plan.gather(base)]
-    groups = measure_module._ball_groups(plan, points, "second_order", True)
+    groups = ball_module.ball_groups(plan.groups, points, "second_order", True)
     layout = layout_module.BallLayout(plan, base, groups)
     quotients = [g for g in groups if isinstance(g.manifold, gq.GLQuotient)]
     stacked = [g for g in layout.groups if isinstance(g.manifold, gq.GLQuotient)]
@@ -219,8 +219,8 @@ def inv_layout(model) -> layout_module.BallLayout:
     """The layout of ``model``'s inv ball on the second-order path."""
     plan = gq.find_symmetries(model, metric="inv").bind(model)
     base = {name: p.detach() for name, p in model.named_parameters()}
-    groups = measure_module._ball_groups(
-        plan, [p.detach() for p in plan.gather(base)], "second_order", True
+    groups = ball_module.ball_groups(
+        plan.groups, [p.detach() for p in plan.gather(base)], "second_order", True
     )
     return layout_module.BallLayout(plan, base, groups)
 
@@ -287,7 +287,7 @@ def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
     back into the parameters by the plan."""
     model, batches = tiny_bert()
     flat = measure(model, batches, name)
-    monkeypatch.setattr(measure_module, "BallLayout", lambda *args: None)  # no layout
+    monkeypatch.setattr(ball_module, "BallLayout", lambda *args: None)  # no layout
     separate = measure(model, batches, name)
     assert flat.value > 0
     # float64 sums in another order; the iterates' branch decisions are the same
@@ -325,10 +325,8 @@ def test_layout_gradients_mostly_reuse_the_buffers_the_loop_frees(name, monkeypa
 def test_the_average_case_has_no_flat_layout(monkeypatch):
     model, batches = tiny_bert()
     calls = []
-    make = measure_module.BallLayout
-    monkeypatch.setattr(
-        measure_module, "BallLayout", lambda *args: calls.append(args) or make(*args)
-    )
+    make = ball_module.BallLayout
+    monkeypatch.setattr(ball_module, "BallLayout", lambda *args: calls.append(args) or make(*args))
     gq.adaptive_sharpness(model, loss_fn, batches, rho=0.1, iters=3, kind="average")
     assert not calls
     gq.adaptive_sharpness(model, loss_fn, batches, rho=0.1, iters=3)  # the worst case has
@@ -474,7 +472,7 @@ def test_combination_writes_the_perturbed_point_in_the_same_sweep(size, block, i
         operands = [t.clone() for t in (a, b, c)]
         out = {"new": torch.empty_like(a), "first": operands[0]}.get(into)
         out = {"gradient": operands[1], "previous": operands[2]}.get(into, out)
-        apgd._combine_(out, tuple(operands), weights, shift)
+        apgd.combine_(out, tuple(operands), weights, shift)
         return out
 
     old_block, apgd.COMBINE_BLOCK = apgd.COMBINE_BLOCK, block

@@ -149,10 +149,10 @@ PATH_GAP_SYNCS = 7
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_the_path_gap_dispatches_a_bounded_number_of_operators(metric, monkeypatch):
-    from geoopt_quotient.sharpness import measure
+    from geoopt_quotient.sharpness import engine
 
     model, batch, loss_fn = bert(4)
-    counters, original = [], measure.path_gap
+    counters, original = [], engine.path_gap
 
     def counted(*args):
         with OperatorCount() as counter:
@@ -160,7 +160,7 @@ def test_the_path_gap_dispatches_a_bounded_number_of_operators(metric, monkeypat
         counters.append(counter)
         return out
 
-    monkeypatch.setattr(measure, "path_gap", counted)
+    monkeypatch.setattr(engine, "path_gap", counted)
     result = gq.geodesic_sharpness(
         model, loss_fn, [batch], metric=metric, rho=0.01, iters=3, progress=False
     )

@@ -114,10 +114,18 @@ def checks(rank: int, world: int) -> dict:
     grid = adaptive_sharpness(model, lm_loss, share, rho=GRID, iters=2, process_group=group)
     out["grid"] = [summary(r) for r in grid]
     # no process group: this rank's share alone, with no communication (population's case)
-    out["local"] = SHARPNESS["adaptive"](model, share, distributed=False).value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["local"] = SHARPNESS["adaptive"](model, share, distributed=False).value
+    out["local_warnings"] = [w.category.__name__ for w in caught]
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # the older mode on the same group: every rank passes all batches
-    out["older"] = {name: summary(SHARPNESS[name](model, batches)) for name in ("adaptive", "inv")}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["older"] = {
+            name: summary(SHARPNESS[name](model, batches)) for name in ("adaptive", "inv")
+        }
+    out["older_warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
     # shares that are not a strided deal, and an empty share, are refused on every rank
     out["uneven"] = outcome(
         lambda: SHARPNESS["adaptive"](model, batches[: 1 + 2 * rank], process_group=group)
@@ -243,6 +251,17 @@ def test_the_older_mode_with_all_batches_on_every_rank_still_works(ranks, single
         got = ranks[rank]["older"][name]
         assert close(got["value"], single[name]["value"])
         assert close(got["per_batch"], single[name]["per_batch"])
+
+
+def test_the_older_mode_warns_that_it_is_deprecated_and_says_what_to_pass(ranks):
+    for rank in (0, 1):
+        older = [
+            m for c, m in ranks[rank]["older_warnings"] if c == "DistributedModeDeprecationWarning"
+        ]
+        assert len(older) == 2  # one per call
+        assert "process_group=" in older[0] and "batches[rank::world_size]" in older[0]
+        # distributed=False, no communication: nothing deprecated
+        assert "DistributedModeDeprecationWarning" not in ranks[rank]["local_warnings"]
 
 
 def test_shares_that_are_not_a_strided_deal_are_refused_on_every_rank(ranks):

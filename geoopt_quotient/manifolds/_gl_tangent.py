@@ -522,7 +522,7 @@ class GLTangentSpace(CachedTangentSpace):
         ``vectors``, that of the combination :math:`\sum_i w_i v_i` is the combination
         of theirs (``h x h`` matrices), kept for the tensor it is written into, so that
         its retraction (Auto-PGD's next iterate) takes no product with the point
-        (:func:`_coefficients`). Summed in :func:`~geoopt_quotient.sharpness.apgd._combine_`'s
+        (:func:`_coefficients`). Summed in :func:`~geoopt_quotient.sharpness.apgd.combine_`'s
         order; equal to the product of the written tensor up to rounding (its entries'
         and this sum's)."""
         known = [self._crosses.get(v) for v in vectors]

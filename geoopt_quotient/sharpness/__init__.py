@@ -4,6 +4,7 @@ from .._moved import moved_attribute
 from .apgd import BallGroup, BallMaxResult, NonFiniteError, average_in_ball, maximize_in_ball
 from .calibrate import CalibrationError, RhoEvaluation, calibrate_radii, calibrate_rho
 from .defaults import DEFAULT_RADII, default_radius
+from .engine import DistributedModeDeprecationWarning
 from .functional import IndependentLossError, LossFnError, StaleParameterError
 from .hessian import HessianResult, hessian_top_eigenvalue, hessian_trace, riemannian_hvp
 from .measure import (
@@ -22,6 +23,7 @@ __all__ = [
     "BallGroup",
     "BallMaxResult",
     "CalibrationError",
+    "DistributedModeDeprecationWarning",
     "HessianResult",
     "IndependentLossError",
     "LossFnError",

@@ -36,6 +36,7 @@ __all__ = [
     "NonFiniteError",
     "apgd_checkpoints",
     "average_in_ball",
+    "combine_",
     "maximize_in_ball",
 ]
 
@@ -726,7 +727,7 @@ def _maximize(
         # gradient), else the gradient, unless the best iterate holds them
         if _is_free(xi_prev, (xi, best_xi)):
             out = xi_prev
-        elif recycled:  # not the gradient: no staging in _combine_
+        elif recycled:  # not the gradient: no staging in combine_
             out = recycled.pop()
         elif rgrads is not best_rgrads:
             out = rgrads
@@ -907,7 +908,7 @@ def _apgd_update(
         if key not in per_dtype:
             per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
         derived.append(space.combination((x, g, p), per_dtype[key]) if derive else None)
-        _combine_(o, (x, g, p), per_dtype[key], shift)
+        combine_(o, (x, g, p), per_dtype[key], shift)
     for written, o in zip(derived, out):
         if written is not None:
             written(o)
@@ -963,26 +964,40 @@ def _clip_scale(norm: torch.Tensor, rho: float) -> torch.Tensor:
     return (rho / norm.clamp_min(1e-300)).clamp(max=1.0)
 
 
-#: Entries per block of :func:`_combine_` on the CPU: the block of the output stays in
+#: Entries per block of :func:`combine_` on the CPU: the block of the output stays in
 #: cache across its three operations (elsewhere whole tensors: a block costs launches);
 #: on 11M-entry float32 vectors, one thread, 19 ms with blocks of 64k entries, 14.5 ms
 #: with 256k.
 COMBINE_BLOCK = 1 << 18
 
 
-def _combine_(
+def combine_(
     out: torch.Tensor,
     vectors: Tuple[torch.Tensor, ...],
     weights: Tuple[torch.Tensor, ...],
     shift: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``out = w_2 v_2 + w_0 v_0 + w_1 v_1`` in this order, block by block on the CPU;
-    with ``shift = (x, buffer)`` also ``buffer = x + out`` (the straight path's
-    perturbed point), from each block of ``out`` while it is in cache.
+    r"""Auto-PGD's update kernel: ``out = w_2 v_2 + w_0 v_0 + w_1 v_1``, in this order.
 
-    ``out`` may be one of the ``v_i``: ``v_2`` is overwritten after it is read, any other
-    is summed into a block-sized buffer first, so that the rounding does not depend on
-    which buffer receives the result.
+    The one pass over the vectors that each Auto-PGD update makes
+    (:func:`_apgd_update`: :math:`\xi_{next} = w_0 \xi + w_1 g + w_2 \xi_{prev}`),
+    block by block on the CPU (:data:`COMBINE_BLOCK` entries), whole tensors elsewhere.
+    Its order of operations fixes the rounding of every iterate, so benchmarks and tests
+    that time or check the update call it directly.
+
+    Parameters
+    ----------
+    out : torch.Tensor
+        Written with the result. It may be one of the ``vectors``: ``v_2`` is
+        overwritten after it is read, any other is summed into a block-sized buffer
+        first, so that the rounding does not depend on which buffer receives it.
+    vectors : tuple of torch.Tensor
+        ``(v_0, v_1, v_2)``, shaped like ``out``.
+    weights : tuple of torch.Tensor
+        ``(w_0, w_1, w_2)``, 0-d tensors in ``out``'s dtype and device.
+    shift : (torch.Tensor, torch.Tensor) or None
+        ``(x, buffer)``: also ``buffer = x + out`` (the straight path's perturbed point),
+        from each block of ``out`` while it is in cache.
     """
     (a, b, c), (wa, wb, wc) = vectors, weights
     staged = out is a or out is b

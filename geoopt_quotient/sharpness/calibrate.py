@@ -27,13 +27,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
+from .._progress import show_progress
 from ..errors import GeooptQuotientError
 from .defaults import default_radius
 from .measure import (
     LossFn,
     SharpnessResult,
     ZeroSharpnessWarning,
-    _show_progress,
     adaptive_sharpness,
     geodesic_sharpness,
     loss_probe,
@@ -463,7 +463,7 @@ class _Search:
             desc=f"calibrating rho ({measure}, target {target:g})",
             unit="eval",
             total=max_evals,
-            disable=not _show_progress(progress),
+            disable=not show_progress(progress),
             leave=False,
         )
 

@@ -36,6 +36,7 @@ __all__ = [
     "StaleParameterError",
     "add_note",
     "check_batches",
+    "check_loss_fn",
     "check_loss_value",
     "noting_batch",
     "trainable_parameters",
@@ -105,8 +106,7 @@ class PerturbedLoss:
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn):
-        if not callable(loss_fn):
-            raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
+        check_loss_fn(loss_fn)
         self.model = model
         self._carrier = _Carrier(model, loss_fn)
         self._aliases = _tied_aliases(model)
@@ -137,6 +137,12 @@ class PerturbedLoss:
 
     def _call(self, swapped: Dict[str, torch.Tensor], batch: Any) -> Any:
         return functional_call(self._carrier, swapped, (batch,), strict=False, tie_weights=False)
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Refuse a ``loss_fn`` that cannot be called as ``loss_fn(model, batch)``."""
+    if not callable(loss_fn):
+        raise TypeError("`loss_fn` must be callable as loss_fn(model, batch) -> scalar tensor")
 
 
 def check_batches(batches: Any) -> None:

@@ -25,6 +25,7 @@ from .._model_state import preserved_model_state
 from ..manifolds.tangent import tangent_space
 from ..symmetry.plan import BoundPlan, SymmetryPlan
 from .apgd import NonFiniteError, _generator, as_scalar
+from .ball import check_parameters, check_points
 from .functional import (
     RESOLUTION,
     PerturbedLoss,
@@ -33,14 +34,7 @@ from .functional import (
     noting_batch,
     trainable_parameters,
 )
-from .measure import (
-    LossFn,
-    Symmetries,
-    check_parameters,
-    check_points,
-    loss_probe,
-    resolve_plan,
-)
+from .measure import LossFn, Symmetries, loss_probe, resolve_plan
 from .precision import AutocastState
 from .ranks import BatchShare
 from .sharded import refuse_sharded
@@ -159,7 +153,7 @@ def _pullbacks(model, loss_fn, batches, symmetries, metric, riemannian, autocast
     check_parameters(base)
     refuse_low_precision(base)
     if riemannian:
-        check_points(plan, plan.gather(base))
+        check_points(plan.groups, plan.gather(base))
     pulls = [_Pullback(model, loss, b, plan, riemannian, autocast) for b in batches]
     if not pulls:
         raise ValueError("`batches` is empty: give at least one batch")

@@ -14,52 +14,29 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
-from tqdm.auto import tqdm
 
-from .._checks import (
-    check_choice,
-    check_nonnegative_int,
-    check_positive_float,
-    check_positive_int,
-)
-from .._model_state import preserved_model_state
+from .._checks import check_choice, check_positive_float
 from ..errors import GeooptQuotientWarning
-from ..manifolds import AdaptiveEuclidean
-from ..manifolds._validation import is_finite
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
 from ..symmetry.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan, plan_metric
 from ..symmetry.verify import probe_for
-from .apgd import (
-    PATHS,
-    BallGroup,
-    as_scalar,
-    average_in_ball,
-    check_scalar_finite,
-    maximize_in_ball,
-    path_function,
-)
 from .defaults import default_radius
-from .functional import (
-    RESOLUTION,
-    PerturbedLoss,
-    check_batches,
-    check_depends_on_perturbation,
-    noting_batch,
-    trainable_parameters,
+from .engine import (
+    BatchRecord,
+    DistributedModeDeprecationWarning,
+    Measurement,
+    Search,
+    choose_placement,
+    run,
 )
-from .layout import BallLayout
-from .path_gap import exact_groups, path_gap, warn_if_path_gap
-from .precision import AutocastState
-from .ranks import BatchShare
+from .functional import check_batches, check_loss_fn
+from .path_gap import warn_if_path_gap
 from .results import ResultList, Table
-from .sharded import is_sharded, measure_sharded
 
 __all__ = [
     "SharpnessResult",
@@ -71,7 +48,6 @@ __all__ = [
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Symmetries = Union[None, SymmetryPlan, BoundPlan, Sequence[SymmetryGroup]]
-KINDS = ("worst", "average")
 Radii = Union[float, Sequence[float]]
 
 
@@ -236,357 +212,99 @@ def loss_probe(loss_fn: LossFn, batches: Any) -> Callable[[torch.nn.Module], Any
     return None
 
 
-def _ball_groups(
-    plan: BoundPlan,
-    points: List[torch.Tensor],
-    path: str,
-    norm: bool,
-) -> List[BallGroup]:
-    groups = []
-    for group, point in zip(plan.groups, points):
-        if norm or group.kind == "adaptive":  # the ball's own path (cached geometry)
-            groups.append(BallGroup(point, group.manifold))
-        else:  # adaptive ball, the quotient's path
-            walk = path_function(group.manifold, path)
-            groups.append(BallGroup(point, AdaptiveEuclidean(), walk))
-    return groups
-
-
 def _measure(
     model: torch.nn.Module,
     loss_fn: LossFn,
     batches: Iterable[Any],
     plan: BoundPlan,
+    rho: Radii,
+    settings: Dict[str, Any],
     *,
-    radii: Sequence[float],
-    iters: int,
-    path: str,
-    kind: str,
-    seed: int,
-    norm: bool,
     curvature: bool,
     progress: bool | None,
-    settings: Dict[str, Any],
-    distributed: bool | None = None,
-    keep_best_gradient: bool | None = None,
-    process_group: Any = None,
-    restarts: int = 0,
-) -> List[SharpnessResult]:
-    """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
-    iters = check_positive_int(iters, "iters")
-    restarts = check_nonnegative_int(restarts, "restarts")
-    if restarts and kind != "worst":
-        raise ValueError("`restarts` is for the worst case (kind='worst') only")
-    check_choice(path, PATHS, "path")
-    check_choice(kind, KINDS, "kind")
+    distributed: bool | None,
+    process_group: Any,
+    **search: Any,
+) -> Union[SharpnessResult, List[SharpnessResult]]:
+    """The result at ``rho``, or one per radius of a grid (:func:`_radii`), measured by the
+    engine (:func:`~geoopt_quotient.sharpness.engine.run`) where ``distributed`` and
+    ``process_group`` say (:func:`~geoopt_quotient.sharpness.engine.choose_placement`);
+    ``search``: the :class:`~geoopt_quotient.sharpness.engine.Search` options."""
+    radii, arrange = _radii(rho)
+    if not curvature:  # curvature off: straight lines everywhere
+        search["path"] = "straight"
+    search = Search(**search)
     check_batches(batches)
-    path = path if curvature else "straight"  # curvature off: straight lines everywhere
-    perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
-    if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
-        if process_group is not None:
-            raise ValueError(
-                "`process_group` splits the batches over the ranks, but a sharded (FSDP2) "
-                "model needs every rank to pass its rows of every batch: leave "
-                "process_group=None"
-            )
-        if restarts:
-            raise ValueError("`restarts` is not available for a sharded (FSDP2) model yet")
-        return measure_sharded(
-            model,
-            loss_fn,
-            batches,
-            plan,
-            radii=radii,
-            iters=iters,
-            path=path,
-            kind=kind,
-            seed=seed,
-            norm=norm,
-            settings=settings,
-            keep_best_gradient=keep_best_gradient,
-        )
-    start = time.perf_counter()
-    records: List[List[Dict[str, Any]]] = [[] for _ in radii]
-    share = _batch_share(batches, distributed, process_group)
-    world, rank = _process_grid(distributed) if share is None else (share.world, share.rank)
-    with preserved_model_state(model):
-        base = trainable_parameters(model)
-        check_parameters(base)
-        warn_if_low_precision(base)
-        points = [p.detach() for p in plan.gather(base)]
-        check_points(plan, points)
-        groups = _ball_groups(plan, points, path, norm)
-        # the worst case's iterates live in the flat buffers of one layout; average-case
-        # samples are drawn group by group, and stay as they were
-        layout = BallLayout(plan, base, groups) if kind == "worst" else None
-        exact = None
-        if layout is not None:
-            if path == "second_order":  # the path-gap report's groups on the exact path
-                exact = exact_groups(
-                    layout.groups, groups, _ball_groups(plan, points, "exact", norm)
-                )
-            groups = layout.groups
-
-        def objective_for(batch):
-            if layout is not None:
-                return layout.objective(lambda params: perturbed_loss(params, batch))
-
-            def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
-                return perturbed_loss(plan.scatter(_drain(perturbed_points), base), batch)
-
-            return objective
-
-        bar = tqdm(
-            batches if share is None else share.local,
-            desc=f"{settings['measure']} sharpness",
-            unit="batch",
-            disable=not _show_progress(progress) or rank > 0,
-            leave=False,
-        )
-
-        def measure_batch(index: int, batch: Any) -> None:
-            outcomes = _measure_batch(
-                kind,
-                groups,
-                objective_for(batch),
-                radii=radii,
-                iters=iters,
-                path=path,
-                seed=seed + index,
-                check_dependence=not records[0],
-                keep_best_gradient=keep_best_gradient,
-                restarts=restarts,
-                exact=exact,
-            )
-            _record(records, index, outcomes)
-
-        if share is not None:
-            share.run(measure_batch, bar)
-        else:
-            for index, batch in enumerate(bar):
-                if index % world != rank:
-                    continue
-                with noting_batch(index):
-                    measure_batch(index, batch)
-    seconds = time.perf_counter() - start
+    check_loss_fn(loss_fn)
+    placement = choose_placement(
+        model, batches, search, distributed=distributed, process_group=process_group
+    )
+    if placement.deprecated:
+        warnings.warn(OLDER_MODE, DistributedModeDeprecationWarning, stacklevel=3)
+    measured = run(
+        model, loss_fn, batches, plan, placement, search, radii,
+        progress=progress, label=settings["measure"],
+    )  # fmt: skip
     summary = plan.summary()
-    if share is not None:  # every rank returns the same result
-        seconds = share.maximum(seconds)
-    gather = (lambda r: _gather(r, world)) if share is None else share.gather
-    return [
-        _result(gather(per_radius), plan, base, kind, seconds, {**settings, "rho": rho}, summary)
-        for rho, per_radius in zip(radii, records)
-    ]
+    return arrange(
+        [
+            _result(per_radius, plan, measured, search.kind, {**settings, "rho": radius}, summary)
+            for radius, per_radius in zip(radii, measured.records)
+        ]
+    )
 
 
-def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outcome]) -> None:
-    """Append batch ``index``'s outcome at each radius to that radius's records."""
-    for per_radius, (clean_loss, top, history, passes, seconds, gap) in zip(records, outcomes):
-        per_radius.append(
-            dict(
-                index=index,
-                clean=clean_loss,
-                top=top,
-                history=history,
-                passes=passes,
-                seconds=seconds,
-                gap=gap,
-            )
-        )
+#: The deprecation of the older distributed mode, and what to pass instead.
+OLDER_MODE = (
+    "the older distributed mode (every rank passes all batches and measures every "
+    "world_size-th; on with distributed=True, and by default when a process group of "
+    "several ranks is initialised) is deprecated and will be removed: pass "
+    "process_group=torch.distributed.group.WORLD with each rank's share of the batches, "
+    "batches[rank::world_size] (the same result on every rank), or distributed=False to "
+    "measure all the batches given on each rank without communication"
+)
 
 
 def _result(
-    records: List[Dict[str, Any]],
+    records: List[BatchRecord],
     plan: BoundPlan,
-    base: Dict[str, torch.Tensor],
+    measured: Measurement,
     kind: str,
-    seconds: float,
     settings: Dict[str, Any],
     summary: str,
 ) -> SharpnessResult:
-    """The result of one radius from its per-batch records."""
+    """The result of one radius from its per-batch records: the one place where the
+    engine's records become a :class:`SharpnessResult`, and where the warnings about its
+    value are given (:class:`ZeroSharpnessWarning`,
+    :class:`~geoopt_quotient.sharpness.path_gap.PathGapWarning`)."""
     if not records:
         raise ValueError("`batches` is empty: give at least one batch")
-    per_batch = [r["top"] - r["clean"] for r in records]
+    per_batch = [r.sharpness for r in records]
+    perturbed = [r.perturbed for r in records]
     if kind == "worst":
-        flat = [r["index"] for r in records if r["top"] == r["clean"]]
-        zero_weights = zero_weight_parameters(plan, base) if flat else []
+        flat = [r.index for r in records if r.perturbed == r.clean]
+        zero_weights = zero_weight_parameters(plan, measured.weights) if flat else []
         warn_if_no_ascent(flat, len(records), zero_weights)
     gaps = exact_losses = None
-    if records[0]["gap"] is not None:
-        gaps, exact_losses = (list(column) for column in zip(*(r["gap"] for r in records)))
-        perturbed = [r["top"] for r in records]
+    if records[0].path_gap is not None:
+        gaps = [r.path_gap for r in records]
+        exact_losses = [r.exact_loss for r in records]
         warn_if_path_gap(per_batch, perturbed, exact_losses, settings["rho"])
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
-        clean_losses=[r["clean"] for r in records],
-        perturbed_losses=[r["top"] for r in records],
-        histories=[r["history"] for r in records],
-        seconds=seconds,
-        seconds_per_batch=[r["seconds"] for r in records],
-        forward_passes=[r["passes"][0] for r in records],
-        backward_passes=[r["passes"][1] for r in records],
+        clean_losses=[r.clean for r in records],
+        perturbed_losses=perturbed,
+        histories=[r.history for r in records],
+        seconds=measured.seconds,
+        seconds_per_batch=[r.seconds for r in records],
+        forward_passes=[r.forward_passes for r in records],
+        backward_passes=[r.backward_passes for r in records],
         settings=settings,
         plan=summary,
         path_gaps=gaps,
         exact_losses=exact_losses,
     )
-
-
-def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Yield and remove the entries of ``points``, first to last.
-
-    The objective's caller builds a fresh list for every call; emptying it while the
-    points are scattered into the parameters lets the copies of the symmetric groups go
-    before the forward pass, instead of after it.
-    """
-    points.reverse()
-    while points:
-        yield points.pop()
-
-
-#: (clean loss, worst or mean perturbed loss, history, (forward, backward passes),
-#: seconds, (path gap, exact loss) or None) of one batch at one radius
-Outcome = Tuple[float, float, List[float], Tuple[int, int], float, Optional[Tuple[float, float]]]
-
-
-def _measure_batch(
-    kind: str,
-    groups: List[BallGroup],
-    objective: Callable,
-    *,
-    radii: Sequence[float],
-    iters: int,
-    path: str,
-    seed: int,
-    check_dependence: bool,
-    keep_best_gradient: bool | None = None,
-    restarts: int = 0,
-    exact: List[BallGroup] | None = None,
-) -> List[Outcome]:
-    """Per radius, the :data:`Outcome` of one batch.
-
-    The worst case's best perturbation is dropped here rather than kept alive while the
-    next batch is measured. Its first evaluation differentiates the loss, which checks
-    that it depends on the perturbation; the average case, which never differentiates,
-    checks that on its clean loss when ``check_dependence``.
-    """
-    if kind == "worst":
-        return _maximize_over_radii(
-            groups,
-            objective,
-            radii,
-            iters=iters,
-            path=path,
-            seed=seed,
-            keep_best_gradient=keep_best_gradient,
-            restarts=restarts,
-            exact=exact,
-        )
-    outcomes: List[Outcome] = []
-    for rho in radii:
-        t0 = time.perf_counter()
-        clean_loss, top, history = _average_batch(
-            groups, objective, rho=rho, iters=iters, path=path, seed=seed, check=check_dependence
-        )
-        check_dependence = False
-        seconds = time.perf_counter() - t0
-        outcomes.append((clean_loss, top, history, (iters + 1, 0), seconds, None))
-    return outcomes
-
-
-def _average_batch(
-    groups: List[BallGroup],
-    objective: Callable,
-    *,
-    rho: float,
-    iters: int,
-    path: str,
-    seed: int,
-    check: bool,
-) -> Tuple[float, float, List[float]]:
-    """(clean loss, mean perturbed loss, samples) of one batch at one scale."""
-    if check:  # new tensors: the stale-parameter check tells them from the model's
-        with torch.enable_grad():
-            clean_value = as_scalar(objective([g.point.clone().requires_grad_() for g in groups]))
-        check_depends_on_perturbation(clean_value, grads_found=True)
-    else:
-        with torch.no_grad():
-            clean_value = as_scalar(objective([g.point for g in groups]))
-    clean_loss = check_scalar_finite(clean_value.detach())
-    top, history = average_in_ball(groups, objective, rho=rho, samples=iters, path=path, seed=seed)
-    return clean_loss, top, history
-
-
-def _maximize_over_radii(
-    groups: List[BallGroup],
-    objective: Callable,
-    radii: Sequence[float],
-    *,
-    restarts: int = 0,
-    exact: List[BallGroup] | None = None,
-    **options: Any,
-) -> List[Outcome]:
-    r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
-
-    At :math:`\rho_1` one search from :math:`\xi = 0`. At each larger :math:`\rho_k`, a
-    search from :math:`\xi = 0` (the single-radius run, bit for bit) and one from the best
-    point :math:`\xi^*_{k-1}` so far, which lies in the larger ball (the balls at one base
-    point are nested, and the path does not depend on the radius); the best of the two
-    and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease. At every
-    radius, ``restarts`` more searches from random points (:func:`_restart_searches`).
-    With ``exact`` (the groups on the exact path), the path gap at the kept maximiser
-    (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass).
-    """
-    outcomes: List[Outcome] = []
-    best_value, best_xi = -math.inf, None
-    for rho in radii:
-        t0 = time.perf_counter()
-        run = maximize_in_ball(groups, objective, rho=rho, **options)
-        clean, passes = run.initial_value, [run.evaluations, run.gradients]
-        top, history, xi = run.value, run.history, run.xi
-        if best_xi is not None:
-            warm = maximize_in_ball(groups, objective, rho=rho, init=best_xi, **options)
-            passes = [passes[0] + warm.evaluations, passes[1] + warm.gradients]
-            if warm.value > top:
-                top, history, xi = warm.value, warm.history, warm.xi
-            if best_value > top:  # the previous maximiser, still feasible, stays ahead
-                top, history, xi = best_value, warm.history, best_xi
-        for extra in _restart_searches(groups, objective, rho, restarts, options):
-            passes = [passes[0] + extra.evaluations, passes[1] + extra.gradients]
-            if extra.value > top:
-                top, history, xi = extra.value, extra.history, extra.xi
-        best_value, best_xi = top, xi
-        gap = None
-        if exact is not None:
-            gap = path_gap(groups, exact, objective, xi)
-            passes[0] += not math.isnan(gap[0])  # no forward where the geodesic broke down
-        seconds = time.perf_counter() - t0
-        outcomes.append((clean, top, history, (passes[0], passes[1]), seconds, gap))
-    return outcomes
-
-
-#: Seeds of the random starts: restart ``r`` of the batch with seed ``s`` (``seed + i``)
-#: draws from ``s + r * RESTART_SEED_STRIDE``, away from the other batches' seeds.
-RESTART_SEED_STRIDE = 1_000_003
-
-
-def _restart_searches(
-    groups: List[BallGroup],
-    objective: Callable,
-    rho: float,
-    restarts: int,
-    options: Dict[str, Any],
-) -> Iterator[Any]:
-    r"""``restarts`` Auto-PGD searches at radius ``rho``, each from a random point of the
-    ball (``init="random"``: a Gaussian horizontal vector in the metric with standard
-    deviation :math:`\rho` per dimension, projected onto the ball, so on its sphere but
-    in the fewest dimensions), seeded from the batch's seed: deterministic."""
-    seed = options["seed"]
-    for restart in range(1, restarts + 1):
-        start = dict(options, seed=seed + restart * RESTART_SEED_STRIDE)
-        yield maximize_in_ball(groups, objective, rho=rho, init="random", **start)
 
 
 class ZeroSharpnessWarning(GeooptQuotientWarning, UserWarning):
@@ -641,111 +359,16 @@ def warn_if_no_ascent(batches: List[int], total: int, zero_weights: Sequence[str
     )
 
 
-def _process_grid(distributed: bool | None) -> Tuple[int, int]:
-    """(world size, rank) over which batches are sharded; (1, 0) when not distributed."""
-    import torch.distributed as dist
-
-    active = dist.is_available() and dist.is_initialized()
-    if distributed and not active:
-        raise RuntimeError(
-            "`distributed=True` needs an initialised torch.distributed process group "
-            "(e.g. run under torchrun and call torch.distributed.init_process_group)"
-        )
-    if distributed is False or not active:
-        return 1, 0
-    return dist.get_world_size(), dist.get_rank()
-
-
-def _batch_share(
-    batches: Iterable[Any], distributed: bool | None, process_group: Any
-) -> BatchShare | None:
-    """This rank's share of the batches under ``process_group`` (a collective); ``None``
-    without one (the older ``distributed`` mode, or one process)."""
-    if process_group is None:
-        return None
-    if distributed:
-        raise ValueError(
-            "pass either `process_group` (each rank passes its share of the batches) or "
-            "`distributed=True` (every rank passes all batches), not both"
-        )
-    return BatchShare(batches, process_group)
-
-
-def _gather(records: List[Dict[str, Any]], world: int) -> List[Dict[str, Any]]:
-    """Every rank's per-batch records, in batch order (the same on every rank)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        shards: List[Any] = [None] * world
-        dist.all_gather_object(shards, records)
-        records = [r for shard in shards for r in shard]
-    return sorted(records, key=lambda r: r["index"])
-
-
-def check_parameters(params: Dict[str, torch.Tensor]) -> None:
-    """Floating-point and finite (one host read per device, not one per parameter).
-
-    A parameter is finite when its smallest and largest entries are
-    (:func:`~geoopt_quotient.manifolds._validation.is_finite`): one read of it, no
-    boolean tensor of its size."""
-    for name, p in params.items():
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; sharpness needs floats")
-    by_device: Dict[torch.device, List[str]] = {}
-    for name, p in params.items():
-        by_device.setdefault(p.device, []).append(name)
-    for names in by_device.values():
-        finite = torch.stack([is_finite(params[n]) for n in names]).tolist()
-        for name, ok in zip(names, finite):
-            if not ok:
-                raise ValueError(
-                    f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
-                    "checkpoint or the training run that produced it"
-                )
-
-
-def warn_if_low_precision(params: Dict[str, torch.Tensor]) -> None:
-    """Warn that perturbations of low-precision parameters are rounded to their dtype."""
-    dtypes = sorted({p.dtype for p in params.values() if p.dtype in RESOLUTION}, key=str)
-    if dtypes:
-        names = ", ".join(f"{d} (resolution {RESOLUTION[d]} of a weight)" for d in dtypes)
-        warnings.warn(
-            f"the model has {names} parameters: a perturbation is rounded to that resolution "
-            "when it is written into the model, which can change a sharpness value by tens "
-            "of percent or round it to exactly 0 (user guide, 'Precision'); measure a "
-            "float32 copy (model.float(); on the command line: --dtype float32), under "
-            "torch.autocast for speed",
-            stacklevel=4,
-        )
-
-
-def check_points(plan: BoundPlan, points: List[torch.Tensor]) -> None:
-    """Every symmetric group's base point must lie on its manifold (full rank, no zeros)."""
-    for group, point in zip(plan.groups, points):
-        if group.kind == "adaptive":
-            continue
-        with AutocastState.capture().disabled():  # the rank test in full precision
-            ok, reason = group.manifold.check_point_on_manifold(point, explain=True)
-        if not ok:
-            hint = " (e.g. eps=1e-6)" if "eps" in (reason or "") else ""
-            raise ValueError(
-                f"symmetry group {group.name!r} is not on its manifold: {reason}{hint}"
-            )
-
-
-def _over_radii(
-    rho: Radii, measure: Callable[[List[float]], List[SharpnessResult]]
-) -> Union[SharpnessResult, ResultList]:
-    """``measure`` at one radius (its result) or at a grid of them (one result per radius,
-    in the order given, in a :class:`~.results.ResultList`; measured once each, in
-    increasing order)."""
+def _radii(rho: Radii) -> Tuple[List[float], Callable[[List[SharpnessResult]], Any]]:
+    """The radii to measure at, increasing (a repeated one once), and the map from their
+    results to what the call returns: the result of a single radius, or for a grid one
+    result per radius in the order given, in a :class:`~.results.ResultList`."""
     grid = _radius_grid(rho)
     if grid is None:
         check_positive_float(rho, "rho")
-        return measure([rho])[0]
+        return [rho], lambda results: results[0]
     radii = sorted(set(grid))
-    by_radius = dict(zip(radii, measure(radii)))
-    return ResultList(by_radius[r] for r in grid)
+    return radii, lambda results: ResultList(dict(zip(radii, results))[r] for r in grid)
 
 
 def _radius_grid(rho: Radii) -> List[float] | None:
@@ -758,14 +381,6 @@ def _radius_grid(rho: Radii) -> List[float] | None:
     if not rho:
         raise ValueError("`rho` is an empty sequence: give at least one radius")
     return [check_positive_float(r, "rho") for r in rho]
-
-
-def _show_progress(progress: bool | None) -> bool:
-    if progress is not None:
-        return progress
-    import sys
-
-    return sys.stderr.isatty()
 
 
 def geodesic_sharpness(
@@ -873,7 +488,10 @@ def geodesic_sharpness(
     progress : bool or None
         Show a progress bar (default: when stderr is a terminal).
     distributed : bool or None
-        The older mode, where every rank passes all batches: shard them over the ranks
+        Deprecated (:class:`~geoopt_quotient.sharpness.DistributedModeDeprecationWarning`
+        where it spreads work): pass ``process_group`` with each rank's share
+        ``batches[rank::world_size]`` instead, for the same result. The older mode,
+        where every rank passes all batches: shard them over the ranks
         of the default ``torch.distributed`` process group (batch ``i`` on rank
         ``i % world_size``) and gather the per-batch results, so every rank returns the
         single-process result. ``None``: when a process group is initialised and no
@@ -948,6 +566,8 @@ def geodesic_sharpness(
 
     Warns
     -----
+    DistributedModeDeprecationWarning
+        In the older ``distributed`` mode (see there).
     ZeroSharpnessWarning
         When no Auto-PGD iterate increases the loss of a batch (worst case exactly 0).
     PathGapWarning
@@ -1026,27 +646,24 @@ def geodesic_sharpness(
         eps=eps,
         restarts=restarts,
     )
-    return _over_radii(
+    return _measure(
+        model,
+        loss_fn,
+        batches,
+        plan,
         rho,
-        lambda radii: _measure(
-            model,
-            loss_fn,
-            batches,
-            plan,
-            radii=radii,
-            iters=iters,
-            path=path,
-            kind=kind,
-            seed=seed,
-            norm=norm,
-            curvature=curvature,
-            progress=progress,
-            settings=settings,
-            distributed=distributed,
-            keep_best_gradient=keep_best_gradient,
-            process_group=process_group,
-            restarts=restarts,
-        ),
+        settings,
+        curvature=curvature,
+        progress=progress,
+        distributed=distributed,
+        process_group=process_group,
+        kind=kind,
+        iters=iters,
+        path=path,
+        seed=seed,
+        norm=norm,
+        restarts=restarts,
+        keep_best_gradient=keep_best_gradient,
     )
 
 
@@ -1109,8 +726,8 @@ def adaptive_sharpness(
     progress : bool or None
         Show a progress bar (default: when stderr is a terminal).
     distributed : bool or None
-        The older mode (every rank passes all batches), as for
-        :func:`geodesic_sharpness`.
+        Deprecated: the older mode (every rank passes all batches), as for
+        :func:`geodesic_sharpness`; pass ``process_group`` instead.
     keep_best_gradient : bool or None
         As for :func:`geodesic_sharpness`; the values are the same either way.
     process_group : ProcessGroup or None
@@ -1135,6 +752,8 @@ def adaptive_sharpness(
 
     Warns
     -----
+    DistributedModeDeprecationWarning
+        In the older ``distributed`` mode, as for :func:`geodesic_sharpness`.
     ZeroSharpnessWarning
         When no Auto-PGD iterate increases the loss of a batch.
 
@@ -1175,25 +794,22 @@ def adaptive_sharpness(
         eps=eps,
         restarts=restarts,
     )
-    return _over_radii(
+    return _measure(
+        model,
+        loss_fn,
+        batches,
+        plan,
         rho,
-        lambda radii: _measure(
-            model,
-            loss_fn,
-            batches,
-            plan,
-            radii=radii,
-            iters=iters,
-            path="straight",
-            kind=kind,
-            seed=seed,
-            norm=True,
-            curvature=True,
-            progress=progress,
-            settings=settings,
-            distributed=distributed,
-            keep_best_gradient=keep_best_gradient,
-            process_group=process_group,
-            restarts=restarts,
-        ),
+        settings,
+        curvature=True,
+        progress=progress,
+        distributed=distributed,
+        process_group=process_group,
+        kind=kind,
+        iters=iters,
+        path="straight",
+        seed=seed,
+        norm=True,
+        restarts=restarts,
+        keep_best_gradient=keep_best_gradient,
     )

@@ -25,7 +25,8 @@ the FSDP2 path and the Hessian estimators use the same helpers.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
+import operator
+from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -242,10 +243,13 @@ class BatchShare:
                     elif skip is not None:
                         skip(index)
 
-    def gather(self, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        """Every rank's records (dicts with an ``"index"``), in global order, on every rank."""
+    def gather(
+        self, records: List[Any], key: Callable[[Any], int] = operator.itemgetter("index")
+    ) -> List[Any]:
+        """Every rank's records, in global order (``key`` of a record: its global index;
+        default, a dict's ``"index"``), on every rank."""
         shards = exchange(records, self.group)
-        return sorted((r for shard in shards for r in shard), key=lambda r: r["index"])
+        return sorted((r for shard in shards for r in shard), key=key)
 
     def maximum(self, value: float) -> float:
         """The largest of every rank's ``value`` (e.g. the slowest rank's wall time)."""

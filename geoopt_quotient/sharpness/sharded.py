@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -72,7 +70,8 @@ from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric
 from ..symmetry.plan import BoundPlan, SymmetryGroup, _WholeParameter
 from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, _explicit_path, as_scalar
-from .functional import check_depends_on_perturbation, noting_batch
+from .ball import ball_groups, check_points
+from .functional import check_depends_on_perturbation
 
 __all__ = ["ShardedBall", "ShardingError", "is_sharded"]
 
@@ -488,6 +487,39 @@ class ShardedBall:
         nonzero = self.reduce_sum(local) > 0
         return {s.name: flag for s, flag in zip(self.shards, nonzero)}
 
+    def check_base_points(self) -> None:
+        """Finite parameters and symmetric base points on their manifolds, on every rank:
+        one all-reduce of the failures, so that every rank raises or none.
+
+        Raises
+        ------
+        ValueError
+            On every rank: for NaN/Inf entries, or a group off its manifold (here with
+            :func:`~geoopt_quotient.sharpness.ball.check_points`' error, which names it).
+        """
+        finite = bool(torch.isfinite(self.base).all())
+        error = None
+        if finite:
+            pieces = [p for p in self.pieces if p.numel]
+            try:
+                check_points([p.group for p in pieces], [p.of(self.base) for p in pieces])
+            except ValueError as caught:
+                error = caught
+        flags = torch.tensor([float(not finite), float(error is not None)], device=self.device)
+        not_finite, off_manifold = self.reduce_sum(flags).tolist()
+        if not_finite:
+            raise ValueError(
+                "the model has NaN/Inf parameter entries: sharpness is undefined; check the "
+                "checkpoint or the training run that produced it"
+            )
+        if error is not None:
+            raise error
+        if off_manifold:
+            raise ValueError(
+                "a symmetry group's base point is not on its manifold (a rank-deficient "
+                "factor) on another rank, whose error says which; pass eps > 0 (e.g. eps=1e-6)"
+            )
+
     # ------------------------------------------------------------------ evaluation
     def restore(self) -> None:
         """The model's local shards back to their saved values, and their ``.grad``
@@ -642,98 +674,10 @@ def sharded_ball(
     norm: bool = True,
 ) -> ShardedBall:
     """The :class:`ShardedBall` of ``model`` with the ball groups
-    :func:`~geoopt_quotient.geodesic_sharpness` makes (``path``, ``norm`` as there)."""
-    from .measure import _ball_groups
+    :func:`~geoopt_quotient.geodesic_sharpness` makes (``path``, ``norm`` as in
+    :func:`~geoopt_quotient.sharpness.ball.ball_groups`)."""
 
     def make_groups(groups, points):
-        return _ball_groups(SimpleNamespace(groups=groups), points, path, norm)
+        return ball_groups(groups, points, path, norm)
 
     return ShardedBall(model, plan, loss_fn, make_groups)
-
-
-def measure_sharded(
-    model: torch.nn.Module,
-    loss_fn: Callable,
-    batches: Any,
-    plan: BoundPlan,
-    *,
-    radii: Sequence[float],
-    iters: int,
-    path: str,
-    kind: str,
-    seed: int,
-    norm: bool,
-    settings: Dict[str, Any],
-    keep_best_gradient: bool | None,
-) -> List[Any]:
-    """:func:`~geoopt_quotient.sharpness.measure._measure` for an FSDP2 model: every rank
-    passes its rows of every batch; one result per radius, the same on every rank."""
-    from .._model_state import preserved_model_state
-    from . import measure
-
-    if kind != "worst":
-        raise ValueError(
-            "kind='average' is not supported for a sharded (FSDP2) model: its samples would "
-            "need one generator stream per piece of the ball; use kind='worst'"
-        )
-    start = time.perf_counter()
-    records: List[List[Dict[str, Any]]] = [[] for _ in radii]
-    with preserved_model_state(model):
-        ball = sharded_ball(model, plan, loss_fn, path=path, norm=norm)
-        try:
-            _check_sharded_points(ball)
-            keep = ball.keep_best_gradient(keep_best_gradient)
-            for index, batch in enumerate(batches):
-                with noting_batch(index):
-                    outcomes = measure._measure_batch(
-                        kind,
-                        ball.groups,
-                        ball.objective(batch),
-                        radii=radii,
-                        iters=iters,
-                        path=path,
-                        seed=seed + index,
-                        check_dependence=not records[0],
-                        keep_best_gradient=keep,
-                    )
-                measure._record(records, index, outcomes)
-            nonzero = ball.nonzero_parameters()
-        finally:
-            ball.restore()
-    seconds = time.perf_counter() - start
-    summary = plan.summary()
-    return [
-        measure._result(per_radius, plan, nonzero, kind, seconds, {**settings, "rho": rho}, summary)
-        for rho, per_radius in zip(radii, records)
-    ]
-
-
-def _check_sharded_points(ball: ShardedBall) -> None:
-    """Finite parameters and symmetric base points on their manifolds, on every rank:
-    one all-reduce of the failures, so that every rank raises or none."""
-    from .measure import check_points
-
-    finite = bool(torch.isfinite(ball.base).all())
-    error = None
-    if finite:
-        pieces = [p for p in ball.pieces if p.numel]
-        try:
-            check_points(
-                SimpleNamespace(groups=[p.group for p in pieces]), [p.of(ball.base) for p in pieces]
-            )
-        except ValueError as caught:
-            error = caught
-    flags = torch.tensor([float(not finite), float(error is not None)], device=ball.device)
-    not_finite, off_manifold = ball.reduce_sum(flags).tolist()
-    if not_finite:
-        raise ValueError(
-            "the model has NaN/Inf parameter entries: sharpness is undefined; check the "
-            "checkpoint or the training run that produced it"
-        )
-    if error is not None:
-        raise error
-    if off_manifold:
-        raise ValueError(
-            "a symmetry group's base point is not on its manifold (a rank-deficient factor) "
-            "on another rank, whose error says which; pass eps > 0 (e.g. eps=1e-6)"
-        )

@@ -1,0 +1,237 @@
+r"""The ball of a symmetry plan at a model's parameters, in one process.
+
+Sharpness perturbs the parameters :math:`w` inside the joint ball
+:math:`|\xi|_w \le \rho` of the plan's groups (:mod:`~geoopt_quotient.sharpness.apgd`).
+This module makes that ball from a model and a bound plan: the checks of the base point
+(floating-point, finite parameters; symmetric groups on their manifolds), the ball
+groups of the plan's groups (:func:`ball_groups`: each group's metric and path, or the
+adaptive metric with the quotient's path for the ``norm=False`` ablation), and
+:class:`LocalBall`, which holds them with the objective of each batch. The ball of a
+model sharded by FSDP2 is :class:`~geoopt_quotient.sharpness.sharded.ShardedBall`,
+which makes its groups with :func:`ball_groups` as well.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence
+
+import torch
+
+from ..manifolds import AdaptiveEuclidean
+from ..manifolds._validation import is_finite
+from ..symmetry.plan import BoundPlan, SymmetryGroup
+from .apgd import BallGroup, path_function
+from .functional import RESOLUTION, PerturbedLoss, trainable_parameters
+from .layout import BallLayout
+from .path_gap import exact_groups
+from .precision import AutocastState
+
+__all__ = [
+    "LocalBall",
+    "ball_groups",
+    "check_parameters",
+    "check_points",
+    "warn_if_low_precision",
+]
+
+
+def ball_groups(
+    groups: Sequence[SymmetryGroup],
+    points: Sequence[torch.Tensor],
+    path: str,
+    norm: bool,
+) -> List[BallGroup]:
+    """The ball groups of the plan's ``groups`` at their base ``points``.
+
+    Parameters
+    ----------
+    groups : sequence of SymmetryGroup
+        The plan's groups (or this rank's part of them), in the order of ``points``.
+    points : sequence of torch.Tensor
+        Each group's base point.
+    path : {"second_order", "exact", "straight"}
+        The path from a tangent vector to a perturbed point.
+    norm : bool
+        ``True``: each group's own ball (its manifold's metric and path, with its cached
+        geometry). ``False`` (the norm ablation): the adaptive metric on the symmetric
+        groups, perturbed along their quotient's ``path``.
+
+    Returns
+    -------
+    list of BallGroup
+        One per group.
+    """
+    out = []
+    for group, point in zip(groups, points):
+        if norm or group.kind == "adaptive":  # the ball's own path (cached geometry)
+            out.append(BallGroup(point, group.manifold))
+        else:  # adaptive ball, the quotient's path
+            walk = path_function(group.manifold, path)
+            out.append(BallGroup(point, AdaptiveEuclidean(), walk))
+    return out
+
+
+def check_parameters(params: Mapping[str, torch.Tensor]) -> None:
+    """Floating-point and finite (one host read per device, not one per parameter).
+
+    A parameter is finite when its smallest and largest entries are
+    (:func:`~geoopt_quotient.manifolds._validation.is_finite`): one read of it, no
+    boolean tensor of its size.
+
+    Raises
+    ------
+    TypeError
+        For a parameter that is not floating point.
+    ValueError
+        For a parameter with NaN/Inf entries.
+    """
+    for name, p in params.items():
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; sharpness needs floats")
+    by_device: Dict[torch.device, List[str]] = {}
+    for name, p in params.items():
+        by_device.setdefault(p.device, []).append(name)
+    for names in by_device.values():
+        finite = torch.stack([is_finite(params[n]) for n in names]).tolist()
+        for name, ok in zip(names, finite):
+            if not ok:
+                raise ValueError(
+                    f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
+                    "checkpoint or the training run that produced it"
+                )
+
+
+def warn_if_low_precision(params: Mapping[str, torch.Tensor]) -> None:
+    """Warn that perturbations of low-precision parameters are rounded to their dtype."""
+    dtypes = sorted({p.dtype for p in params.values() if p.dtype in RESOLUTION}, key=str)
+    if dtypes:
+        names = ", ".join(f"{d} (resolution {RESOLUTION[d]} of a weight)" for d in dtypes)
+        warnings.warn(
+            f"the model has {names} parameters: a perturbation is rounded to that resolution "
+            "when it is written into the model, which can change a sharpness value by tens "
+            "of percent or round it to exactly 0 (user guide, 'Precision'); measure a "
+            "float32 copy (model.float(); on the command line: --dtype float32), under "
+            "torch.autocast for speed",
+            stacklevel=4,
+        )
+
+
+def check_points(groups: Sequence[SymmetryGroup], points: Sequence[torch.Tensor]) -> None:
+    """Every symmetric group's base point must lie on its manifold (full rank, no zeros).
+
+    Raises
+    ------
+    ValueError
+        Naming the first group that is not, and why (``eps > 0`` as the remedy where the
+        manifold's reason mentions it).
+    """
+    for group, point in zip(groups, points):
+        if group.kind == "adaptive":
+            continue
+        with AutocastState.capture().disabled():  # the rank test in full precision
+            ok, reason = group.manifold.check_point_on_manifold(point, explain=True)
+        if not ok:
+            hint = " (e.g. eps=1e-6)" if "eps" in (reason or "") else ""
+            raise ValueError(
+                f"symmetry group {group.name!r} is not on its manifold: {reason}{hint}"
+            )
+
+
+class LocalBall:
+    r"""The ball of ``plan`` at ``model``'s parameters, held in this process.
+
+    Built once per sharpness call, after the checks of the base point. The worst case's
+    iterates live in the flat buffers of one
+    :class:`~geoopt_quotient.sharpness.layout.BallLayout`; the average case's samples
+    are drawn group by group, and the perturbed points scattered into the parameters.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; its trainable parameters are the base point :math:`w`.
+    plan : BoundPlan
+        The symmetry plan bound to it.
+    loss_fn : callable
+        ``loss_fn(model, batch) -> scalar tensor``, called on perturbed parameters
+        (:class:`~geoopt_quotient.sharpness.functional.PerturbedLoss`).
+    kind : {"worst", "average"}
+        The worst case (a flat layout; with ``path="second_order"`` also the groups on
+        the exact path, for the path-gap report) or the average case.
+    path : str
+        The path of the perturbations.
+    norm : bool
+        As for :func:`ball_groups`.
+    keep_best_gradient : bool or None
+        Passed on to Auto-PGD (:func:`~geoopt_quotient.maximize_in_ball`).
+
+    Attributes
+    ----------
+    groups : list of BallGroup
+        The ball groups Auto-PGD or the average case runs on.
+    exact : list of BallGroup or None
+        Worst case on ``path="second_order"``: the groups on the exact path
+        (:func:`~geoopt_quotient.sharpness.path_gap.exact_groups`); else ``None``.
+    keep_best_gradient : bool or None
+        As given.
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`check_parameters` and :func:`check_points`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: BoundPlan,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        kind: str,
+        path: str,
+        norm: bool,
+        keep_best_gradient: bool | None,
+    ):
+        self.plan = plan
+        self.loss = PerturbedLoss(model, loss_fn)
+        self.base = trainable_parameters(model)
+        check_parameters(self.base)
+        warn_if_low_precision(self.base)
+        points = [p.detach() for p in plan.gather(self.base)]
+        check_points(plan.groups, points)
+        groups = ball_groups(plan.groups, points, path, norm)
+        self.layout = BallLayout(plan, self.base, groups) if kind == "worst" else None
+        self.exact = None
+        if self.layout is not None:
+            if path == "second_order":  # the path-gap report's groups on the exact path
+                on_exact = ball_groups(plan.groups, points, "exact", norm)
+                self.exact = exact_groups(self.layout.groups, groups, on_exact)
+            groups = self.layout.groups
+        self.groups = groups
+        self.keep_best_gradient = keep_best_gradient
+
+    def objective(self, batch: Any) -> Callable[[List[torch.Tensor]], torch.Tensor]:
+        """The loss of ``batch`` as a function of the perturbed points of :attr:`groups`."""
+        if self.layout is not None:
+            return self.layout.objective(lambda params: self.loss(params, batch))
+
+        def objective(perturbed_points: List[torch.Tensor]) -> torch.Tensor:
+            return self.loss(self.plan.scatter(_drain(perturbed_points), self.base), batch)
+
+        return objective
+
+    def weights(self) -> Dict[str, torch.Tensor]:
+        """The model's trainable parameters (name to tensor), the base point."""
+        return self.base
+
+
+def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Yield and remove the entries of ``points``, first to last.
+
+    The objective's caller builds a fresh list for every call; emptying it while the
+    points are scattered into the parameters lets the copies of the symmetric groups go
+    before the forward pass, instead of after it.
+    """
+    points.reverse()
+    while points:
+        yield points.pop()
