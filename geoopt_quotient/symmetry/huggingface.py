@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -43,6 +44,7 @@ from .probe import (
     recorded_forward,
     rotary_planes,
 )
+from .verify import REPORT, SymmetryNotProvenWarning
 
 __all__ = [
     "Findings",
@@ -1128,27 +1130,34 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
             continue  # proof of find_symmetries decides instead
         if holds is False:
             dropped.add(id(spec))
-            ran = _other_children(record, spec)
-            found.note(
+            ran = _other_children(record, spec, modules)
+            message = (
                 f"{spec.kind} pair dropped: a random element of its group changes the "
                 f"module's output by {deviation:.2g} (relative; tolerance "
                 f"{local_tolerance(next(iter(moved.values())).dtype):.1g}): {meaning}"
-                + (f"; modules run besides the pair's: {ran}" if ran else ""),
-                spec.module,
+                + (f"; modules run besides the pair's: {ran}" if ran else "")
             )
+            found.note(message, spec.module)
+            if not ran:  # nothing in the module explains it (a hook, an unknown computation)
+                warnings.warn(f"{spec.module}: {message} ({REPORT})", SymmetryNotProvenWarning,
+                              stacklevel=4)  # fmt: skip
     found.specs = [s for s in found.specs if id(s) not in dropped]
     found.to_check = []
     return found
 
 
-def _other_children(record: ForwardRecord, spec: PairSpec) -> str:
-    """The children a module ran in the probe forward, other than the pair's own."""
+def _other_children(
+    record: ForwardRecord, spec: PairSpec, modules: Dict[str, torch.nn.Module]
+) -> str:
+    """The children a module ran in the probe forward, other than the pair's own and other
+    than linear projections (the module's other pairs) and dropout."""
     prefix = f"{spec.module}." if spec.module else ""
     own = {n.rsplit(".", 1)[0] for n in spec.params}
     ran = []
     for child in record.children_run.get(spec.module, []):
         name = child[len(prefix) :]
-        if child not in own and name not in ran and not name.startswith("dropout"):
+        plain = isinstance(modules.get(child), (torch.nn.Linear, torch.nn.Dropout))
+        if child not in own and name not in ran and not plain:
             ran.append(name)
     return ", ".join(ran)
 
