@@ -281,3 +281,13 @@ def test_outputs_that_become_non_finite_refute_a_group():
     proof = prove_plan(model, plan)
     vo = next(c for c in proof.checks if "value-output" in c.name)
     assert not vo.holds and vo.deviation == float("inf")
+
+
+def test_the_proof_and_its_controls_run_under_no_grad():
+    model = tiny_llama()
+    with torch.no_grad():
+        plan = gq.find_symmetries(model)
+    assert plan.notes[-1].startswith("verified 2") or any(
+        n.startswith("verified 2") for n in plan.notes
+    )
+    assert not any("weak check" in n for n in plan.notes), plan.notes

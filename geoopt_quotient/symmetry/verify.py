@@ -200,22 +200,26 @@ def probe_inputs_for(
 
 
 def default_probe(model: torch.nn.Module) -> Any:
-    """Probe inputs for ``model``: from its Hugging Face config, or random query, key and
-    value for a ``torch.nn.MultiheadAttention``.
+    """Probe inputs for ``model``: random query, key and value for a
+    ``torch.nn.MultiheadAttention`` (or a module like it), inputs built from a Hugging Face
+    config, or one input read off a first ``Embedding``, ``Linear`` or multi-head attention
+    layer.
 
     Raises
     ------
     PlanError
         If neither applies: pass ``probe_inputs=`` (or ``verify=False``).
     """
-    if isinstance(model, torch.nn.MultiheadAttention):
+    if _attention_like(model):
         p = next(model.parameters())
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(5, 2, model.embed_dim, generator=gen, dtype=p.dtype)
-        shape = (2, 5) if model.batch_first else (5, 2)
+        shape = (2, 5) if getattr(model, "batch_first", False) else (5, 2)
         x = x.reshape(*shape, model.embed_dim).to(p.device)
-        k = x if model.kdim == model.embed_dim else x.new_ones(*shape, model.kdim)
-        v = x if model.vdim == model.embed_dim else x.new_ones(*shape, model.vdim)
+        kdim = getattr(model, "kdim", model.embed_dim)
+        vdim = getattr(model, "vdim", model.embed_dim)
+        k = x if kdim == model.embed_dim else x.new_ones(*shape, kdim)
+        v = x if vdim == model.embed_dim else x.new_ones(*shape, vdim)
         return (x, k, v)
     if getattr(_base_model(model), "config", None) is not None:
         return probe_inputs_for(model)
@@ -227,6 +231,18 @@ def default_probe(model: torch.nn.Module) -> Any:
             "of keyword arguments, a tuple, a tensor or a function of the model), or verify=False"
         )
     return single
+
+
+def _attention_like(model: torch.nn.Module) -> bool:
+    """A ``torch.nn.MultiheadAttention``, or a module with its ``embed_dim`` whose forward
+    takes ``query`` first (e.g. :class:`~geoopt_quotient.nn.QuotientMultiheadAttention`)."""
+    if isinstance(model, torch.nn.MultiheadAttention):
+        return True
+    try:
+        first = next(iter(inspect.signature(model.forward).parameters), None)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(getattr(model, "embed_dim", None), int) and first == "query"
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -565,14 +581,15 @@ class _Prover:
             return []
         grads = []
         for i in range(3):
-            total = sum(
-                (
-                    torch.randn(t.shape, generator=self.projections).to(t.device, t.real.dtype)
-                    * t.real
-                ).sum()
-                for t in leaves
-                if t.requires_grad
-            )
+            with torch.enable_grad():  # the caller may be under no_grad
+                total = sum(
+                    (
+                        torch.randn(t.shape, generator=self.projections).to(t.device, t.real.dtype)
+                        * t.real
+                    ).sum()
+                    for t in leaves
+                    if t.requires_grad
+                )
             parts = torch.autograd.grad(total, roots, retain_graph=i < 2, allow_unused=True)
             grads.append({n: g for n, g in zip(names, parts) if g is not None})
         return grads
