@@ -1119,15 +1119,10 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     dropped = set()
-    for spec, meaning in found.to_check:
-        if any(n not in params for n in spec.params):
-            continue  # a module shared under another name: the model-level proof decides
-        try:
-            moved = moved_by_element(spec, params)
-            with preserved_model_state(model):  # eval mode: no dropout in the replays
-                holds, deviation = pair_holds(record, spec.module, modules[spec.module], moved)
-        except Exception:
-            continue  # proof of find_symmetries decides instead
+    with preserved_model_state(model):  # eval mode: no dropout in the replays
+        replays = [(spec, meaning, _replayed(spec, record, modules, params))
+                   for spec, meaning in found.to_check]  # fmt: skip
+    for spec, meaning, (holds, deviation, moved) in replays:
         if holds is False:
             dropped.add(id(spec))
             ran = _other_children(record, spec, modules)
@@ -1144,6 +1139,20 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     found.specs = [s for s in found.specs if id(s) not in dropped]
     found.to_check = []
     return found
+
+
+def _replayed(spec: PairSpec, record: ForwardRecord, modules, params) -> Tuple:
+    """``(holds, deviation, moved)`` of the spec's module replayed with a random element of
+    its group; ``holds=None`` where the module cannot be replayed (a module shared under
+    another name, a call it refuses): the model-level proof of discovery decides there."""
+    if any(n not in params for n in spec.params):
+        return None, 0.0, {}
+    try:
+        moved = moved_by_element(spec, params)
+        holds, deviation = pair_holds(record, spec.module, modules[spec.module], moved)
+    except Exception:
+        return None, 0.0, {}
+    return holds, deviation, moved
 
 
 def _other_children(

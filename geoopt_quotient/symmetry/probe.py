@@ -304,6 +304,38 @@ def _column_offset(data: torch.Tensor, heads: torch.Tensor) -> Optional[int]:
     return None
 
 
+def _cached_maps(
+    record: ForwardRecord, call: RotaryCall, slot: int, slots: List[int]
+) -> Optional[torch.Tensor]:
+    """:func:`_replay_maps`, computed once for calls of one function on equal position
+    inputs (every layer of a model shares its rotary tables)."""
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.shape == b.shape
+                and a.dtype == b.dtype
+                and bool(torch.equal(a, b))
+            )
+        return a == b
+
+    def key_args(c: RotaryCall) -> List[Any]:
+        return [a.shape if i in slots else a for i, a in enumerate(c.args)]
+
+    cached = record.replays.setdefault("rotary maps", [])
+    for function, at, args, kwargs, maps in cached:
+        if function is call.function and at == slot and len(args) == len(call.args):
+            mine = key_args(call)
+            if all(same(a, b) for a, b in zip(args, mine)) and kwargs.keys() == call.kwargs.keys():
+                if all(same(kwargs[k], call.kwargs[k]) for k in kwargs):
+                    return maps
+    maps = _replay_maps(call, slot, slots)
+    cached.append((call.function, slot, key_args(call), call.kwargs, maps))
+    return maps
+
+
 def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
     """Matrices ``(positions, r, r)`` of the call's map on argument ``slot``: basis vectors
     in, the output of the same slot out (the other data arguments zero)."""
@@ -395,7 +427,7 @@ def rotary_planes(
                 offset = _column_offset(data, heads) if side not in readings else None
                 if offset is None:
                     continue
-                maps = _replay_maps(call, slot, slots)
+                maps = _cached_maps(record, call, slot, slots)
                 found = None if maps is None else _planes(maps, _tolerance(data.dtype))
                 if found is None:
                     return RotaryReading(

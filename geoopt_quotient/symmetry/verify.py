@@ -34,7 +34,9 @@ for Hugging Face models, inputs built from the config (:func:`probe_inputs_for`)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -370,6 +372,11 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
 def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
     if any(s in key for s in SKIPPED_OUTPUT_KEYS):
         return []
@@ -570,29 +577,43 @@ class _Prover:
             for n, p in self.params.items()
         }
         roots = [params[n] for n in sorted(names)]
-        with torch.enable_grad(), WeightPrecision(roots) as precision:
+        # only a float64 model may compute in a lower precision than its weights' (norms
+        # in float32) in a way that matters for the tolerance; the dispatch mode that reads
+        # it costs Python time per operator, so it runs only there
+        precision = WeightPrecision(roots)
+        with torch.enable_grad(), precision if self.dtype == torch.float64 else _nothing():
             leaves = self.outputs(params)
         lowest = precision.lowest or self.dtype
         reference = [t.detach().to(torch.float64) for t in leaves]
         return reference, lowest, self._projected_gradients(leaves, roots, sorted(names))
 
     def _projected_gradients(self, leaves, roots, names) -> List[Dict[str, torch.Tensor]]:
-        if not any(t.requires_grad for t in leaves) or not any(r.requires_grad for r in roots):
+        """Gradients of three random projections of the outputs, in one batched backward
+        pass where autograd can (``is_grads_batched``), else in three."""
+        leaves = [t for t in leaves if t.requires_grad]
+        if not leaves or not any(r.requires_grad for r in roots):
             return []
-        grads = []
-        for i in range(3):
-            with torch.enable_grad():  # the caller may be under no_grad
-                total = sum(
-                    (
-                        torch.randn(t.shape, generator=self.projections).to(t.device, t.real.dtype)
-                        * t.real
-                    ).sum()
-                    for t in leaves
-                    if t.requires_grad
-                )
-            parts = torch.autograd.grad(total, roots, retain_graph=i < 2, allow_unused=True)
-            grads.append({n: g for n, g in zip(names, parts) if g is not None})
-        return grads
+        cotangents = [
+            torch.randn((3, *t.shape), generator=self.projections).to(t.device, t.dtype)
+            for t in leaves
+        ]
+        try:
+            with warnings.catch_warnings():  # vmap's note on operators it loops over
+                warnings.filterwarnings("ignore", message=".*batching rule.*")
+                parts = torch.autograd.grad(
+                    leaves, roots, cotangents, retain_graph=True, allow_unused=True,
+                    is_grads_batched=True,
+                )  # fmt: skip
+            return [{n: g[i] for n, g in zip(names, parts) if g is not None} for i in range(3)]
+        except RuntimeError:  # an operator without a batching rule
+            grads = []
+            for i in range(3):
+                parts = torch.autograd.grad(
+                    leaves, roots, [c[i] for c in cotangents], retain_graph=i < 2,
+                    allow_unused=True,
+                )  # fmt: skip
+                grads.append({n: g for n, g in zip(names, parts) if g is not None})
+            return grads
 
     def control(self, index: int, element: torch.Tensor, grads) -> float:
         """First-order output change (largest projection) when ``element`` moves the first
