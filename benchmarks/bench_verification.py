@@ -37,14 +37,23 @@ import geoopt_quotient as gq
 
 SHAPES = {
     "tiny-llama": dict(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     ),
     "smollm2-135m-shape": dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 
 
 def build(name: str, quick: bool) -> torch.nn.Module:

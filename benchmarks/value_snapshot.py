@@ -41,41 +41,65 @@ def _text_batches(vocab: int, labels: int | None) -> List[Dict[str, torch.Tensor
 
 def bert() -> Tuple[torch.nn.Module, List[Any]]:
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, num_labels=3, initializer_range=0.2,
-    )  # fmt: skip
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=3,
+        initializer_range=0.2,
+    )
     return transformers.BertForSequenceClassification(config), _text_batches(50, 3)
 
 
 def vit() -> Tuple[torch.nn.Module, List[Any]]:
     config = transformers.ViTConfig(
-        image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=48, num_labels=3, initializer_range=0.2,
-    )  # fmt: skip
+        image_size=8,
+        patch_size=4,
+        num_channels=1,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=3,
+        initializer_range=0.2,
+    )
     gen = torch.Generator().manual_seed(1)
     batches = [
-        {"pixel_values": torch.randn(2, 1, 8, 8, generator=gen, dtype=torch.float64),
-         "labels": torch.randint(0, 3, (2,), generator=gen)}
+        {
+            "pixel_values": torch.randn(2, 1, 8, 8, generator=gen, dtype=torch.float64),
+            "labels": torch.randint(0, 3, (2,), generator=gen),
+        }
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     return transformers.ViTForImageClassification(config), batches
 
 
 def llama() -> Tuple[torch.nn.Module, List[Any]]:
     config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
         initializer_range=0.2,
-    )  # fmt: skip
+    )
     return transformers.LlamaForCausalLM(config), _text_batches(50, None)
 
 
 def neox() -> Tuple[torch.nn.Module, List[Any]]:
     config = transformers.GPTNeoXConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=32, rotary_pct=0.5,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        rotary_pct=0.5,
         initializer_range=0.2,
-    )  # fmt: skip
+    )
     return transformers.GPTNeoXForCausalLM(config), _text_batches(50, None)
 
 

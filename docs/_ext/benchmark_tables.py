@@ -1346,6 +1346,47 @@ def cpu_gl_slices(results: Results) -> Table:
     )
 
 
+def cpu_verification(results: Results) -> Table:
+    doc = results.json("cpu/verification.json").data
+    labels = {"tiny-llama": "tiny Llama", "smollm2-135m-shape": "SmolLM2-135M shape"}
+    rows = []
+    for model, label in labels.items():
+        r = dig(doc, "models", model) or {}
+        med = r.get("median_seconds") or {}
+        rows.append(
+            [
+                label,
+                fmt(r.get("parameters") and r["parameters"] / 1e6, ".1f", "M"),
+                fmt(r.get("forward_passes_of_default_discovery"), "d"),
+                fmt(med.get("structure"), ".3f", " s"),
+                fmt(med.get("proven"), ".3f", " s"),
+                fmt(med.get("call"), ".2f", " s"),
+                fmt(r.get("proven_over_call"), ".3f"),
+                fmt(r.get("proof_over_call"), ".3f"),
+            ]
+        )
+    return Table(
+        [
+            "model",
+            "parameters",
+            "forward passes",
+            "by structure",
+            "proven (default)",
+            "default call",
+            "proven / call",
+            "proof / call",
+        ],
+        rows,
+        "python benchmarks/bench_verification.py --json benchmarks/results/cpu/verification.json",
+        [
+            "find_symmetries by structure alone (verify=False) and proven (the default), on "
+            "a fresh copy of the model each time, against a default geodesic_sharpness call "
+            "(20 iterations) on one batch of 4 x 64 tokens with the plan given; process time, "
+            "1 thread, medians of interleaved rounds."
+        ],
+    )
+
+
 def cpu_discovery(results: Results) -> Table:
     doc = results.json("cpu/discovery.json").data
     labels = {
@@ -1671,6 +1712,7 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "cpu-iteration-flops": cpu_iteration_flops,
     "cpu-gl-slices": cpu_gl_slices,
     "cpu-discovery": cpu_discovery,
+    "cpu-verification": cpu_verification,
     "transformers-seeds": transformers_seeds,
     "diagonal-readings": diagonal_readings,
     "diagonal-checks": diagonal_checks,

@@ -200,8 +200,11 @@ def _proven(
     dropped_specs, dropped_groups, notes = set(), set(), []
     for check in proof.failed:
         message = failure_message(model, check, proof, members)
-        warnings.warn(f"{message}; it is left to the adaptive geometry ({REPORT})",
-                      SymmetryNotProvenWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{message}; it is left to the adaptive geometry ({REPORT})",
+            SymmetryNotProvenWarning,
+            stacklevel=3,
+        )
         names = members.get(check.name)
         if names is None:
             dropped_groups.add(check.name)

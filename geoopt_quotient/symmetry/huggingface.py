@@ -1120,8 +1120,10 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     params = dict(model.named_parameters())
     dropped = set()
     with preserved_model_state(model):  # eval mode: no dropout in the replays
-        replays = [(spec, meaning, _replayed(spec, record, modules, params))
-                   for spec, meaning in found.to_check]  # fmt: skip
+        replays = [
+            (spec, meaning, _replayed(spec, record, modules, params))
+            for spec, meaning in found.to_check
+        ]
     for spec, meaning, (holds, deviation, moved) in replays:
         if holds is False:
             dropped.add(id(spec))
@@ -1134,8 +1136,9 @@ def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
             )
             found.note(message, spec.module)
             if not ran:  # nothing in the module explains it (a hook, an unknown computation)
-                warnings.warn(f"{spec.module}: {message} ({REPORT})", SymmetryNotProvenWarning,
-                              stacklevel=4)  # fmt: skip
+                warnings.warn(
+                    f"{spec.module}: {message} ({REPORT})", SymmetryNotProvenWarning, stacklevel=4
+                )
     found.specs = [s for s in found.specs if id(s) not in dropped]
     found.to_check = []
     return found

@@ -553,9 +553,13 @@ class _Prover:
         for group in self.groups:
             shape = tuple(group.shape)
             a = random_group_element(
-                group.manifold, shape[:-2], h=shape[-1], max_condition=max_condition,
-                generator=self.generator, dtype=self.compute,
-            )  # fmt: skip
+                group.manifold,
+                shape[:-2],
+                h=shape[-1],
+                max_condition=max_condition,
+                generator=self.generator,
+                dtype=self.compute,
+            )
             elements.append(None if a is None else a.to(device))
         return elements
 
@@ -601,17 +605,24 @@ class _Prover:
             with warnings.catch_warnings():  # vmap's note on operators it loops over
                 warnings.filterwarnings("ignore", message=".*batching rule.*")
                 parts = torch.autograd.grad(
-                    leaves, roots, cotangents, retain_graph=True, allow_unused=True,
+                    leaves,
+                    roots,
+                    cotangents,
+                    retain_graph=True,
+                    allow_unused=True,
                     is_grads_batched=True,
-                )  # fmt: skip
+                )
             return [{n: g[i] for n, g in zip(names, parts) if g is not None} for i in range(3)]
         except RuntimeError:  # an operator without a batching rule
             grads = []
             for i in range(3):
                 parts = torch.autograd.grad(
-                    leaves, roots, [c[i] for c in cotangents], retain_graph=i < 2,
+                    leaves,
+                    roots,
+                    [c[i] for c in cotangents],
+                    retain_graph=i < 2,
                     allow_unused=True,
-                )  # fmt: skip
+                )
                 grads.append({n: g for n, g in zip(names, parts) if g is not None})
             return grads
 

@@ -477,9 +477,13 @@ def draw_group_element(
     """
     shape = tuple(group.shape)
     return random_group_element(
-        group.manifold, shape[:-2], h=shape[-1], max_condition=max_condition,
-        generator=generator, dtype=dtype,
-    )  # fmt: skip
+        group.manifold,
+        shape[:-2],
+        h=shape[-1],
+        max_condition=max_condition,
+        generator=generator,
+        dtype=dtype,
+    )
 
 
 def probe_inputs(model: torch.nn.Module, batch_size: int = 2, seq_len: int = 7) -> Dict[str, Any]:
