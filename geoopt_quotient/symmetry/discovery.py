@@ -142,14 +142,17 @@ def find_symmetries(
     specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
     extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
     notes = found.rendered_notes()
+    pair_groups = stack_pairs(specs, metric, eps)
     if verify:
         unproven = _unprovable(model)
         if unproven is None:
-            specs, extra, proven = _proven(model, specs, extra, metric, eps, probe_inputs)
+            kept, extra, proven = _proven(model, specs, pair_groups, extra, probe_inputs)
             notes += proven
+            if len(kept) < len(specs):  # stacked again without the members that broke
+                pair_groups = stack_pairs(kept, metric, eps)
         else:
             notes.append(unproven)
-    groups = stack_pairs(specs, metric, eps) + extra
+    groups = pair_groups + extra
     if not groups:
         notes.insert(0, NO_SYMMETRY)
     return SymmetryPlan(groups, notes=notes)
@@ -184,14 +187,12 @@ def _unprovable(model: torch.nn.Module) -> Optional[str]:
 def _proven(
     model: torch.nn.Module,
     specs: List[PairSpec],
+    pair_groups: List[SymmetryGroup],
     extra: List[SymmetryGroup],
-    metric: str,
-    eps: float,
     probe_inputs: Any,
 ) -> Tuple[List[PairSpec], List[SymmetryGroup], List[str]]:
     """The specs and extra groups that hold on the model, and the notes of the proof;
     each group (or stacked member) the outputs refute is dropped with a warning."""
-    pair_groups = stack_pairs(specs, metric, eps)
     plan = SymmetryPlan(pair_groups + extra)
     if not plan.groups:
         return specs, extra, []
