@@ -8,7 +8,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .._checks import METRICS, check_choice, check_nonnegative_float
+from .experts import expert_pairs
 from .huggingface import Findings, collapse_paths, find_attention
+from .latent import latent_attention_pairs
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mlp import gated_mlp_pairs
@@ -142,9 +144,11 @@ def find_symmetries(
             found.specs.extend(multihead_attention_pairs(path, module))
             found.claimed.add(path)
     found.extend(lora_pairs(model, eps))
+    found.extend(latent_attention_pairs(model))
     found.extend(find_attention(model, skip=set(found.claimed)))
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))
+        found.extend(expert_pairs(model))
     specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
     extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
     notes = found.rendered_notes()

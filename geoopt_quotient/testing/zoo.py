@@ -152,6 +152,8 @@ TINY: Dict[str, Any] = {
 }
 
 _MLA = {"num_key_value_heads": 4}  # multi-head latent attention: as many K/V heads as Q
+#: one dense layer, then mixture-of-experts layers (the default puts 3 dense layers first)
+_ONE_DENSE = {"first_k_dense_replace": 1}
 
 #: Per family: config fields set on top of :data:`TINY` (``None`` removes a generic one; a
 #: dict for a sub-config such as ``text_config``), ``"_probe"``: changes of the probe
@@ -174,6 +176,11 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
         ),
         _MLA,
     ),
+    "deepseek_v3": {**_MLA, **_ONE_DENSE},
+    "deepseek_v32": {**_MLA, **_ONE_DENSE},
+    "glm_moe_dsa": {**_MLA, **_ONE_DENSE},
+    "bailing_hybrid": _ONE_DENSE,
+    "flint": {"mlp_only_layers": [0]},
     # a padded position attends to nothing in the n-gram stream: NaN logits
     "prophetnet": {"_probe": {"attention_mask": None}},
     # validators: the Mamba-2 heads must tile expand * hidden_size
@@ -182,7 +189,7 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     # layer-type lists whose defaults are longer than two layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # Zamba ties its shared transformer across the hybrid layers: it needs two of them
     "zamba": {
         "num_hidden_layers": 3,

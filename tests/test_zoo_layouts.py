@@ -1,0 +1,164 @@
+"""Layouts of today's zoo: fused 3-D experts, multi-head latent attention, fused and
+multi-query attention, each checked with an action written here from the family's
+modelling code (not the library's layouts), on tiny float64 models of the zoo.
+
+Each test (1) checks what :func:`find_symmetries` claims on the family, (2) applies a
+random element of that group with its own row maps and checks the logits do not move,
+and (3) checks the negative: the same maps on one factor only do move them.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable, Dict
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from geoopt_quotient import find_symmetries
+from geoopt_quotient.testing import zoo
+
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+F64 = torch.float64
+Params = Dict[str, torch.Tensor]
+
+
+@functools.cache
+def _built(family: str) -> zoo.ZooModel:
+    built = zoo.build_family(family)
+    assert built.model is not None, built.reason
+    return built
+
+
+def _plan(family: str):
+    model = _built(family).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no group of these families may be demoted
+        return find_symmetries(model, kinds="all")
+
+
+def _invariance(family: str, act: Callable[[Params, bool], Params]) -> None:
+    """``act(params, both)`` moves the parameters by a random group element (``both``) or
+    its first factor only; the logits stay within the threshold only in the first case."""
+    built = _built(family)
+    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    reference = zoo.logits_of(built.model, params, built.inputs)
+    threshold, _ = zoo._threshold(zoo.reduced_precision_ops(built.model, params, built.inputs))
+    moved = zoo.logits_of(built.model, act(dict(params), True), built.inputs)
+    broken = zoo.logits_of(built.model, act(dict(params), False), built.inputs)
+    assert zoo.relative_change(reference, moved) <= threshold
+    assert zoo.relative_change(reference, broken) > 100 * threshold
+
+
+def _factor(shape, generator) -> torch.Tensor:
+    """Nonzero scalars of either sign, magnitudes in [1/4, 4]."""
+    magnitude = 4.0 ** (2 * torch.rand(shape, generator=generator, dtype=F64) - 1)
+    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(F64)
+    return magnitude * sign
+
+
+def _matrices(count: int, size: int, generator) -> torch.Tensor:
+    """Well-conditioned invertible matrices ``(count, size, size)``."""
+    a = torch.randn(count, size, size, generator=generator, dtype=F64) / size**0.5
+    return a + 2 * torch.eye(size, dtype=F64)
+
+
+# ----------------------------------------------------------------- fused 3-D experts
+def _expert_modules(model: torch.nn.Module):
+    return [(p, m) for p, m in model.named_modules() if type(m).__name__.endswith("Experts")
+            and isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)]  # fmt: skip
+
+
+def _scale_experts(model, params: Params, both: bool, seed: int = 0) -> Params:
+    """Unit ``i`` of expert ``e``: row ``units + i`` of ``gate_up_proj[e]`` (the up half of
+    ``chunk(2)``) times ``a``, column ``i`` of ``down_proj[e]`` divided by ``a``."""
+    generator = torch.Generator().manual_seed(seed)
+    for path, _ in _expert_modules(model):
+        up, down = f"{path}.gate_up_proj", f"{path}.down_proj"
+        experts, _, units = params[down].shape
+        a = _factor((experts, units), generator)
+        w = params[up].clone()
+        w[:, units:, :] = w[:, units:, :] * a[:, :, None]
+        params[up] = w
+        if both:
+            params[down] = params[down] / a[:, None, :]
+    return params
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "olmoe", "qwen3_moe"])
+def test_every_expert_unit_of_fused_experts_is_quotiented(family):
+    model = _built(family).model
+    experts = _expert_modules(model)
+    assert experts, f"{family}: no fused experts in the tiny model"
+    bound = _plan(family).bind(model)
+    for path, module in experts:
+        covered = [g for g in bound.symmetric_groups if f"{path}.gate_up_proj" in g.param_names]
+        assert len(covered) == 1 and covered[0].kind == "mlp", path
+        e, _, units = module.down_proj.shape
+        assert covered[0].shape[-3] == e * units and covered[0].shape[-1] == 1
+    _invariance(family, functools.partial(_scale_experts, model))
+
+
+def test_gpt_oss_experts_keep_no_unit_scaling_and_say_why():
+    """GPT-OSS gates with ``(clamp(up) + 1) * glu(clamp(gate))``: no per-unit scaling of
+    its interleaved up columns survives (the negative: scaling them moves the logits)."""
+    built = _built("gpt_oss")
+    plan = _plan("gpt_oss")
+    bound = plan.bind(built.model)
+    assert not any(".experts." in n for g in bound.symmetric_groups for n in g.param_names)
+    assert any("GptOssExperts._apply_gate" in note for note in plan.notes)
+    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    reference = zoo.logits_of(built.model, params, built.inputs)
+    generator = torch.Generator().manual_seed(0)
+    for path, _ in _expert_modules(built.model):
+        up, down = f"{path}.gate_up_proj", f"{path}.down_proj"
+        e, units, _ = params[down].shape  # transposed: (experts, units, hidden)
+        a = _factor((e, units), generator)
+        w, b = params[up].clone(), params[f"{up}_bias"].clone()
+        w[:, :, 1::2] *= a[:, None, :]
+        b[:, 1::2] *= a
+        params[up], params[f"{up}_bias"], params[down] = w, b, params[down] / a[:, :, None]
+    moved = zoo.logits_of(built.model, params, built.inputs)
+    assert zoo.relative_change(reference, moved) > 1e-3
+
+
+# ----------------------------------------------------------- multi-head latent attention
+def _latent_action(model, params: Params, both: bool, seed: int = 0) -> Params:
+    """Per head: ``A`` on the non-rotary query rows of ``q_b_proj`` and ``A^{-T}`` on the
+    key rows of ``kv_b_proj``; ``B`` on its value rows and ``B^{-1}`` on the head's
+    columns of ``o_proj`` (DeepSeek-V3's ``split([nope, rope])`` and
+    ``split([nope, v])``)."""
+    generator = torch.Generator().manual_seed(seed)
+    for path, m in model.named_modules():
+        if not hasattr(m, "kv_b_proj"):
+            continue
+        heads, nope, rope, v = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        a, b = _matrices(heads, nope, generator), _matrices(heads, v, generator)
+        q = params[f"{path}.q_b_proj.weight"].reshape(heads, nope + rope, -1).clone()
+        kv = params[f"{path}.kv_b_proj.weight"].reshape(heads, nope + v, -1).clone()
+        o = params[f"{path}.o_proj.weight"].reshape(-1, heads, v).clone()
+        q[:, :nope] = a @ q[:, :nope]
+        kv[:, nope:] = b @ kv[:, nope:]
+        if both:
+            kv[:, :nope] = torch.linalg.inv(a).mT @ kv[:, :nope]
+            o = torch.einsum("ohj,hjk->ohk", o, torch.linalg.inv(b))
+        params[f"{path}.q_b_proj.weight"] = q.reshape(heads * (nope + rope), -1)
+        params[f"{path}.kv_b_proj.weight"] = kv.reshape(heads * (nope + v), -1)
+        params[f"{path}.o_proj.weight"] = o.reshape(o.shape[0], -1)
+    return params
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "minicpm3"])
+def test_latent_attention_has_query_key_and_value_output_groups(family):
+    model = _built(family).model
+    bound = _plan(family).bind(model)
+    kinds = {g.kind: g for g in bound.symmetric_groups if g.kind in zoo.ATTENTION_KINDS}
+    assert set(kinds) == {"query-key", "value-output"}
+    config = model.config
+    assert kinds["query-key"].shape[-1] == config.qk_nope_head_dim
+    assert kinds["value-output"].shape[-1] == config.v_head_dim
+    assert kinds["query-key"].shape[-3] == config.num_attention_heads
+    _invariance(family, functools.partial(_latent_action, model))
