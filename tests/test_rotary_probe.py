@@ -92,7 +92,8 @@ FAMILIES: Dict[str, Tuple[str, Dict, Optional[Tuple[int, str]], bool, bool]] = {
         True,
     ),
     "gemma4": ("Gemma4TextConfig", {}, None, False, True),
-    "bitnet": ("BitNetConfig", {}, None, False, False),  # attn_sub_norm, ffn_sub_norm
+    # attn_sub_norm (between the heads and o_proj) removes V/O, not Q/K; ffn_sub_norm the MLP
+    "bitnet": ("BitNetConfig", {}, (8, "half"), False, False),
     "zamba2": (  # per-layer adapters add to the shared MLP's gate_up_proj: no MLP group
         "Zamba2Config",
         dict(

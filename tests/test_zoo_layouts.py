@@ -162,3 +162,118 @@ def test_latent_attention_has_query_key_and_value_output_groups(family):
     assert kinds["value-output"].shape[-1] == config.v_head_dim
     assert kinds["query-key"].shape[-3] == config.num_attention_heads
     _invariance(family, functools.partial(_latent_action, model))
+
+
+# ------------------------------------------------- fused, multi-query and sink attention
+def _rows(params: Params, name: str, rows: torch.Tensor, mats: torch.Tensor) -> None:
+    """``weight[rows[i]] <- mats[i] @ weight[rows[i]]`` (and the bias entries alike)."""
+    for suffix in ("weight", "bias"):
+        key = f"{name}.{suffix}"
+        if key in params:
+            t = params[key].clone()
+            block = t[rows.reshape(-1)].reshape(*rows.shape, *t.shape[1:])
+            moved = torch.einsum("hij,hj...->hi...", mats, block)
+            t[rows.reshape(-1)] = moved.reshape(-1, *t.shape[1:])
+            params[key] = t
+
+
+def _columns(params: Params, name: str, heads: int, mats: torch.Tensor) -> None:
+    """Head ``i``'s columns of ``name.weight`` (an output projection) times ``mats[i]``."""
+    w = params[f"{name}.weight"]
+    head_dim = mats.shape[-1]
+    blocks = w.reshape(w.shape[0], heads, head_dim)
+    params[f"{name}.weight"] = torch.einsum("ohj,hjk->ohk", blocks, mats).reshape(w.shape)
+
+
+def _fused_action(family: str, fused: str, out: str, kv_heads: int):
+    """Q/K: ``A_g`` on the query rows of every head of key/value head ``g``, ``A_g^{-T}``
+    on its key rows; V/O: ``B_g`` on its value rows, ``B_g^{-1}`` on the output columns
+    of its query heads. Rows of the fused projection: all queries, all keys, all values
+    (MPT's ``chunk(3)``, GPT-BigCode's multi-query ``split``)."""
+    model = _built(family).model
+
+    def act(params: Params, both: bool, seed: int = 0) -> Params:
+        generator = torch.Generator().manual_seed(seed)
+        for path, m in model.named_modules():
+            if not isinstance(getattr(m, fused, None), torch.nn.Linear):
+                continue
+            heads, hd = m.num_heads if hasattr(m, "num_heads") else m.n_heads, m.head_dim
+            group = heads // kv_heads
+            a, b = _matrices(kv_heads, hd, generator), _matrices(kv_heads, hd, generator)
+            q = torch.arange(heads * hd).reshape(heads, hd)
+            k = heads * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
+            v = (heads + kv_heads) * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
+            per_query = torch.arange(heads) // group
+            _rows(params, f"{path}.{fused}", q, a[per_query])
+            _rows(params, f"{path}.{fused}", v, b)
+            if both:
+                _rows(params, f"{path}.{fused}", k, torch.linalg.inv(a).mT)
+                _columns(params, f"{path}.{out}", heads, torch.linalg.inv(b)[per_query])
+        return params
+
+    return act
+
+
+@pytest.mark.parametrize(
+    "family, fused, out, kv_heads",
+    [("gpt_bigcode", "c_attn", "c_proj", 1), ("mpt", "Wqkv", "out_proj", 4)],
+)
+def test_fused_and_multi_query_attention_has_both_groups(family, fused, out, kv_heads):
+    bound = _plan(family).bind(_built(family).model)
+    groups = {g.kind: g for g in bound.symmetric_groups}
+    assert {"query-key", "value-output"} <= set(groups)
+    assert groups["query-key"].shape[-3] == kv_heads  # one element per key/value head
+    _invariance(family, _fused_action(family, fused, out, kv_heads))
+
+
+def test_attention_sinks_leave_both_groups_of_gpt_oss():
+    """A learned logit per head in the softmax's denominator does not see Q, K or V."""
+    model = _built("gpt_oss").model
+    bound = _plan("gpt_oss").bind(model)
+    assert {"query-key", "value-output"} <= {g.kind for g in bound.symmetric_groups}
+    config = model.config
+    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+    def act(params: Params, both: bool, seed: int = 0) -> Params:
+        generator = torch.Generator().manual_seed(seed)
+        for path, m in model.named_modules():
+            if not hasattr(m, "sinks"):
+                continue
+            b = _matrices(kv_heads, hd, generator)
+            _rows(params, f"{path}.v_proj", torch.arange(kv_heads * hd).reshape(kv_heads, hd), b)
+            if both:
+                per_query = torch.arange(heads) // (heads // kv_heads)
+                _columns(params, f"{path}.o_proj", heads, torch.linalg.inv(b)[per_query])
+        return params
+
+    _invariance("gpt_oss", act)
+
+
+def test_dbrx_clamped_qkv_keeps_no_attention_group_and_says_why():
+    """DBRX clamps the fused q, k, v to [-clip_qkv, clip_qkv]: only signed permutations of
+    a head's dimensions commute with that (a finite group)."""
+    plan = _plan("dbrx")
+    assert not [g for g in plan.groups if g.kind in zoo.ATTENTION_KINDS]
+    assert any("clip_qkv" in note for note in plan.notes)
+
+
+def test_the_docs_table_of_families_is_generated_from_the_sweep_file():
+    """``docs/_ext/zoo_table.py`` renders every family of the committed sweep, with the
+    plan's own note where attention is not quotiented."""
+    pytest.importorskip("sphinx")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("zoo_table", root / "docs/_ext/zoo_table.py")
+    zoo_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo_table)
+    document = json.loads((root / "benchmarks/results/zoo/causal_lm_sweep.json").read_text())
+    lines = zoo_table.table_lines(document)
+    rows = [line for line in lines if line.startswith("   * - ")]
+    assert len(rows) == len(document["families"]) + 1  # and the header
+    by_family = {r["family"]: r for r in document["families"]}
+    assert zoo_table.why_not(by_family["llama"]) == ""
+    assert zoo_table.why_not(by_family["mamba"]).startswith("the model has no attention")
+    assert "clip_qkv" in zoo_table.why_not(by_family["dbrx"])

@@ -57,21 +57,35 @@ __all__ = [
     "rotary_geometry",
 ]
 
-HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
-KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "dim_head")
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 
 #: (query, key, value, candidate output names) of attention with four projections.
 SEPARATE_CONVENTIONS: Tuple[Tuple[str, str, str, Tuple[str, ...]], ...] = (
-    ("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "dense")),
+    ("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "dense", "Wo")),
     ("q_lin", "k_lin", "v_lin", ("out_lin",)),
     ("q", "k", "v", ("o",)),
+    ("Wq", "Wk", "Wv", ("dense",)),
+    ("project_q", "project_k", "project_v", ("attention_out",)),
+    ("query_proj", "key_proj", "value_proj", ("out_proj",)),
 )
 #: Children that add a per-head bias to the attention scores (symmetry-neutral):
-#: T5's bucketed relative bias, Swin's relative position bias table.
-SCORE_BIAS_CHILDREN = ("relative_attention_bias", "relative_position_bias")
+#: T5's bucketed relative bias, Swin's relative position bias table, ProphetNet's relative
+#: position logits (computed from the layer's input).
+SCORE_BIAS_CHILDREN = (
+    "relative_attention_bias",
+    "relative_position_bias",
+    "relative_pos_embeddings",
+)
+#: Parameters of an attention module that act on the scores alone, the same for every
+#: group element: attention sinks (a learned logit per head in the softmax's denominator:
+#: GPT-OSS, Granite SWA).
+SCORE_NEUTRAL_PARAMETERS = ("sinks",)
 #: Children that act on queries/keys per head: the Q/K symmetry does not survive them.
 QK_BREAKING_CHILDREN = (
+    "query_layernorm",
+    "key_layernorm",
     "q_norm",
     "k_norm",
     "query_norm",
@@ -81,7 +95,32 @@ QK_BREAKING_CHILDREN = (
     "distance_embedding",
 )
 #: The children of :data:`QK_BREAKING_CHILDREN` that are norms of the queries or keys.
-QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:6]
+QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:8]
+#: Children that act on the values or the attention output (an elementwise or per-head
+#: sigmoid/softplus gate computed from the input, a norm of the concatenated heads, Doge's
+#: ``dt_proj`` and ``A``, a mask of the scores computed from the values): V/O's GL(h) does
+#: not survive them (a gate leaves diagonal scalings, not quotiented here), Q/K does (they
+#: never see the queries or keys; the Q/K pair is replayed on its module to be sure).
+OUTPUT_BREAKING_CHILDREN = (
+    "gate_proj",
+    "g_proj",
+    "attn_sub_norm",
+    "dt_proj",
+    "A",
+    # differential attention (DiffLlama): softmax_1 V - lambda softmax_2 V, then a group norm
+    "groupnorm",
+    "lambda_q1",
+    "lambda_k1",
+    "lambda_q2",
+    "lambda_k2",
+)
+#: Why V/O is left adaptive under such a child.
+OUTPUT_BROKEN = (
+    "{names} act on the values or the attention output (a gate from the input, a norm of "
+    "the concatenated heads, a mask computed from the values): V/O's GL(h) does not "
+    "survive them (an elementwise gate leaves only diagonal scalings, which are not "
+    "quotiented): V/O left to the adaptive geometry (Q/K is handled)"
+)
 ROTARY_FORWARD_ARGS = (
     "position_embeddings",
     "rotary_pos_emb",
@@ -370,7 +409,11 @@ def _qk_norm_reason(
 
 def _unexpected_parameters(owner: torch.nn.Module, known: Set[str]) -> List[str]:
     """Direct parameters and parameter-holding children of ``owner`` outside ``known``."""
-    out = [name for name, _ in owner.named_parameters(recurse=False)]
+    out = [
+        name
+        for name, _ in owner.named_parameters(recurse=False)
+        if name not in SCORE_NEUTRAL_PARAMETERS
+    ]
     for name, child in owner.named_children():
         if name in known or name in SCORE_BIAS_CHILDREN or name in QK_BREAKING_CHILDREN:
             continue
@@ -453,7 +496,10 @@ def attention_pairs(
         )
         return found
     known = {p.rsplit(".", 1)[-1] for p, _ in projections} | set(extra_known)
+    known |= {p.rsplit(".", 2)[-2] for p, _ in projections if p.endswith(".linear")}
     unexpected = _unexpected_parameters(owner, known)
+    output_breakers = [n for n in unexpected if n in OUTPUT_BREAKING_CHILDREN]
+    unexpected = [n for n in unexpected if n not in OUTPUT_BREAKING_CHILDREN]
     if unexpected:
         found.note(
             f"{label} has parameters the detector does not know ({', '.join(unexpected)}): "
@@ -481,6 +527,12 @@ def attention_pairs(
     query_key, rotary_dim, pairing, order, qk_check = _query_key_group(
         path, owner, context, head_dim, found, readers
     )
+    if output_breakers:
+        found.note(OUTPUT_BROKEN.format(names=", ".join(output_breakers)), path)
+        qk_check = qk_check or (
+            f"{', '.join(output_breakers)} reach the queries or keys after all, so Q/K's "
+            "group does not survive them"
+        )
     specs = linear_attention_pairs(
         path,
         projections,
@@ -488,6 +540,7 @@ def attention_pairs(
         head_dim,
         num_kv_heads=n_kv,
         query_key=query_key,
+        value_output=not output_breakers,
         rotary_dim=rotary_dim,
         pairing=pairing,
         head_order=order,
@@ -675,19 +728,32 @@ def _separate_projections(
     path: str, module: torch.nn.Module, context: _Context
 ) -> Optional[Findings]:
     for q_name, k_name, v_name, o_names in SEPARATE_CONVENTIONS:
-        q, k, v = _linear(module, q_name), _linear(module, k_name), _linear(module, v_name)
-        if q is None or k is None or v is None:
+        found = [_projection(module, n) for n in (q_name, k_name, v_name)]
+        if any(f is None for f in found):
             continue
-        o_name = next((n for n in o_names if _linear(module, n) is not None), None)
-        if o_name is None:
+        o_found = next((f for n in o_names if (f := _projection(module, n)) is not None), None)
+        if o_found is None:
             continue
         if q_name == "q" and _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is None:
             continue  # bare q/k/v/o children without head attributes: not attention evidence
-        projections = tuple(
-            (_prefixed(path, n), _linear(module, n)) for n in (q_name, k_name, v_name, o_name)
-        )
+        projections = tuple((_prefixed(path, n), linear) for n, linear in (*found, o_found))
         return attention_pairs(path, module, projections, context)
     return None
+
+
+def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch.nn.Linear]]:
+    """``(relative path, nn.Linear)`` of child ``name``: the child itself, or the one
+    ``nn.Linear`` a parameter-free wrapper holds as ``linear`` (Moshi's ``MoshiLinear``)."""
+    linear = _linear(module, name)
+    if linear is not None:
+        return name, linear
+    child = getattr(module, name, None)
+    inner = _linear(child, "linear") if isinstance(child, torch.nn.Module) else None
+    if inner is None or any(True for _ in child.parameters(recurse=False)):
+        return None
+    if any(c is not inner for c in child.children()):
+        return None
+    return f"{name}.linear", inner
 
 
 def _split_projections(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
@@ -741,6 +807,9 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
     found = Findings(claimed={path})
     label = f"attention-like module ({type(module).__name__})"
     heads, head_dim = _int_attr(module, HEADS_ATTRS), _int_attr(module, HEAD_DIM_ATTRS)
+    split = _int_attr(module, ("split_size",))
+    if head_dim is None and heads and split and split % heads == 0:
+        head_dim = split // heads  # OpenAI GPT: view(..., n_head, split_size // n_head)
     d = None if heads is None or head_dim is None else heads * head_dim
     w_attn, w_proj = c_attn.weight, c_proj.weight
     expected = 2 * d if (cross and d) else 3 * d if d else None
@@ -811,8 +880,11 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
 
 
 #: Fused projections: child name -> how its output rows are laid out.
-FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj")
-FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj")
+FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj", "Wqkv", "c_attn")
+FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj", "c_proj")
+#: Fused projections whose rows are all queries, then all keys, then all values (MPT's
+#: ``chunk(3)``, DBRX's ``split``, Phi-3).
+BLOCK_CHILDREN = ("qkv_proj", "Wqkv")
 
 
 def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int, shards: int = 1):
@@ -963,7 +1035,7 @@ def _fused_layout(module: torch.nn.Module, child: str) -> str:
     """The row layout of a fused projection, from the module's attributes."""
     if _int_attr(module, ("mp_num",)) is not None:
         return "mp-shards"
-    if child == "qkv_proj" or (
+    if child in BLOCK_CHILDREN or (
         getattr(module, "multi_query", False) is True
         and not getattr(module, "new_decoder_architecture", False)
     ):
@@ -993,7 +1065,7 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
     n_kv = _int_attr(module, KV_HEADS_ATTRS)
     if layout in ("per-head", "mp-shards"):
         n_kv = heads
-    elif n_kv is None and layout == "blocks" and fused_name == "qkv_proj":
+    elif n_kv is None and layout == "blocks" and fused_name in BLOCK_CHILDREN:
         n_kv = _int_attr(config, KV_HEADS_ATTRS) or heads
     if heads is None and head_dim and layout == "per-head":
         heads = n_kv = fused.out_features // (3 * head_dim)
@@ -1007,6 +1079,10 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
         and (heads * head_dim) % shards == 0
     )
     unexpected = _unexpected_parameters(module, {fused_name, o_name})
+    clip = getattr(module, "clip_qkv", None)
+    if fits and not unexpected and clip:
+        found.note(f"{label}: {CLAMPED_QKV.format(clip=clip)}", path)
+        return found
     if not fits or unexpected:
         why = (
             f"parameters the detector does not know ({', '.join(unexpected)})"
@@ -1034,6 +1110,15 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
     )
     _add_checked(found, specs, qk_check)
     return found
+
+
+#: Why attention that clamps its queries, keys and values keeps no continuous symmetry.
+CLAMPED_QKV = (
+    "q, k and v are clamped elementwise to [-{clip}, {clip}] (clip_qkv) before the heads "
+    "are split; a clamp commutes only with signed permutations of each head's dimensions "
+    "(a finite group), so neither Q/K nor V/O has a continuous symmetry to quotient; left "
+    "to the adaptive geometry (a model without clip_qkv gets both)"
+)
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:

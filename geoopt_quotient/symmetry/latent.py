@@ -43,6 +43,23 @@ __all__ = ["latent_attention_pairs"]
 
 #: Head sizes an MLA module declares.
 LATENT_ATTRS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+#: The query projection: after a low-rank path, direct, or fused with an output gate
+#: (AXK2: per head the query then a gate of ``v_head_dim`` that multiplies the head's
+#: output elementwise, which leaves V/O only diagonal scalings: V/O is not quotiented).
+QUERY_CHILDREN = ("q_b_proj", "q_proj", "q_gate_proj")
+#: The note on every MLA module with both pairs.
+LATENT_NOTE = (
+    "multi-head latent attention: the non-rotary query/key dimensions and the values are "
+    "quotiented per head; the rotary dimensions (rows of the query projection against one "
+    "rotary key shared by all heads) are left to the adaptive geometry"
+)
+#: The note on MLA whose query projection also gates the output.
+GATED_LATENT_NOTE = (
+    "multi-head latent attention whose query projection also gates each head's output "
+    "elementwise (q_gate_proj): the non-rotary query/key dimensions are quotiented per "
+    "head; V/O keeps only diagonal scalings (not quotiented) and the rotary dimensions "
+    "(against one rotary key shared by all heads) are left to the adaptive geometry"
+)
 #: What a failed replay of an MLA pair means.
 LATENT_BREAKS = (
     "the module does not split its heads as multi-head latent attention does (non-rotary "
@@ -83,12 +100,14 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         return None
     heads, nope, rope, v_dim = sizes
-    q_name = "q_b_proj" if _linear(module, "q_b_proj") is not None else "q_proj"
+    q_name = next((n for n in QUERY_CHILDREN if _linear(module, n) is not None), "q_proj")
+    gated = q_name == "q_gate_proj"  # per head: the query, then a gate of the output
     q, kv, o = (_linear(module, n) for n in (q_name, "kv_b_proj", "o_proj"))
     if q is None or kv is None or o is None or _linear(module, "kv_a_proj_with_mqa") is None:
         return None
+    per_head = nope + rope + (v_dim if gated else 0)
     if (
-        q.out_features != heads * (nope + rope)
+        q.out_features != heads * per_head
         or kv.out_features != heads * (nope + v_dim)
         or o.in_features != heads * v_dim
     ):
@@ -98,7 +117,7 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
 
     def qk_layout(*t):
         kv_t = t[1 + q_bias :]
-        g = _head_slice(t[0], t[1] if q_bias else None, heads, nope + rope, 0, nope)
+        g = _head_slice(t[0], t[1] if q_bias else None, heads, per_head, 0, nope)
         h = _head_slice(kv_t[0], kv_t[1] if kv_bias else None, heads, nope + v_dim, 0, nope)
         return torch.cat((g, h), dim=-2)
 
@@ -115,7 +134,7 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
         "value-output", path, vo_params, vo_layout, kv.in_features + kv_bias,
         o.out_features, v_dim, heads,
     )  # fmt: skip
-    return [qk, vo]
+    return [qk] if gated else [qk, vo]
 
 
 def latent_attention_pairs(model: torch.nn.Module) -> Findings:
@@ -149,11 +168,5 @@ def latent_attention_pairs(model: torch.nn.Module) -> Findings:
         for spec in specs:
             found.specs.append(spec)
             found.to_check.append((spec, LATENT_BREAKS))
-        found.note(
-            "multi-head latent attention: the non-rotary query/key dimensions and the "
-            "values are quotiented per head; the rotary dimensions (rows of the query "
-            "projection against one rotary key shared by all heads) are left to the "
-            "adaptive geometry",
-            path,
-        )
+        found.note(LATENT_NOTE if len(specs) == 2 else GATED_LATENT_NOTE, path)
     return check_locally(model, found)

@@ -154,6 +154,8 @@ TINY: Dict[str, Any] = {
 _MLA = {"num_key_value_heads": 4}  # multi-head latent attention: as many K/V heads as Q
 #: one dense layer, then mixture-of-experts layers (the default puts 3 dense layers first)
 _ONE_DENSE = {"first_k_dense_replace": 1}
+#: linear-attention hybrids: one full-attention layer among the two
+_HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
 
 #: Per family: config fields set on top of :data:`TINY` (``None`` removes a generic one; a
 #: dict for a sub-config such as ``text_config``), ``"_probe"``: changes of the probe
@@ -179,8 +181,17 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "deepseek_v3": {**_MLA, **_ONE_DENSE},
     "deepseek_v32": {**_MLA, **_ONE_DENSE},
     "glm_moe_dsa": {**_MLA, **_ONE_DENSE},
-    "bailing_hybrid": _ONE_DENSE,
     "flint": {"mlp_only_layers": [0]},
+    # hybrids: one attention layer among the two (the defaults put the first one deeper)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _HYBRID),
+    # their full-attention layers are multi-head latent attention
+    "kimi_linear": {**_HYBRID, **_MLA},
+    "bailing_hybrid": {**_HYBRID, **_MLA, **_ONE_DENSE},
+    "bamba": {"attn_layer_indices": [1]},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    **{key: {"text_config": _HYBRID} for key in ("qwen3_5", "qwen3_5_moe")},
     # a padded position attends to nothing in the n-gram stream: NaN logits
     "prophetnet": {"_probe": {"attention_mask": None}},
     # validators: the Mamba-2 heads must tile expand * hidden_size
