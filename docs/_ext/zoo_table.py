@@ -44,21 +44,49 @@ def _shorten(text: str) -> str:
     return text[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
 
 
+#: (pattern of a plan's note, its one-line summary in the table; ``{0}`` is what the note
+#: names before the pattern, e.g. the norms).
+SUMMARIES = (
+    (r"(\S.*?) normalise the queries and keys",
+     "{0} normalise the queries and keys: only sign flips survive on Q/K (a finite group)"),
+    (r"(\S.*?) act on the values or the attention output",
+     "{0} act on the values or the attention output: V/O keeps diagonal scalings at most "
+     "(not quotiented)"),
+    (r"clamped elementwise .*\(clip_qkv\)",
+     "q, k, v clamped (clip_qkv): only signed permutations survive (a finite group)"),
+    (r"query projection also gates",
+     "the query projection also gates the output: V/O keeps diagonal scalings at most"),
+    (r"multi-head latent attention:",
+     "latent attention: the rotary part (one key shared by all heads) is left adaptive"),
+    (r"the model has no attention", "no attention (state-space, recurrent or convolutional)"),
+    (r"(do not match a known layout|match no known layout|the detector does not know|"
+     r"do not fit|shapes do not fit)",
+     "not recognised: declare its heads by hand (SymmetryGroup.from_layout)"),
+)  # fmt: skip
+
+
+def _summary(note: str) -> str:
+    for pattern, summary in SUMMARIES:
+        match = re.search(pattern, note)
+        if match:
+            names = match.group(1) if match.groups() and "{0}" in summary else ""
+            return summary.format(names.split(": ")[-1])
+    return _shorten(note.split("): ", 1)[-1])
+
+
 def why_not(row: Dict[str, Any]) -> str:
-    """Why the attention of ``row`` is not (fully) quotiented: the first note of its plan
-    about attention, without the module paths, or the reason it was not built."""
+    """Why the attention of ``row`` is not (fully) quotiented, in one line: a summary of
+    the first note of its plan about attention, or the reason it was not built."""
     if not row.get("built"):
         return "not built tiny: " + _shorten(row.get("reason", ""))
     kinds = {g["kind"] for g in row.get("groups", [])}
     if {"query-key", "value-output"} <= kinds:
         return ""
+    keys = ("Q/K", "V/O", "attention-like", "clip_qkv", "attention output", "latent", "rotary")
     notes = row.get("notes", [])
-    keys = ("Q/K", "V/O", "attention-like", "clip_qkv", "output projection", "rotary")
     specific = [n for n in notes if any(k in n for k in keys)]
     general = [n for n in notes if n.startswith("attention not quotiented")]
-    chosen = (specific or general or [""])[0]
-    message = chosen.split("): ", 1)[-1] if chosen.startswith(("model", "transformer")) else chosen
-    return _shorten(message.split(": ", 1)[-1] if ": " in message[:60] else message)
+    return _summary((specific or general or [""])[0])
 
 
 def _cell(text: str) -> str:

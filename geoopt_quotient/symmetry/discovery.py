@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -178,8 +179,8 @@ def find_symmetries(
 
 #: The kinds of the attention groups.
 ATTENTION_KINDS = ("query-key", "value-output")
-#: Class-name fragments of token mixers that are attention.
-ATTENTION_NAMES = ("attention", "attn", "mla")
+#: Class names of token mixers that are attention.
+ATTENTION_NAMES = re.compile(r"Attention|Attn|MLA(?![a-z])")
 
 
 def attention_reason(model: torch.nn.Module, notes: List[str]) -> str:
@@ -208,8 +209,7 @@ def attention_reason(model: torch.nn.Module, notes: List[str]) -> str:
             "SymmetryGroup.from_layout)"
         )
     names = sorted(
-        {type(m).__name__ for m in model.modules()
-         if any(k in type(m).__name__.lower() for k in ATTENTION_NAMES)}
+        {type(m).__name__ for m in model.modules() if ATTENTION_NAMES.search(type(m).__name__)}
     )  # fmt: skip
     if names:
         return head + (

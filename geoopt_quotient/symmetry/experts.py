@@ -34,7 +34,7 @@ ReLU², whose square needs :math:`a^2` on the down column).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -172,15 +172,30 @@ def _shapes(module: torch.nn.Module) -> Optional[Tuple[str, torch.Tensor, bool, 
     return None
 
 
-def _expert_spec(path: str, module: torch.nn.Module) -> Tuple[Optional[PairSpec], str]:
-    """The pair of one 3-D experts module, or ``(None, why not)`` (empty: not experts)."""
+def _settings(module: torch.nn.Module) -> Tuple:
+    """What the gating of ``module`` can depend on besides its class: its scalar
+    attributes (limits, ``alpha``...) and the class of its activation."""
+    scalars = sorted(
+        (k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str))
+    )
+    return (type(module), type(getattr(module, "act_fn", None)), tuple(scalars))
+
+
+def _expert_spec(
+    path: str, module: torch.nn.Module, read: Dict[Tuple, Tuple]
+) -> Tuple[Optional[PairSpec], str]:
+    """The pair of one 3-D experts module, or ``(None, why not)`` (empty: not experts);
+    ``read`` caches :func:`up_columns` over modules of one class and settings."""
     found = _shapes(module)
     if found is None:
         return None, ""
     up_name, up, transposed, units = found
     down = module.down_proj
     gated = up_name == "gate_up_proj"
-    columns, positive, why = up_columns(module, units, gated)
+    key = (_settings(module), units, gated)
+    if key not in read:
+        read[key] = up_columns(module, units, gated)
+    columns, positive, why = read[key]
     if columns is None:
         return None, why
     experts = down.shape[0]  # routed experts (a gate_up may hold more: identity experts)
@@ -224,9 +239,9 @@ def expert_pairs(model: torch.nn.Module) -> Findings:
         its module (:func:`~geoopt_quotient.symmetry.huggingface.check_locally`). Experts
         whose gating leaves no scaling get a note.
     """
-    found = Findings()
+    found, read = Findings(), {}
     for path, module in model.named_modules():
-        spec, why = _expert_spec(path, module)
+        spec, why = _expert_spec(path, module, read)
         if spec is not None:
             found.specs.append(spec)
             found.to_check.append((spec, EXPERT_BREAKS))

@@ -757,12 +757,13 @@ def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch
 
 
 def _split_projections(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
-    """``X.{self|attention}.{query,key,value}`` with the output in ``X.output.dense``."""
+    """``X.{self|attention|self_attention}.{query,key,value}`` with the output in
+    ``X.output.dense``."""
     output = getattr(module, "output", None)
     o = _linear(output, "dense") if isinstance(output, torch.nn.Module) else None
     if o is None:
         return None
-    for inner_name in ("self", "attention"):
+    for inner_name in ("self", "attention", "self_attention"):  # (Reformer: self_attention)
         inner = getattr(module, inner_name, None)
         if not isinstance(inner, torch.nn.Module) or inner is module:
             continue

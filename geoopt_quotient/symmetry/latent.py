@@ -142,8 +142,8 @@ def latent_attention_pairs(model: torch.nn.Module) -> Findings:
 
     Recognised by structure: a module with ``num_heads``, ``qk_nope_head_dim``,
     ``qk_rope_head_dim`` and ``v_head_dim``, ``nn.Linear`` children ``q_b_proj`` (or
-    ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_b_proj`` and ``o_proj`` whose shapes fit
-    those sizes.
+    ``q_proj``, or ``q_gate_proj`` whose heads also hold an output gate: Q/K only),
+    ``kv_a_proj_with_mqa``, ``kv_b_proj`` and ``o_proj`` whose shapes fit those sizes.
 
     Parameters
     ----------
