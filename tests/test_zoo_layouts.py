@@ -9,6 +9,7 @@ and (3) checks the negative: the same maps on one factor only do move them.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Callable, Dict
@@ -255,6 +256,71 @@ def test_dbrx_clamped_qkv_keeps_no_attention_group_and_says_why():
     plan = _plan("dbrx")
     assert not [g for g in plan.groups if g.kind in zoo.ATTENTION_KINDS]
     assert any("clip_qkv" in note for note in plan.notes)
+
+
+def test_llama4_quotients_query_key_of_its_nope_layers_only():
+    """Llama 4 L2-normalises the rotated queries and keys of its rotary layers (no group
+    the library quotients survives, a note says why); its NoPE layers keep GL(h) on Q/K
+    (per key/value head: ``A`` on its query heads' rows of ``q_proj``, ``A^{-T}`` on its
+    rows of ``k_proj``)."""
+    model = _built("llama4_text").model
+    plan = _plan("llama4_text")
+    (qk,) = [g for g in plan.bind(model).symmetric_groups if g.kind == "query-key"]
+    nope = [i for i, rope in enumerate(model.config.no_rope_layers) if not rope]
+    assert nope and {n.split(".")[2] for n in qk.param_names} == {str(i) for i in nope}
+    assert any("without gains" in n and "qk_norm" in n for n in plan.notes)
+    config = model.config
+    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_query = torch.arange(heads) // (heads // kv_heads)
+
+    def act(params: Params, both: bool, seed: int = 0) -> Params:
+        generator = torch.Generator().manual_seed(seed)
+        for i in nope:
+            path = f"model.layers.{i}.self_attn"
+            a = _matrices(kv_heads, hd, generator)
+            _rows(
+                params, f"{path}.q_proj", torch.arange(heads * hd).reshape(heads, hd), a[per_query]
+            )
+            if both:
+                k_rows = torch.arange(kv_heads * hd).reshape(kv_heads, hd)
+                _rows(params, f"{path}.k_proj", k_rows, torch.linalg.inv(a).mT)
+        return params
+
+    _invariance("llama4_text", act)
+
+
+def _next_token_loss(model, batch):
+    logits = model(**batch).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::geoopt_quotient.GeodesicEqualsAdaptiveWarning")
+def test_geodesic_sharpness_of_deepseek_v3_is_invariant_adaptive_is_not():
+    """Latent attention and fused experts acted on together (this file's own actions):
+    geodesic sharpness (kinds="all") does not move, adaptive sharpness does."""
+    from geoopt_quotient import adaptive_sharpness, geodesic_sharpness
+
+    built = _built("deepseek_v3")
+    model, batch = built.model, {"input_ids": built.inputs["input_ids"]}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = _latent_action(model, _scale_experts(model, dict(params), True, seed=1), True)
+    other = copy.deepcopy(model)
+    other.load_state_dict(moved, strict=False)
+    kw = dict(rho=0.05, iters=3)
+    for metric in ("mix", "inv"):
+        a, b = (
+            geodesic_sharpness(
+                m, _next_token_loss, [batch], metric=metric,
+                symmetries=find_symmetries(m, metric=metric, kinds="all"), **kw,
+            ).value
+            for m in (model, other)
+        )  # fmt: skip
+        assert a > 0 and abs(a - b) <= 1e-5 * abs(a), (metric, a, b)
+    c, d = (adaptive_sharpness(m, _next_token_loss, [batch], **kw).value for m in (model, other))
+    assert abs(c - d) > 1e-2 * abs(c), (c, d)
 
 
 def test_the_docs_table_of_families_is_generated_from_the_sweep_file():

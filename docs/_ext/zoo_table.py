@@ -59,6 +59,9 @@ SUMMARIES = (
     (r"multi-head latent attention:",
      "latent attention: the rotary part (one key shared by all heads) is left adaptive"),
     (r"the model has no attention", "no attention (state-space, recurrent or convolutional)"),
+    (r"q_proj has twice the rows o_proj reads",
+     "q_proj packs an output gate with the queries: not recognised (V/O keeps diagonal "
+     "scalings at most)"),
     (r"(do not match a known layout|match no known layout|the detector does not know|"
      r"do not fit|shapes do not fit)",
      "not recognised: declare its heads by hand (SymmetryGroup.from_layout)"),

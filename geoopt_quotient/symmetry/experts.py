@@ -27,7 +27,9 @@ interleaved layout) is read numerically from the module's own gating function
 one), on values spanning six orders of magnitude: a clamp of the up half (DeepSeek-V4,
 Hunyuan-V4) or a gated output :math:`(u + 1)\,\mathrm{glu}(g)` (GPT-OSS, MiniMax-M3)
 is homogeneous in no output, so no per-unit scaling survives and the experts are left to
-the adaptive geometry with a note. Experts without a gate (``up_proj``, ``down_proj``) get
+the adaptive geometry with a note. Experts with a separate 3-D ``gate_proj`` and
+``up_proj`` (Inkling's shared experts) are read the same way, the up rows being all of
+``up_proj``'s. Experts without a gate (``up_proj``, ``down_proj``) get
 positive scalings where the activation is positively homogeneous of degree one (ReLU; not
 ReLU², whose square needs :math:`a^2` on the down column).
 """
@@ -155,6 +157,12 @@ def up_columns(
     )
 
 
+def _separate_gate(module: torch.nn.Module, up: torch.Tensor) -> bool:
+    """Whether ``module`` holds its gate as a separate 3-D ``gate_proj`` shaped like ``up``."""
+    gate = getattr(module, "gate_proj", None)
+    return isinstance(gate, torch.nn.Parameter) and gate.shape == up.shape
+
+
 def _shapes(module: torch.nn.Module) -> Optional[Tuple[str, torch.Tensor, bool, int]]:
     """``(up name, up weight, transposed, units)`` of a 3-D experts module, or ``None``."""
     down = getattr(module, "down_proj", None)
@@ -191,13 +199,18 @@ def _expert_spec(
         return None, ""
     up_name, up, transposed, units = found
     down = module.down_proj
-    gated = up_name == "gate_up_proj"
+    separate = up_name == "up_proj" and _separate_gate(module, up)
+    gated = up_name == "gate_up_proj" or separate
     key = (_settings(module), units, gated)
     if key not in read:
         read[key] = up_columns(module, units, gated)
     columns, positive, why = read[key]
     if columns is None:
         return None, why
+    if separate:  # act_fn(gate) * up with up its own tensor: its rows are the units
+        if columns != slice(units, 2 * units):
+            return None, "its gating is not act_fn(gate_proj x) * (up_proj x)"
+        columns = slice(0, units)
     experts = down.shape[0]  # routed experts (a gate_up may hold more: identity experts)
     hidden = up.shape[1] if transposed else up.shape[2]
     bias = getattr(module, f"{up_name}_bias", None)

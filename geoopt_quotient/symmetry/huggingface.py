@@ -84,6 +84,7 @@ SCORE_BIAS_CHILDREN = (
 SCORE_NEUTRAL_PARAMETERS = ("sinks",)
 #: Children that act on queries/keys per head: the Q/K symmetry does not survive them.
 QK_BREAKING_CHILDREN = (
+    "qk_norm",
     "query_layernorm",
     "key_layernorm",
     "q_norm",
@@ -95,7 +96,7 @@ QK_BREAKING_CHILDREN = (
     "distance_embedding",
 )
 #: The children of :data:`QK_BREAKING_CHILDREN` that are norms of the queries or keys.
-QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:8]
+QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:9]
 #: Children that act on the values or the attention output (an elementwise or per-head
 #: sigmoid/softplus gate computed from the input, a norm of the concatenated heads, Doge's
 #: ``dt_proj`` and ``A``, a mask of the scores computed from the values): V/O's GL(h) does
@@ -373,6 +374,24 @@ def _qk_breakers(owner: torch.nn.Module) -> List[str]:
     return found
 
 
+def _gainless_norm_reason(names: Sequence[str], rotary: bool) -> str:
+    r"""Why a q/k norm without gains (Llama 4's L2 norm of each rotated head) leaves no
+    group the library quotients: :math:`A = c\,O` survives for every orthogonal :math:`O`
+    (that commutes with the rotations, under rotary embeddings: a rotation of each rotary
+    plane), a continuous subgroup of :math:`\mathrm{GL}(h)` without a quotient here."""
+    subgroup = (
+        "a rotation of each rotary plane (U(1) per plane) times one scale c > 0 per head, "
+        "which the rotary quotient does not divide by (it divides by all of C* per plane)"
+        if rotary
+        else "c O with O orthogonal (O(h) times a scale), a subgroup without a quotient here"
+    )
+    return (
+        f"{' and '.join(names)} normalise each head's queries and keys without gains, so "
+        "an action A on a head's Q rows survives only if it keeps their norm up to a "
+        f"factor (A = c O, O orthogonal): the continuous group left is {subgroup}"
+    )
+
+
 def _qk_norm_reason(
     names: Sequence[str], norms: Sequence[object], head_dim: int, rotary: bool
 ) -> str:
@@ -388,6 +407,8 @@ def _qk_norm_reason(
     (per plane): a finite group of sign flips shared with K, without tangent directions.
     """
     sizes = {int(getattr(getattr(n, "weight", None), "numel", lambda: 0)()) for n in norms}
+    if sizes == {0}:
+        return _gainless_norm_reason(names, rotary)
     together = bool(sizes) and min(sizes) > head_dim
     scope = "over all heads together" if together else "over each head"
     scale = "one c > 0 for all heads" if together else "a scale c > 0 per head"
@@ -497,9 +518,9 @@ def attention_pairs(
         return found
     known = {p.rsplit(".", 1)[-1] for p, _ in projections} | set(extra_known)
     known |= {p.rsplit(".", 2)[-2] for p, _ in projections if p.endswith(".linear")}
-    unexpected = _unexpected_parameters(owner, known)
-    output_breakers = [n for n in unexpected if n in OUTPUT_BREAKING_CHILDREN]
-    unexpected = [n for n in unexpected if n not in OUTPUT_BREAKING_CHILDREN]
+    unexpected, output_breakers, head_gates = _output_children(
+        owner, _unexpected_parameters(owner, known), heads
+    )
     if unexpected:
         found.note(
             f"{label} has parameters the detector does not know ({', '.join(unexpected)}): "
@@ -512,10 +533,12 @@ def attention_pairs(
     if not (qk_ok and vo_ok):
         # a module understood only in part (e.g. a gate packed into q_proj) may compute
         # something else entirely: neither pair is claimed
+        packed = q.out_features == 2 * o.in_features
         found.note(
             f"{label}: {'Q/K' if not qk_ok else 'V/O'} shapes do not fit {heads} heads "
-            f"({n_kv} key/value heads) of size {head_dim} ({shapes}); left to the adaptive "
-            "geometry",
+            f"({n_kv} key/value heads) of size {head_dim} ({shapes})"
+            + (PACKED_GATE if packed else "")
+            + "; left to the adaptive geometry",
             path,
         )
         return found
@@ -529,9 +552,10 @@ def attention_pairs(
     )
     if output_breakers:
         found.note(OUTPUT_BROKEN.format(names=", ".join(output_breakers)), path)
+    if output_breakers or head_gates:
         qk_check = qk_check or (
-            f"{', '.join(output_breakers)} reach the queries or keys after all, so Q/K's "
-            "group does not survive them"
+            f"{', '.join(output_breakers + head_gates)} reach the queries or keys after all, "
+            "so Q/K's group does not survive them"
         )
     specs = linear_attention_pairs(
         path,
@@ -547,6 +571,36 @@ def attention_pairs(
     )
     _add_checked(found, specs, qk_check)
     return found
+
+
+#: What a query projection with twice the rows the output reads usually holds.
+PACKED_GATE = (
+    ": q_proj has twice the rows o_proj reads, as when each head's queries come with an "
+    "output gate (Qwen3-Next, Qwen3.5: a sigmoid gate multiplies each head's output "
+    "elementwise, which leaves V/O diagonal scalings at most), a layout not guessed"
+)
+#: Output gates that may scale each head's output by one number (then V/O survives).
+GATE_CHILDREN = ("gate_proj", "g_proj")
+
+
+def _output_children(
+    owner: torch.nn.Module, unexpected: List[str], heads: int
+) -> Tuple[List[str], List[str], List[str]]:
+    r"""Split ``unexpected`` children into ``(unknown, output breakers, per-head gates)``.
+
+    A gate with one output per head (Laguna's ``g_proj`` with ``gating="per-head"``)
+    scales each head's output by one number, which commutes with every
+    :math:`B \in \mathrm{GL}(h)` acting on that head's values: V/O survives it (and is
+    replayed on the module, as always). Other children of
+    :data:`OUTPUT_BREAKING_CHILDREN` break V/O.
+    """
+    head_gates = [
+        n for n in unexpected
+        if n in GATE_CHILDREN and getattr(_linear(owner, n), "out_features", None) == heads
+    ]  # fmt: skip
+    breakers = [n for n in unexpected if n in OUTPUT_BREAKING_CHILDREN and n not in head_gates]
+    rest = [n for n in unexpected if n not in OUTPUT_BREAKING_CHILDREN]
+    return rest, breakers, head_gates
 
 
 def _add_checked(found: Findings, specs: Sequence[PairSpec], qk_check: Optional[str]) -> None:

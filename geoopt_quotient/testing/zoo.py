@@ -184,6 +184,9 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "flint": {"mlp_only_layers": [0]},
     # hybrids: one attention layer among the two (the defaults put the first one deeper)
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    # Llama 4: a rotary layer (queries and keys L2-normalised) and a NoPE layer
+    "llama4": {"text_config": {"no_rope_layers": [1, 0]}},
+    "llama4_text": {"no_rope_layers": [1, 0]},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _HYBRID),
     # their full-attention layers are multi-head latent attention
