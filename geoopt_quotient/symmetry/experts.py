@@ -41,7 +41,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .huggingface import Findings, check_locally
-from .layouts import PairSpec
+from .layouts import PairSpec, child_path
 
 __all__ = ["expert_pairs", "up_columns"]
 
@@ -51,10 +51,6 @@ EXPERT_BREAKS = (
     "the down projection that the gating function alone does not show, so scaling a unit's "
     "up row against its down column is not a symmetry"
 )
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def _gating(module: torch.nn.Module, gated: bool) -> Optional[Callable]:
@@ -216,10 +212,10 @@ def _expert_spec(
     bias = getattr(module, f"{up_name}_bias", None)
     outputs = up.shape[2] if transposed else up.shape[1]
     has_bias = isinstance(bias, torch.nn.Parameter) and bias.shape == (up.shape[0], outputs)
-    params = {_join(path, up_name): up.shape}
+    params = {child_path(path, up_name): up.shape}
     if has_bias:
-        params[_join(path, f"{up_name}_bias")] = bias.shape
-    params[_join(path, "down_proj")] = down.shape
+        params[child_path(path, f"{up_name}_bias")] = bias.shape
+    params[child_path(path, "down_proj")] = down.shape
 
     def layout(weight, *rest):
         # (experts, units, hidden): the up row of each unit

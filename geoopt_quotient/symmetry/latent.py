@@ -37,7 +37,7 @@ from typing import Dict, Optional
 import torch
 
 from .huggingface import Findings, check_locally
-from .layouts import PairSpec, head_columns
+from .layouts import PairSpec, child_path, head_columns
 
 __all__ = ["latent_attention_pairs"]
 
@@ -68,19 +68,15 @@ LATENT_BREAKS = (
 )
 
 
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
 def _linear(module: torch.nn.Module, name: str) -> Optional[torch.nn.Linear]:
     child = getattr(module, name, None)
     return child if isinstance(child, torch.nn.Linear) else None
 
 
 def _entries(path: str, linear: torch.nn.Linear) -> Dict[str, torch.Size]:
-    out = {_join(path, "weight"): linear.weight.shape}
+    out = {child_path(path, "weight"): linear.weight.shape}
     if linear.bias is not None:
-        out[_join(path, "bias")] = linear.bias.shape
+        out[child_path(path, "bias")] = linear.bias.shape
     return out
 
 
@@ -113,7 +109,7 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
     ):
         return None
     q_bias, kv_bias = q.bias is not None, kv.bias is not None
-    q_path, kv_path = _join(path, q_name), _join(path, "kv_b_proj")
+    q_path, kv_path = child_path(path, q_name), child_path(path, "kv_b_proj")
 
     def qk_layout(*t):
         kv_t = t[1 + q_bias :]
@@ -129,7 +125,7 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
         "query-key", path, {**_entries(q_path, q), **_entries(kv_path, kv)}, qk_layout,
         q.in_features + q_bias, kv.in_features + kv_bias, nope, heads,
     )  # fmt: skip
-    vo_params = {**_entries(kv_path, kv), _join(path, "o_proj.weight"): o.weight.shape}
+    vo_params = {**_entries(kv_path, kv), child_path(path, "o_proj.weight"): o.weight.shape}
     vo = PairSpec(
         "value-output", path, vo_params, vo_layout, kv.in_features + kv_bias,
         o.out_features, v_dim, heads,
