@@ -45,6 +45,9 @@ from .layouts import PairSpec, child_path
 
 __all__ = ["expert_pairs", "up_columns"]
 
+#: Float64 epsilons (of the largest output) within which a gating function counts as
+#: homogeneous in a column: rounding of a product of two factors, with headroom.
+HOMOGENEITY_EPS = 64
 #: What it means when an expert's unit scaling moves the module's output on the replay.
 EXPERT_BREAKS = (
     "the experts' forward does something to the up half or between the gated product and "
@@ -94,7 +97,10 @@ def _homogeneous_in(
         return False
     scale = float(before.abs().max()) * float(a.abs().max())
     error = float((after - before * a).abs().max())
-    return bool(torch.isfinite(after).all()) and error <= 1e-12 * max(scale, 1e-300)
+    # a homogeneous gate differs only by rounding (a few float64 epsilons of the largest
+    # value); a clamp or an offset differs by order one
+    tolerance = HOMOGENEITY_EPS * torch.finfo(torch.float64).eps * scale
+    return bool(torch.isfinite(after).all()) and error <= max(tolerance, torch.finfo().tiny)
 
 
 def up_columns(
