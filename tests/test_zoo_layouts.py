@@ -250,6 +250,37 @@ def test_attention_sinks_leave_both_groups_of_gpt_oss():
     _invariance("gpt_oss", act)
 
 
+def test_jetmoe_mixture_of_attention_heads_has_both_groups():
+    """JetMoE repeats its key/value heads over the ``top_k`` routed experts: head ``j`` of
+    every expert pairs with key/value head ``j``. Own action on V/O: ``B_j`` on value head
+    ``j``'s rows of ``kv_proj``, ``B_j^{-1}`` on head ``j``'s columns of every expert's
+    output projection."""
+    model = _built("jetmoe").model
+    bound = _plan("jetmoe").bind(model)
+    kinds = {g.kind: g for g in bound.symmetric_groups}
+    assert {"query-key", "value-output"} <= set(kinds)
+    config = model.config
+    kv_heads, hd, experts = config.num_key_value_heads, config.kv_channels, config.num_local_experts
+    assert kinds["value-output"].shape[-3:] == (kv_heads, 32 + experts * 32, hd)
+
+    def act(params: Params, both: bool, seed: int = 0) -> Params:
+        generator = torch.Generator().manual_seed(seed)
+        for path, m in model.named_modules():
+            if not hasattr(m, "kv_proj"):
+                continue
+            b = _matrices(kv_heads, hd, generator)
+            rows = kv_heads * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
+            _rows(params, f"{path}.kv_proj", rows, b)
+            if both:
+                name = f"{path}.experts.output_linear.weight"
+                w = params[name].reshape(experts, -1, kv_heads, hd)
+                moved = torch.einsum("eojh,jhk->eojk", w, torch.linalg.inv(b))
+                params[name] = moved.reshape(params[name].shape)
+        return params
+
+    _invariance("jetmoe", act)
+
+
 def test_dbrx_clamped_qkv_keeps_no_attention_group_and_says_why():
     """DBRX clamps the fused q, k, v to [-clip_qkv, clip_qkv]: only signed permutations of
     a head's dimensions commute with that (a finite group)."""

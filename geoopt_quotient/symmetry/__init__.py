@@ -20,6 +20,7 @@ from .huggingface import (
 from .latent import latent_attention_pairs
 from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
+from .mixture_attention import mixture_of_attention_pairs
 from .plan import BoundPlan, GeodesicEqualsAdaptiveWarning, PlanError, SymmetryGroup, SymmetryPlan
 from .torch_nn import multihead_attention_pairs
 from .verify import (
@@ -53,6 +54,7 @@ __all__ = [
     "latent_attention_pairs",
     "linear_attention_pairs",
     "lora_pairs",
+    "mixture_of_attention_pairs",
     "multihead_attention_pairs",
     "probe_inputs_for",
     "prove_plan",

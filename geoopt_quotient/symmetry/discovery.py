@@ -14,6 +14,7 @@ from .huggingface import Findings, collapse_paths, find_attention
 from .latent import latent_attention_pairs
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
+from .mixture_attention import mixture_of_attention_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
@@ -52,6 +53,8 @@ def find_symmetries(
       same projection layouts (BART, OPT, Whisper...), fused and multi-query layouts
       (GPT-BigCode ``c_attn``, MPT and DBRX ``Wqkv``, CTRL, OpenAI GPT), attention
       sinks;
+    * mixture-of-attention heads (JetMoE:
+      :func:`~geoopt_quotient.symmetry.mixture_of_attention_pairs`);
     * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, LongCat...): per head
       GL(qk_nope_head_dim) on Q/K and GL(v_head_dim) on V/O
       (:func:`~geoopt_quotient.symmetry.latent_attention_pairs`);
@@ -155,6 +158,7 @@ def find_symmetries(
             found.claimed.add(path)
     found.extend(lora_pairs(model, eps))
     found.extend(latent_attention_pairs(model))
+    found.extend(mixture_of_attention_pairs(model))
     found.extend(find_attention(model, skip=set(found.claimed)))
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))

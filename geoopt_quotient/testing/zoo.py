@@ -184,6 +184,8 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "flint": {"mlp_only_layers": [0]},
     # hybrids: one attention layer among the two (the defaults put the first one deeper)
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    # JetMoE's attention heads default to 128 wide, wider than the tiny model
+    "jetmoe": {"kv_channels": 8},
     # Llama 4: a rotary layer (queries and keys L2-normalised) and a NoPE layer
     "llama4": {"text_config": {"no_rope_layers": [1, 0]}},
     "llama4_text": {"no_rope_layers": [1, 0]},
