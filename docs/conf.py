@@ -44,6 +44,7 @@ extensions = [
     # local extensions (docs/_ext)
     "benchmark_tables",
     "project_directives",
+    "zoo_table",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -184,3 +185,5 @@ copybutton_prompt_is_regexp = True
 # -- the benchmark tables (docs/_ext/benchmark_tables.py) ------------------------------------
 
 benchmark_results_dir = str(ROOT / "benchmarks" / "results")
+# the table of causal-LM families (docs/_ext/zoo_table.py)
+zoo_sweep_file = str(ROOT / "benchmarks" / "results" / "zoo" / "causal_lm_sweep.json")

@@ -46,7 +46,8 @@ SMALL = dict(
 FAMILIES: Dict[str, Tuple[str, Dict, Optional[Tuple[int, str]], bool, bool]] = {
     "cohere": ("CohereConfig", {}, (8, "interleaved"), True, True),
     "cohere2": ("Cohere2Config", {}, (8, "interleaved"), True, True),
-    "cohere2_moe": ("Cohere2MoeConfig", {}, (8, "interleaved"), True, False),
+    # its routed experts are fused 3-D weights (the per-unit groups of symmetry.experts)
+    "cohere2_moe": ("Cohere2MoeConfig", {}, (8, "interleaved"), True, True),
     "glm": ("GlmConfig", {}, (4, "interleaved"), True, True),
     "glm4": ("Glm4Config", {}, (4, "interleaved"), True, True),
     "ernie4_5": ("Ernie4_5Config", {}, (8, "interleaved"), True, True),
@@ -91,7 +92,8 @@ FAMILIES: Dict[str, Tuple[str, Dict, Optional[Tuple[int, str]], bool, bool]] = {
         True,
     ),
     "gemma4": ("Gemma4TextConfig", {}, None, False, True),
-    "bitnet": ("BitNetConfig", {}, None, False, False),  # attn_sub_norm, ffn_sub_norm
+    # attn_sub_norm (between the heads and o_proj) removes V/O, not Q/K; ffn_sub_norm the MLP
+    "bitnet": ("BitNetConfig", {}, (8, "half"), False, False),
     "zamba2": (  # per-layer adapters add to the shared MLP's gate_up_proj: no MLP group
         "Zamba2Config",
         dict(

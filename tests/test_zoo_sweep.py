@@ -24,12 +24,7 @@ pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 #: Families whose claimed groups are not exact today, and why. Remove an entry when
 #: discovery is fixed (the xfail is strict: a family that passes fails here).
-KNOWN_NOT_EXACT = {
-    "llama4": "query-key: an L2 norm of the rotated queries and keys (use_qk_norm) leaves no "
-    "rotary-commuting scaling; the model-level proof of default discovery removes it",
-    "llama4_text": "query-key: an L2 norm of the rotated queries and keys (use_qk_norm) leaves "
-    "no rotary-commuting scaling; the model-level proof of default discovery removes it",
-}
+KNOWN_NOT_EXACT: dict = {}  # (Llama 4's L2-normalised rotary Q/K is noted, not claimed)
 
 #: Families that cannot be built or run tiny in float64 without files, network or extra
 #: packages (the reason, as the sweep reports it, in the comment).

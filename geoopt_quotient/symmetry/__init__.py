@@ -9,6 +9,7 @@ measures sharpness: the engine (:mod:`geoopt_quotient.sharpness`) consumes the p
 """
 
 from .discovery import find_symmetries
+from .experts import expert_pairs
 from .huggingface import (
     bert_style_pairs,
     fused_attention_pairs,
@@ -16,8 +17,10 @@ from .huggingface import (
     linear_attention_pairs,
     rotary_geometry,
 )
+from .latent import latent_attention_pairs
 from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
+from .mixture_attention import mixture_of_attention_pairs
 from .plan import BoundPlan, GeodesicEqualsAdaptiveWarning, PlanError, SymmetryGroup, SymmetryPlan
 from .torch_nn import multihead_attention_pairs
 from .verify import (
@@ -42,13 +45,16 @@ __all__ = [
     "SymmetryPlan",
     "SymmetryVerificationError",
     "bert_style_pairs",
+    "expert_pairs",
     "find_symmetries",
     "fused_attention_pairs",
     "fused_rows",
     "head_columns",
     "head_rows",
+    "latent_attention_pairs",
     "linear_attention_pairs",
     "lora_pairs",
+    "mixture_of_attention_pairs",
     "multihead_attention_pairs",
     "probe_inputs_for",
     "prove_plan",

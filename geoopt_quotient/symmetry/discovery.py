@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from .._checks import METRICS, check_choice, check_nonnegative_float
+from .experts import expert_pairs
 from .huggingface import Findings, collapse_paths, find_attention
+from .latent import latent_attention_pairs
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
+from .mixture_attention import mixture_of_attention_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .probe import shared_records, why_not_runnable
@@ -47,8 +51,17 @@ def find_symmetries(
       GPT-NeoX, Falcon, GPT-J: rotary Q/K as points of
       :class:`~geoopt_quotient.RotaryGLQuotient`, grouped-query sharing, fused QKV;
       per-head q/k norms leave Q/K adaptive with a note), and other modules with the
-      same projection layouts (BART, OPT, Whisper...);
-    * with ``kinds="all"``, gated MLPs: one GL(1) pair per hidden unit;
+      same projection layouts (BART, OPT, Whisper...), fused and multi-query layouts
+      (GPT-BigCode ``c_attn``, MPT and DBRX ``Wqkv``, CTRL, OpenAI GPT), attention
+      sinks;
+    * mixture-of-attention heads (JetMoE:
+      :func:`~geoopt_quotient.symmetry.mixture_of_attention_pairs`);
+    * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, LongCat...): per head
+      GL(qk_nope_head_dim) on Q/K and GL(v_head_dim) on V/O
+      (:func:`~geoopt_quotient.symmetry.latent_attention_pairs`);
+    * with ``kinds="all"``, gated MLPs and the fused 3-D experts of mixture-of-experts
+      layers: one GL(1) pair per hidden unit (per expert;
+      :func:`~geoopt_quotient.symmetry.expert_pairs`);
     * PEFT LoRA adapters (``lora_A``/``lora_B``): one GL(r) pair each;
     * parameters declared as ``geoopt.ManifoldParameter`` on the project's quotients.
 
@@ -94,7 +107,9 @@ def find_symmetries(
         ``"query-key"`` and ``"value-output"`` pairs, rotary Q/K included, ``"lora"``
         adapters and ``"manifold-parameter"``); ``"all"`` adds every kind the library
         knows: ``"mlp"``, one GL(1) pair per hidden unit of a gated MLP
-        (:func:`~geoopt_quotient.symmetry.mlp.gated_mlp_pairs`). Or a list of kinds.
+        (:func:`~geoopt_quotient.symmetry.mlp.gated_mlp_pairs`) and of each expert of a
+        fused mixture-of-experts layer
+        (:func:`~geoopt_quotient.symmetry.expert_pairs`). Or a list of kinds.
 
     Returns
     -------
@@ -153,6 +168,8 @@ def find_symmetries(
         else:
             notes.append(unproven)
     groups = pair_groups + extra
+    if not any(g.kind in (*ATTENTION_KINDS, "lora") for g in groups):
+        notes.append(attention_reason(model, notes))  # (adapters: the base is not trained)
     if not groups:
         notes.insert(0, NO_SYMMETRY)
     return SymmetryPlan(groups, notes=notes)
@@ -166,10 +183,58 @@ def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findi
             found.specs.extend(multihead_attention_pairs(path, module))
             found.claimed.add(path)
     found.extend(lora_pairs(model, eps))
+    found.extend(latent_attention_pairs(model))
+    found.extend(mixture_of_attention_pairs(model))
     found.extend(find_attention(model, skip=set(found.claimed)))
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))
+        found.extend(expert_pairs(model))
     return found
+
+
+#: The kinds of the attention groups.
+ATTENTION_KINDS = ("query-key", "value-output")
+#: Class names of token mixers that are attention.
+ATTENTION_NAMES = re.compile(r"Attention|Attn|MLA(?![a-z])")
+
+
+def attention_reason(model: torch.nn.Module, notes: List[str]) -> str:
+    """One line that says why no attention group is in a plan: the model has no attention,
+    or its attention modules are left adaptive for the reasons in ``notes``, or they are
+    not recognised (with how to describe them by hand).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (its module class names are read).
+    notes : list of str
+        The plan's notes so far.
+
+    Returns
+    -------
+    str
+        The note, starting with ``"attention not quotiented: "``.
+    """
+    head = "attention not quotiented: "
+    if any("attention" in n or "Q/K" in n or "V/O" in n for n in notes):
+        return head + (
+            "its attention modules are left to the adaptive geometry for the reasons noted "
+            "(a normalisation, clamp or gate that removes the continuous symmetry, or a "
+            "layout discovery does not recognise: describe one by hand with "
+            "SymmetryGroup.from_layout)"
+        )
+    names = sorted(
+        {type(m).__name__ for m in model.modules() if ATTENTION_NAMES.search(type(m).__name__)}
+    )  # fmt: skip
+    if names:
+        return head + (
+            f"modules named like attention ({', '.join(names[:3])}) match no known layout; "
+            "describe their heads by hand with SymmetryGroup.from_layout"
+        )
+    return head + (
+        "the model has no attention (its token mixers are state-space, recurrent or "
+        "convolutional layers), so there is no Q/K or V/O symmetry"
+    )
 
 
 def _unprovable(model: torch.nn.Module) -> Optional[str]:

@@ -59,21 +59,36 @@ __all__ = [
     "rotary_geometry",
 ]
 
-HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
-KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "dim_head")
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 
 #: (query, key, value, candidate output names) of attention with four projections.
 SEPARATE_CONVENTIONS: Tuple[Tuple[str, str, str, Tuple[str, ...]], ...] = (
-    ("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "dense")),
+    ("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "dense", "Wo")),
     ("q_lin", "k_lin", "v_lin", ("out_lin",)),
     ("q", "k", "v", ("o",)),
+    ("Wq", "Wk", "Wv", ("dense",)),
+    ("project_q", "project_k", "project_v", ("attention_out",)),
+    ("query_proj", "key_proj", "value_proj", ("out_proj",)),
 )
 #: Children that add a per-head bias to the attention scores (symmetry-neutral):
-#: T5's bucketed relative bias, Swin's relative position bias table.
-SCORE_BIAS_CHILDREN = ("relative_attention_bias", "relative_position_bias")
+#: T5's bucketed relative bias, Swin's relative position bias table, ProphetNet's relative
+#: position logits (computed from the layer's input).
+SCORE_BIAS_CHILDREN = (
+    "relative_attention_bias",
+    "relative_position_bias",
+    "relative_pos_embeddings",
+)
+#: Parameters of an attention module that act on the scores alone, the same for every
+#: group element: attention sinks (a learned logit per head in the softmax's denominator:
+#: GPT-OSS, Granite SWA).
+SCORE_NEUTRAL_PARAMETERS = ("sinks",)
 #: Children that act on queries/keys per head: the Q/K symmetry does not survive them.
 QK_BREAKING_CHILDREN = (
+    "qk_norm",
+    "query_layernorm",
+    "key_layernorm",
     "q_norm",
     "k_norm",
     "query_norm",
@@ -83,7 +98,32 @@ QK_BREAKING_CHILDREN = (
     "distance_embedding",
 )
 #: The children of :data:`QK_BREAKING_CHILDREN` that are norms of the queries or keys.
-QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:6]
+QK_NORM_CHILDREN = QK_BREAKING_CHILDREN[:9]
+#: Children that act on the values or the attention output (an elementwise or per-head
+#: sigmoid/softplus gate computed from the input, a norm of the concatenated heads, Doge's
+#: ``dt_proj`` and ``A``, a mask of the scores computed from the values): V/O's GL(h) does
+#: not survive them (a gate leaves diagonal scalings, not quotiented here), Q/K does (they
+#: never see the queries or keys; the Q/K pair is replayed on its module to be sure).
+OUTPUT_BREAKING_CHILDREN = (
+    "gate_proj",
+    "g_proj",
+    "attn_sub_norm",
+    "dt_proj",
+    "A",
+    # differential attention (DiffLlama): softmax_1 V - lambda softmax_2 V, then a group norm
+    "groupnorm",
+    "lambda_q1",
+    "lambda_k1",
+    "lambda_q2",
+    "lambda_k2",
+)
+#: Why V/O is left adaptive under such a child.
+OUTPUT_BROKEN = (
+    "{names} act on the values or the attention output (a gate from the input, a norm of "
+    "the concatenated heads, a mask computed from the values): V/O's GL(h) does not "
+    "survive them (an elementwise gate leaves only diagonal scalings, which are not "
+    "quotiented): V/O left to the adaptive geometry (Q/K is handled)"
+)
 ROTARY_FORWARD_ARGS = (
     "position_embeddings",
     "rotary_pos_emb",
@@ -336,6 +376,24 @@ def _qk_breakers(owner: torch.nn.Module) -> List[str]:
     return found
 
 
+def _gainless_norm_reason(names: Sequence[str], rotary: bool) -> str:
+    r"""Why a q/k norm without gains (Llama 4's L2 norm of each rotated head) leaves no
+    group the library quotients: :math:`A = c\,O` survives for every orthogonal :math:`O`
+    (that commutes with the rotations, under rotary embeddings: a rotation of each rotary
+    plane), a continuous subgroup of :math:`\mathrm{GL}(h)` without a quotient here."""
+    subgroup = (
+        "a rotation of each rotary plane (U(1) per plane) times one scale c > 0 per head, "
+        "which the rotary quotient does not divide by (it divides by all of C* per plane)"
+        if rotary
+        else "c O with O orthogonal (O(h) times a scale), a subgroup without a quotient here"
+    )
+    return (
+        f"{' and '.join(names)} normalise each head's queries and keys without gains, so "
+        "an action A on a head's Q rows survives only if it keeps their norm up to a "
+        f"factor (A = c O, O orthogonal): the continuous group left is {subgroup}"
+    )
+
+
 def _qk_norm_reason(
     names: Sequence[str], norms: Sequence[object], head_dim: int, rotary: bool
 ) -> str:
@@ -351,6 +409,8 @@ def _qk_norm_reason(
     (per plane): a finite group of sign flips shared with K, without tangent directions.
     """
     sizes = {int(getattr(getattr(n, "weight", None), "numel", lambda: 0)()) for n in norms}
+    if sizes == {0}:
+        return _gainless_norm_reason(names, rotary)
     together = bool(sizes) and min(sizes) > head_dim
     scope = "over all heads together" if together else "over each head"
     scale = "one c > 0 for all heads" if together else "a scale c > 0 per head"
@@ -372,7 +432,11 @@ def _qk_norm_reason(
 
 def _unexpected_parameters(owner: torch.nn.Module, known: Set[str]) -> List[str]:
     """Direct parameters and parameter-holding children of ``owner`` outside ``known``."""
-    out = [name for name, _ in owner.named_parameters(recurse=False)]
+    out = [
+        name
+        for name, _ in owner.named_parameters(recurse=False)
+        if name not in SCORE_NEUTRAL_PARAMETERS
+    ]
     for name, child in owner.named_children():
         if name in known or name in SCORE_BIAS_CHILDREN or name in QK_BREAKING_CHILDREN:
             continue
@@ -455,7 +519,10 @@ def attention_pairs(
         )
         return found
     known = {p.rsplit(".", 1)[-1] for p, _ in projections} | set(extra_known)
-    unexpected = _unexpected_parameters(owner, known)
+    known |= {p.rsplit(".", 2)[-2] for p, _ in projections if p.endswith(".linear")}
+    unexpected, output_breakers, head_gates = _output_children(
+        owner, _unexpected_parameters(owner, known), heads
+    )
     if unexpected:
         found.note(
             f"{label} has parameters the detector does not know ({', '.join(unexpected)}): "
@@ -468,10 +535,12 @@ def attention_pairs(
     if not (qk_ok and vo_ok):
         # a module understood only in part (e.g. a gate packed into q_proj) may compute
         # something else entirely: neither pair is claimed
+        packed = q.out_features == 2 * o.in_features
         found.note(
             f"{label}: {'Q/K' if not qk_ok else 'V/O'} shapes do not fit {heads} heads "
-            f"({n_kv} key/value heads) of size {head_dim} ({shapes}); left to the adaptive "
-            "geometry",
+            f"({n_kv} key/value heads) of size {head_dim} ({shapes})"
+            + (PACKED_GATE if packed else "")
+            + "; left to the adaptive geometry",
             path,
         )
         return found
@@ -483,6 +552,13 @@ def attention_pairs(
     query_key, rotary_dim, pairing, order, qk_check = _query_key_group(
         path, owner, context, head_dim, found, readers
     )
+    if output_breakers:
+        found.note(OUTPUT_BROKEN.format(names=", ".join(output_breakers)), path)
+    if output_breakers or head_gates:
+        qk_check = qk_check or (
+            f"{', '.join(output_breakers + head_gates)} reach the queries or keys after all, "
+            "so Q/K's group does not survive them"
+        )
     specs = linear_attention_pairs(
         path,
         projections,
@@ -490,12 +566,43 @@ def attention_pairs(
         head_dim,
         num_kv_heads=n_kv,
         query_key=query_key,
+        value_output=not output_breakers,
         rotary_dim=rotary_dim,
         pairing=pairing,
         head_order=order,
     )
     _add_checked(found, specs, qk_check)
     return found
+
+
+#: What a query projection with twice the rows the output reads usually holds.
+PACKED_GATE = (
+    ": q_proj has twice the rows o_proj reads, as when each head's queries come with an "
+    "output gate (Qwen3-Next, Qwen3.5: a sigmoid gate multiplies each head's output "
+    "elementwise, which leaves V/O diagonal scalings at most), a layout not guessed"
+)
+#: Output gates that may scale each head's output by one number (then V/O survives).
+GATE_CHILDREN = ("gate_proj", "g_proj")
+
+
+def _output_children(
+    owner: torch.nn.Module, unexpected: List[str], heads: int
+) -> Tuple[List[str], List[str], List[str]]:
+    r"""Split ``unexpected`` children into ``(unknown, output breakers, per-head gates)``.
+
+    A gate with one output per head (Laguna's ``g_proj`` with ``gating="per-head"``)
+    scales each head's output by one number, which commutes with every
+    :math:`B \in \mathrm{GL}(h)` acting on that head's values: V/O survives it (and is
+    replayed on the module, as always). Other children of
+    :data:`OUTPUT_BREAKING_CHILDREN` break V/O.
+    """
+    head_gates = [
+        n for n in unexpected
+        if n in GATE_CHILDREN and getattr(_linear(owner, n), "out_features", None) == heads
+    ]  # fmt: skip
+    breakers = [n for n in unexpected if n in OUTPUT_BREAKING_CHILDREN and n not in head_gates]
+    rest = [n for n in unexpected if n not in OUTPUT_BREAKING_CHILDREN]
+    return rest, breakers, head_gates
 
 
 def _add_checked(found: Findings, specs: Sequence[PairSpec], qk_check: Optional[str]) -> None:
@@ -677,28 +784,42 @@ def _separate_projections(
     path: str, module: torch.nn.Module, context: _Context
 ) -> Optional[Findings]:
     for q_name, k_name, v_name, o_names in SEPARATE_CONVENTIONS:
-        q, k, v = _linear(module, q_name), _linear(module, k_name), _linear(module, v_name)
-        if q is None or k is None or v is None:
+        found = [_projection(module, n) for n in (q_name, k_name, v_name)]
+        if any(f is None for f in found):
             continue
-        o_name = next((n for n in o_names if _linear(module, n) is not None), None)
-        if o_name is None:
+        o_found = next((f for n in o_names if (f := _projection(module, n)) is not None), None)
+        if o_found is None:
             continue
         if q_name == "q" and _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is None:
             continue  # bare q/k/v/o children without head attributes: not attention evidence
-        projections = tuple(
-            (_prefixed(path, n), _linear(module, n)) for n in (q_name, k_name, v_name, o_name)
-        )
+        projections = tuple((_prefixed(path, n), linear) for n, linear in (*found, o_found))
         return attention_pairs(path, module, projections, context)
     return None
 
 
+def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch.nn.Linear]]:
+    """``(relative path, nn.Linear)`` of child ``name``: the child itself, or the one
+    ``nn.Linear`` a parameter-free wrapper holds as ``linear`` (Moshi's ``MoshiLinear``)."""
+    linear = _linear(module, name)
+    if linear is not None:
+        return name, linear
+    child = getattr(module, name, None)
+    inner = _linear(child, "linear") if isinstance(child, torch.nn.Module) else None
+    if inner is None or any(True for _ in child.parameters(recurse=False)):
+        return None
+    if any(c is not inner for c in child.children()):
+        return None
+    return f"{name}.linear", inner
+
+
 def _split_projections(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
-    """``X.{self|attention}.{query,key,value}`` with the output in ``X.output.dense``."""
+    """``X.{self|attention|self_attention}.{query,key,value}`` with the output in
+    ``X.output.dense``."""
     output = getattr(module, "output", None)
     o = _linear(output, "dense") if isinstance(output, torch.nn.Module) else None
     if o is None:
         return None
-    for inner_name in ("self", "attention"):
+    for inner_name in ("self", "attention", "self_attention"):  # (Reformer: self_attention)
         inner = getattr(module, inner_name, None)
         if not isinstance(inner, torch.nn.Module) or inner is module:
             continue
@@ -743,6 +864,9 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
     found = Findings(claimed={path})
     label = f"attention-like module ({type(module).__name__})"
     heads, head_dim = _int_attr(module, HEADS_ATTRS), _int_attr(module, HEAD_DIM_ATTRS)
+    split = _int_attr(module, ("split_size",))
+    if head_dim is None and heads and split and split % heads == 0:
+        head_dim = split // heads  # OpenAI GPT: view(..., n_head, split_size // n_head)
     d = None if heads is None or head_dim is None else heads * head_dim
     w_attn, w_proj = c_attn.weight, c_proj.weight
     expected = 2 * d if (cross and d) else 3 * d if d else None
@@ -813,8 +937,11 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
 
 
 #: Fused projections: child name -> how its output rows are laid out.
-FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj")
-FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj")
+FUSED_QKV_CHILDREN = ("query_key_value", "qkv_proj", "Wqkv", "c_attn")
+FUSED_OUTPUT_CHILDREN = ("dense", "o_proj", "out_proj", "c_proj")
+#: Fused projections whose rows are all queries, then all keys, then all values (MPT's
+#: ``chunk(3)``, DBRX's ``split``, Phi-3).
+BLOCK_CHILDREN = ("qkv_proj", "Wqkv")
 
 
 def fused_rows(layout: str, heads: int, kv_heads: int, head_dim: int, shards: int = 1):
@@ -965,7 +1092,7 @@ def _fused_layout(module: torch.nn.Module, child: str) -> str:
     """The row layout of a fused projection, from the module's attributes."""
     if _int_attr(module, ("mp_num",)) is not None:
         return "mp-shards"
-    if child == "qkv_proj" or (
+    if child in BLOCK_CHILDREN or (
         getattr(module, "multi_query", False) is True
         and not getattr(module, "new_decoder_architecture", False)
     ):
@@ -995,7 +1122,7 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
     n_kv = _int_attr(module, KV_HEADS_ATTRS)
     if layout in ("per-head", "mp-shards"):
         n_kv = heads
-    elif n_kv is None and layout == "blocks" and fused_name == "qkv_proj":
+    elif n_kv is None and layout == "blocks" and fused_name in BLOCK_CHILDREN:
         n_kv = _int_attr(config, KV_HEADS_ATTRS) or heads
     if heads is None and head_dim and layout == "per-head":
         heads = n_kv = fused.out_features // (3 * head_dim)
@@ -1009,6 +1136,10 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
         and (heads * head_dim) % shards == 0
     )
     unexpected = _unexpected_parameters(module, {fused_name, o_name})
+    clip = getattr(module, "clip_qkv", None)
+    if fits and not unexpected and clip:
+        found.note(f"{label}: {CLAMPED_QKV.format(clip=clip)}", path)
+        return found
     if not fits or unexpected:
         why = (
             f"parameters the detector does not know ({', '.join(unexpected)})"
@@ -1036,6 +1167,15 @@ def fused_qkv_pairs(path: str, module: torch.nn.Module, context: _Context) -> Op
     )
     _add_checked(found, specs, qk_check)
     return found
+
+
+#: Why attention that clamps its queries, keys and values keeps no continuous symmetry.
+CLAMPED_QKV = (
+    "q, k and v are clamped elementwise to [-{clip}, {clip}] (clip_qkv) before the heads "
+    "are split; a clamp commutes only with signed permutations of each head's dimensions "
+    "(a finite group), so neither Q/K nor V/O has a continuous symmetry to quotient; left "
+    "to the adaptive geometry (a model without clip_qkv gets both)"
+)
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:

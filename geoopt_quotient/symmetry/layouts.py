@@ -15,7 +15,25 @@ from geoopt.manifolds.base import Manifold
 from ..manifolds import GLQuotient, PositiveScalingQuotient, RotaryGLQuotient
 from .plan import SymmetryGroup
 
-__all__ = ["PairSpec", "head_columns", "head_rows", "stack_pairs"]
+__all__ = ["PairSpec", "child_path", "head_columns", "head_rows", "stack_pairs"]
+
+
+def child_path(path: str, name: str) -> str:
+    """The full name of ``name`` inside the module at ``path`` (``""``: the root).
+
+    Parameters
+    ----------
+    path : str
+        A module path as in ``model.named_modules()``.
+    name : str
+        A child or parameter name, relative to it.
+
+    Returns
+    -------
+    str
+        ``"path.name"``, or ``name`` for the root.
+    """
+    return f"{path}.{name}" if path else name
 
 
 def head_rows(

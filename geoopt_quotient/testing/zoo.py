@@ -152,6 +152,10 @@ TINY: Dict[str, Any] = {
 }
 
 _MLA = {"num_key_value_heads": 4}  # multi-head latent attention: as many K/V heads as Q
+#: one dense layer, then mixture-of-experts layers (the default puts 3 dense layers first)
+_ONE_DENSE = {"first_k_dense_replace": 1}
+#: linear-attention hybrids: one full-attention layer among the two
+_HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
 
 #: Per family: config fields set on top of :data:`TINY` (``None`` removes a generic one; a
 #: dict for a sub-config such as ``text_config``), ``"_probe"``: changes of the probe
@@ -174,6 +178,25 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
         ),
         _MLA,
     ),
+    "deepseek_v3": {**_MLA, **_ONE_DENSE},
+    "deepseek_v32": {**_MLA, **_ONE_DENSE},
+    "glm_moe_dsa": {**_MLA, **_ONE_DENSE},
+    "flint": {"mlp_only_layers": [0]},
+    # hybrids: one attention layer among the two (the defaults put the first one deeper)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    # JetMoE's attention heads default to 128 wide, wider than the tiny model
+    "jetmoe": {"kv_channels": 8},
+    # Llama 4: a rotary layer (queries and keys L2-normalised) and a NoPE layer
+    "llama4": {"text_config": {"no_rope_layers": [1, 0]}},
+    "llama4_text": {"no_rope_layers": [1, 0]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _HYBRID),
+    # their full-attention layers are multi-head latent attention
+    "kimi_linear": {**_HYBRID, **_MLA},
+    "bailing_hybrid": {**_HYBRID, **_MLA, **_ONE_DENSE},
+    "bamba": {"attn_layer_indices": [1]},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    **{key: {"text_config": _HYBRID} for key in ("qwen3_5", "qwen3_5_moe")},
     # a padded position attends to nothing in the n-gram stream: NaN logits
     "prophetnet": {"_probe": {"attention_mask": None}},
     # validators: the Mamba-2 heads must tile expand * hidden_size
@@ -182,7 +205,7 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     # layer-type lists whose defaults are longer than two layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # Zamba ties its shared transformer across the hybrid layers: it needs two of them
     "zamba": {
         "num_hidden_layers": 3,
