@@ -26,6 +26,7 @@ PUBLIC_MODULES = (
     "geoopt_quotient.nn",
     "geoopt_quotient.optim",
     "geoopt_quotient.testing",
+    "geoopt_quotient.testing.zoo",
     "geoopt_quotient.integrations",
     "geoopt_quotient.cli",
     "geoopt_quotient.experiments.diagonal",

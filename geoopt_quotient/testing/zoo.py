@@ -43,11 +43,6 @@ from ..manifolds.base import random_group_element
 from ..symmetry.verify import FLOAT32_IN_FLOAT64_RTOL, WeightPrecision
 
 __all__ = [
-    "ATTENTION_KINDS",
-    "EXACT_RTOL",
-    "FAMILY_OVERRIDES",
-    "FLOAT32_RTOL",
-    "TINY",
     "ZooModel",
     "build_family",
     "causal_lm_families",
