@@ -59,6 +59,7 @@ from .path_gap import exact_groups, path_gap, warn_if_path_gap
 from .precision import AutocastState
 from .ranks import BatchShare
 from .sharded import is_sharded, measure_sharded
+from .shares import maximiser_shares, mean_shares
 
 __all__ = [
     "SharpnessResult",
@@ -118,6 +119,17 @@ class SharpnessResult:
         :math:`\operatorname{Exp}_w(\xi^*)`, the exact geodesic's point at the same
         maximiser (one more forward pass). ``exact_losses[b] - clean_losses[b]`` is a
         lower bound of the exact path's sharpness of batch ``b``.
+    shares : list of dict or None
+        With ``shares=True``: per (block, kind) of the plan, the mean over batches of the
+        maximiser's :math:`|\xi^*_{\text{block}}|^2` in the metric (``norm_sq``; they sum
+        to the mean :math:`|\xi^*|_w^2`, :math:`\rho^2` for maximisers on the sphere)
+        and of its first-order loss increase
+        :math:`\langle \operatorname{grad} L(w), \xi^*_{\text{block}} \rangle_w`
+        (``first_order``), from the maximiser itself
+        (:func:`~geoopt_quotient.sharpness.shares.maximiser_shares`); :meth:`share_rows`
+        as a table. ``None`` otherwise.
+    shares_per_batch : list of list of dict or None
+        The same per batch.
     """
 
     value: float
@@ -133,6 +145,8 @@ class SharpnessResult:
     plan: str = ""
     path_gaps: Optional[List[float]] = None
     exact_losses: Optional[List[float]] = None
+    shares: Optional[List[Dict[str, Any]]] = None
+    shares_per_batch: Optional[List[List[Dict[str, Any]]]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Every attribute, as plain Python values (JSON-serialisable)."""
@@ -168,6 +182,19 @@ class SharpnessResult:
         if self.path_gaps is not None:
             for row, gap, exact in zip(rows, self.path_gaps, self.exact_losses or []):
                 row.update(path_gap=gap, exact_loss=exact)
+        return rows
+
+    def share_rows(self) -> List[Dict[str, Any]]:
+        r""":attr:`shares` as flat records, each with its fraction of the totals:
+        ``block``, ``kind``, ``norm_sq``, ``norm_share`` (of :math:`|\xi^*|^2`),
+        ``first_order``, ``first_order_share`` (of the first-order total; NaN when it is
+        0); empty without shares."""
+        rows = [dict(r) for r in self.shares or []]
+        norm = sum(r["norm_sq"] for r in rows)
+        first = sum(r["first_order"] for r in rows)
+        for row in rows:
+            row["norm_share"] = row["norm_sq"] / norm if norm else math.nan
+            row["first_order_share"] = row["first_order"] / first if first else math.nan
         return rows
 
     def to_csv(self, path: str) -> str:
@@ -235,6 +262,7 @@ def _measure(
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
     restarts: int = 0,
+    shares: bool = False,
 ) -> List[SharpnessResult]:
     """One result per radius of ``radii`` (increasing), each batch measured at all of them."""
     iters = check_positive_int(iters, "iters")
@@ -244,6 +272,8 @@ def _measure(
     check_choice(path, PATHS, "path")
     check_choice(kind, KINDS, "kind")
     check_batches(batches)
+    if shares and kind != "worst":
+        raise ValueError("`shares` are those of the worst case's maximiser: use kind='worst'")
     path = path if curvature else "straight"  # curvature off: straight lines everywhere
     perturbed_loss = PerturbedLoss(model, loss_fn)  # checks that loss_fn is callable
     if is_sharded(model):  # FSDP2: each rank holds its rows of the model and of each batch
@@ -255,6 +285,8 @@ def _measure(
             )
         if restarts:
             raise ValueError("`restarts` is not available for a sharded (FSDP2) model yet")
+        if shares:
+            raise ValueError("`shares` is not available for a sharded (FSDP2) model yet")
         return measure_sharded(
             model,
             loss_fn,
@@ -283,12 +315,14 @@ def _measure(
         # the worst case's iterates live in the flat buffers of one layout; average-case
         # samples are drawn group by group, and stay as they were
         layout = BallLayout(plan, base, groups) if kind == "worst" else None
-        exact = None
+        exact = shares_of = None
         if layout is not None:
             if path == "second_order":  # the path-gap report's groups on the exact path
                 exact = exact_groups(
                     layout.groups, groups, _ball_groups(plan, points, "exact", norm)
                 )
+            if shares:
+                shares_of = _shares_function(plan, groups, layout)
             groups = layout.groups
 
         def objective_for(batch):
@@ -321,6 +355,7 @@ def _measure(
                 keep_best_gradient=keep_best_gradient,
                 restarts=restarts,
                 exact=exact,
+                shares_of=shares_of,
             )
             _record(records, index, outcomes)
 
@@ -345,7 +380,9 @@ def _measure(
 
 def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outcome]) -> None:
     """Append batch ``index``'s outcome at each radius to that radius's records."""
-    for per_radius, (clean_loss, top, history, passes, seconds, gap) in zip(records, outcomes):
+    for per_radius, (clean_loss, top, history, passes, seconds, gap, shares) in zip(
+        records, outcomes
+    ):
         per_radius.append(
             dict(
                 index=index,
@@ -355,6 +392,7 @@ def _record(records: List[List[Dict[str, Any]]], index: int, outcomes: List[Outc
                 passes=passes,
                 seconds=seconds,
                 gap=gap,
+                shares=shares,
             )
         )
 
@@ -376,6 +414,7 @@ def _result(
         flat = [r["index"] for r in records if r["top"] == r["clean"]]
         zero_weights = zero_weight_parameters(plan, base) if flat else []
         warn_if_no_ascent(flat, len(records), zero_weights)
+    per_batch_shares = None if records[0]["shares"] is None else [r["shares"] for r in records]
     gaps = exact_losses = None
     if records[0]["gap"] is not None:
         gaps, exact_losses = (list(column) for column in zip(*(r["gap"] for r in records)))
@@ -395,7 +434,22 @@ def _result(
         plan=summary,
         path_gaps=gaps,
         exact_losses=exact_losses,
+        shares=None if per_batch_shares is None else mean_shares(per_batch_shares),
+        shares_per_batch=per_batch_shares,
     )
+
+
+def _shares_function(
+    plan: BoundPlan, groups: List[BallGroup], layout: BallLayout
+) -> Callable[[List[torch.Tensor], List[torch.Tensor]], List[Dict[str, Any]]]:
+    """``(xi, gradient) -> maximiser_shares`` for vectors of the layout's groups."""
+
+    def shares_of(xi: List[torch.Tensor], gradient: List[torch.Tensor]) -> List[Dict[str, Any]]:
+        return maximiser_shares(
+            plan, groups, layout.plan_vectors(xi), layout.plan_vectors(gradient)
+        )
+
+    return shares_of
 
 
 def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -411,8 +465,17 @@ def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 #: (clean loss, worst or mean perturbed loss, history, (forward, backward passes),
-#: seconds, (path gap, exact loss) or None) of one batch at one radius
-Outcome = Tuple[float, float, List[float], Tuple[int, int], float, Optional[Tuple[float, float]]]
+#: seconds, (path gap, exact loss) or None, the maximiser's shares or None) of one batch
+#: at one radius
+Outcome = Tuple[
+    float,
+    float,
+    List[float],
+    Tuple[int, int],
+    float,
+    Optional[Tuple[float, float]],
+    Optional[List[Dict[str, Any]]],
+]
 
 
 def _measure_batch(
@@ -428,6 +491,7 @@ def _measure_batch(
     keep_best_gradient: bool | None = None,
     restarts: int = 0,
     exact: List[BallGroup] | None = None,
+    shares_of: Callable | None = None,
 ) -> List[Outcome]:
     """Per radius, the :data:`Outcome` of one batch.
 
@@ -447,6 +511,7 @@ def _measure_batch(
             keep_best_gradient=keep_best_gradient,
             restarts=restarts,
             exact=exact,
+            shares_of=shares_of,
         )
     outcomes: List[Outcome] = []
     for rho in radii:
@@ -456,7 +521,7 @@ def _measure_batch(
         )
         check_dependence = False
         seconds = time.perf_counter() - t0
-        outcomes.append((clean_loss, top, history, (iters + 1, 0), seconds, None))
+        outcomes.append((clean_loss, top, history, (iters + 1, 0), seconds, None, None))
     return outcomes
 
 
@@ -490,6 +555,7 @@ def _maximize_over_radii(
     *,
     restarts: int = 0,
     exact: List[BallGroup] | None = None,
+    shares_of: Callable | None = None,
     **options: Any,
 ) -> List[Outcome]:
     r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
@@ -501,13 +567,18 @@ def _maximize_over_radii(
     and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease. At every
     radius, ``restarts`` more searches from random points (:func:`_restart_searches`).
     With ``exact`` (the groups on the exact path), the path gap at the kept maximiser
-    (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass).
+    (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass). With
+    ``shares_of``, ``shares_of(xi, gradient)`` of the kept maximiser and the gradient at
+    the base point (the first search's first iterate's: no extra pass).
     """
     outcomes: List[Outcome] = []
     best_value, best_xi = -math.inf, None
+    gradient = None
     for rho in radii:
         t0 = time.perf_counter()
-        run = maximize_in_ball(groups, objective, rho=rho, **options)
+        keep = shares_of is not None and gradient is None
+        run = maximize_in_ball(groups, objective, rho=rho, keep_initial_gradient=keep, **options)
+        gradient = run.initial_gradient if keep else gradient
         clean, passes = run.initial_value, [run.evaluations, run.gradients]
         top, history, xi = run.value, run.history, run.xi
         if best_xi is not None:
@@ -526,8 +597,9 @@ def _maximize_over_radii(
         if exact is not None:
             gap = path_gap(groups, exact, objective, xi)
             passes[0] += not math.isnan(gap[0])  # no forward where the geodesic broke down
+        shares = None if shares_of is None else shares_of(xi, gradient)
         seconds = time.perf_counter() - t0
-        outcomes.append((clean, top, history, (passes[0], passes[1]), seconds, gap))
+        outcomes.append((clean, top, history, (passes[0], passes[1]), seconds, gap, shares))
     return outcomes
 
 
@@ -751,6 +823,7 @@ def geodesic_sharpness(
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
     restarts: int = 0,
+    shares: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -868,6 +941,13 @@ def geodesic_sharpness(
         that of ``restarts=0`` with the same ``seed``, whose search from
         :math:`\xi = 0` is among them. Default 0; not available for an FSDP2-sharded
         model.
+    shares : bool
+        Worst case: also each block's and symmetry kind's share of every batch's
+        maximiser, its :math:`|\xi^*|^2` in the metric and its first-order loss increase
+        :math:`\langle \operatorname{grad} L(w), \xi^* \rangle_w`
+        (:attr:`SharpnessResult.shares`; from the maximiser and the first iterate's
+        gradient: no extra pass, one more vector of the ball's size per batch). Default
+        ``False``; not available for an FSDP2-sharded model.
 
     Returns
     -------
@@ -1004,6 +1084,7 @@ def geodesic_sharpness(
             keep_best_gradient=keep_best_gradient,
             process_group=process_group,
             restarts=restarts,
+            shares=shares,
         ),
     )
 
@@ -1023,6 +1104,7 @@ def adaptive_sharpness(
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
     restarts: int = 0,
+    shares: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -1078,6 +1160,9 @@ def adaptive_sharpness(
     restarts : int
         Worst case: more Auto-PGD searches from seeded random points of the ball, the
         best kept, as for :func:`geodesic_sharpness` (default 0).
+    shares : bool
+        Worst case: each block's share of the maximiser, as for
+        :func:`geodesic_sharpness` (default ``False``).
 
     Returns
     -------
@@ -1153,5 +1238,6 @@ def adaptive_sharpness(
             keep_best_gradient=keep_best_gradient,
             process_group=process_group,
             restarts=restarts,
+            shares=shares,
         ),
     )

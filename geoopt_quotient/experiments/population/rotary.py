@@ -131,7 +131,7 @@ def _sharpness(
 ):
     """One measure's :class:`~geoopt_quotient.SharpnessResult` at radius ``rho``."""
     metric, kinds = ROTARY_MEASURES[measure]
-    common = dict(rho=rho, iters=settings.iters, seed=settings.seed, progress=False)
+    common = dict(rho=rho, iters=settings.iters, seed=settings.seed, progress=False, shares=True)
     if metric is None:
         return adaptive_sharpness(model, answer_loss, batches, **common)
     if (metric, kinds) not in plans:
@@ -153,13 +153,16 @@ def measure_rotary_model(
     radii: Mapping[str, float],
     settings: RotaryStudySettings,
 ) -> Dict[str, Any]:
-    """Every measure of ``radii`` for one model, with its plan.
+    r"""Every measure of ``radii`` for one model, with its plan.
 
     Returns
     -------
     dict
         ``measures``: per measure ``value``, ``clean_loss``, ``perturbed_loss``,
-        ``relative`` (value / clean loss), ``rho``, ``per_batch`` and ``seconds``;
+        ``relative`` (value / clean loss), ``rho``, ``per_batch``, ``seconds`` and
+        ``shares`` (per block and symmetry kind, the maximiser's part of
+        :math:`|\xi^*|^2` and of the first-order increase, with their fractions:
+        :meth:`~geoopt_quotient.SharpnessResult.share_rows`);
         ``plan``: per geodesic measure, the plan's summary table (which groups of which
         layers are quotiented, and how).
     """
@@ -176,6 +179,7 @@ def measure_rotary_model(
             "rho": rho,
             "per_batch": result.per_batch,
             "seconds": result.seconds,
+            "shares": result.share_rows(),
         }
         if ROTARY_MEASURES[measure][0] is not None:
             summaries[measure] = result.plan
@@ -304,6 +308,52 @@ def tau_records(
     return out
 
 
+def share_tau_records(
+    models: Sequence[Mapping[str, Any]],
+    measures: Sequence[str],
+    *,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
+    """Which blocks carry the signal: Kendall's tau of each block's share of the
+    maximiser against the error gap.
+
+    One record per measure, (block, kind) that every model has, and share
+    (``norm_share``: of :math:`|\\xi^*|^2`; ``first_order_share``: of the first-order
+    increase): ``measure``, ``block``, ``kind``, ``share``, ``tau``, ``p_value``,
+    ``ci_low``, ``ci_high``, ``models``. Shares constant over the models (a block alone
+    in its measure) have no tau and are left out.
+    """
+    out = []
+    gaps = [float(m["gap"]) for m in models]
+    for measure in measures:
+        tables = [
+            {(r["block"], r["kind"]): r for r in m["measures"][measure].get("shares", ())}
+            for m in models
+        ]
+        common = [k for k in tables[0] if all(k in t for t in tables)]
+        for block, kind in common:
+            for share in ("norm_share", "first_order_share"):
+                values = [float(t[block, kind][share]) for t in tables]
+                if not all(math.isfinite(v) for v in values) or len(set(values)) < 2:
+                    continue
+                tau, low, high = kendall_tau_bootstrap(values, gaps, resamples=resamples, seed=seed)
+                out.append(
+                    {
+                        "measure": measure,
+                        "block": block,
+                        "kind": kind,
+                        "share": share,
+                        "tau": tau,
+                        "p_value": kendall_tau(values, gaps)[1],
+                        "ci_low": low,
+                        "ci_high": high,
+                        "models": len(values),
+                    }
+                )
+    return out
+
+
 def _tau_entry(
     values: Sequence[float],
     gaps: Sequence[float],
@@ -375,7 +425,8 @@ def measure_threshold(
     -------
     dict
         ``calibration`` (:func:`calibrate_radii`), ``reference_models`` (their names),
-        ``tau`` (:func:`tau_records`), ``models`` (the records with their measures).
+        ``tau`` (:func:`tau_records`), ``share_tau`` (:func:`share_tau_records`),
+        ``models`` (the records with their measures).
     """
     study = asdict(settings)
     study.pop("resamples")
@@ -413,6 +464,9 @@ def measure_threshold(
         "calibration": calibration,
         "reference_models": [m["name"] for m in references],
         "tau": tau_records(measured, measures, resamples=settings.resamples, seed=settings.seed),
+        "share_tau": share_tau_records(
+            measured, measures, resamples=settings.resamples, seed=settings.seed
+        ),
         "models": measured,
     }
 
@@ -555,8 +609,29 @@ def rotary_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
             row = dict(head, measure=measure)
             for field in ("rho", "value", "clean_loss", "perturbed_loss", "relative"):
                 row[field] = entry[field]
+            for share in entry.get("shares", ()):
+                where = f"{share['block']}/{share['kind']}"
+                row[f"norm_share/{where}"] = share["norm_share"]
+                row[f"first_order_share/{where}"] = share["first_order_share"]
             rows.append(row)
     return rows
+
+
+def rotary_share_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """One flat record per (model, measure, block, kind): the maximiser's shares
+    (:meth:`~geoopt_quotient.SharpnessResult.share_rows`) beside the model's gaps."""
+    return [
+        {
+            "name": m["name"],
+            "threshold": m["threshold"],
+            "gap": m["gap"],
+            "measure": measure,
+            **share,
+        }
+        for m in document["models"]
+        for measure, entry in m["measures"].items()
+        for share in entry.get("shares", ())
+    ]
 
 
 def rotary_tau_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
@@ -577,7 +652,9 @@ def rotary_frames(document: Mapping[str, Any]):
 
 def write_rotary_files(document: Dict[str, Any], out: str, title: str = "") -> List[str]:
     """OUT/rotary-loss-T.png per threshold (sharpness against the error gap, one panel
-    per measure), OUT/rotary.csv, OUT/rotary-tau.csv, then OUT/rotary.json.
+    per measure), OUT/rotary.csv (:func:`rotary_rows`), OUT/rotary-tau.csv
+    (:func:`rotary_tau_rows`), OUT/rotary-shares.csv (:func:`rotary_share_rows`), then
+    OUT/rotary.json.
 
     The document gets ``figures`` and ``tables``; returns the paths, the JSON last.
     """
@@ -600,6 +677,7 @@ def write_rotary_files(document: Dict[str, Any], out: str, title: str = "") -> L
     document["tables"] = {
         "models": write_rows_csv(rotary_rows(document), root / "rotary.csv"),
         "tau": write_rows_csv(rotary_tau_rows(document), root / "rotary-tau.csv"),
+        "shares": write_rows_csv(rotary_share_rows(document), root / "rotary-shares.csv"),
     }
     path = root / "rotary.json"
     path.write_text(json.dumps(document, indent=1, default=float) + "\n")
