@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 from dataclasses import replace
+
+import torch
 
 from ...experiments.population.modular import OPERATIONS, ModularTask, PopulationSpec
 from ...experiments.population.rotary import (
@@ -17,6 +20,7 @@ from ...experiments.population.rotary import (
 )
 from .._runtime import add_output_arguments, add_threads_argument, quiet_transformers
 from .._types import int_at_least, positive_float
+from ..population import package_versions
 
 __all__ = ["QUICK_SETTINGS", "QUICK_SPEC", "register", "run"]
 
@@ -178,6 +182,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as error:
             parser.error(str(error))
     document["command"] = "reproduce rotary" + (" --quick" if args.quick else "")
+    document["environment"] = {
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        **package_versions(),
+    }
     label = "--quick run (a check, not a result): " if args.quick else ""
     written = write_rotary_files(document, args.out, label)
     text = json.dumps(document, indent=1, default=float)

