@@ -43,6 +43,7 @@ __all__ = [
     "add_study_arguments",
     "figure_title",
     "format_sharpness_to_clean_loss",
+    "package_versions",
     "register",
     "report",
     "run",

@@ -41,6 +41,16 @@ def block_of(name: str) -> str:
     (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``), else the module
     (``model.embed_tokens.weight`` -> ``model.embed_tokens``; ``bias`` -> ``bias``).
 
+    Parameters
+    ----------
+    name : str
+        A parameter's (or module's) dotted name.
+
+    Returns
+    -------
+    str
+        Its block.
+
     Examples
     --------
     >>> from geoopt_quotient.sharpness.shares import block_of
@@ -112,7 +122,18 @@ def maximiser_shares(
 
 def mean_shares(per_batch: Sequence[Sequence[Mapping[str, float]]]) -> List[Dict[str, float]]:
     """The mean over batches of :func:`maximiser_shares` (the sharpness is the mean of
-    the batches' values, and its shares are the mean of theirs)."""
+    the batches' values, and its shares are the mean of theirs).
+
+    Parameters
+    ----------
+    per_batch : sequence of list of dict
+        :func:`maximiser_shares` of each batch.
+
+    Returns
+    -------
+    list of dict
+        ``{"block", "kind", "norm_sq", "first_order"}`` per (block, kind).
+    """
     totals: Dict[Tuple[str, str], List[float]] = {}
     for shares in per_batch:
         for row in shares:

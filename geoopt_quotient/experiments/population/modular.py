@@ -68,7 +68,15 @@ HEADS, KV_HEADS = 4, 2
 
 @dataclass(frozen=True)
 class ModularTask:
-    """The task: the prime (or modulus) ``p`` and the operation's name (:data:`OPERATIONS`)."""
+    r"""The task: :math:`a \circ b \bmod p` for all pairs of residues.
+
+    Attributes
+    ----------
+    p : int
+        The modulus (a prime for the grokking tasks), at least 3.
+    operation : str
+        The operation's name, a key of :data:`OPERATIONS`.
+    """
 
     p: int = 59
     operation: str = "add"
@@ -87,6 +95,18 @@ def modular_pairs(task: ModularTask, seed: int) -> Tuple[torch.Tensor, torch.Ten
     :math:`a \\circ b \\bmod p`; the rows are permuted by a generator seeded with ``seed``,
     so that the first :math:`n` rows are the training set of a model with :math:`n`
     training pairs, for every model of the population.
+
+    Parameters
+    ----------
+    task : ModularTask
+        The modulus and the operation.
+    seed : int
+        The population seed.
+
+    Returns
+    -------
+    inputs, answers : torch.Tensor
+        int64 tensors of shapes ``(p², 3)`` and ``(p²,)``.
     """
     p = task.p
     a, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(p), torch.arange(p), indexing="ij"))
@@ -141,7 +161,20 @@ class PopulationSpec:
 
 @dataclass(frozen=True)
 class RotaryRecipe:
-    """One model's architecture and training recipe."""
+    """One model's architecture and training recipe.
+
+    Attributes
+    ----------
+    hidden_size, num_layers : int
+        Width and depth of the model (4 query and 2 key-value heads, MLP width twice
+        the hidden size).
+    train_fraction : float
+        The share of the :math:`p^2` pairs trained on.
+    weight_decay, learning_rate : float
+        AdamW's (betas 0.9, 0.98; full batch).
+    seed : int
+        The initialisation's seed.
+    """
 
     hidden_size: int
     num_layers: int
@@ -157,7 +190,20 @@ def _log_uniform(rng: np.random.Generator, bounds: Tuple[float, float]) -> float
 
 
 def sample_recipe(spec: PopulationSpec, seed: int, index: int) -> RotaryRecipe:
-    """Model ``index``'s recipe, drawn from a generator seeded by ``(seed, index)``."""
+    """Model ``index``'s recipe, drawn from a generator seeded by ``(seed, index)``.
+
+    Parameters
+    ----------
+    spec : PopulationSpec
+        The ranges drawn from.
+    seed, index : int
+        The population seed and the run's index in it.
+
+    Returns
+    -------
+    RotaryRecipe
+        The recipe, the same for the same arguments.
+    """
     rng = np.random.default_rng([seed, index, 49])
     return RotaryRecipe(
         hidden_size=int(rng.choice(spec.widths)),
@@ -170,7 +216,20 @@ def sample_recipe(spec: PopulationSpec, seed: int, index: int) -> RotaryRecipe:
 
 
 def build_rotary_model(recipe: RotaryRecipe, task: ModularTask) -> torch.nn.Module:
-    """A randomly initialised ``LlamaForCausalLM`` for the task (seeded by the recipe)."""
+    """A randomly initialised ``LlamaForCausalLM`` for the task (seeded by the recipe).
+
+    Parameters
+    ----------
+    recipe : RotaryRecipe
+        Width, depth and initialisation seed.
+    task : ModularTask
+        The task (vocabulary: the :math:`p` residues and ``=``).
+
+    Returns
+    -------
+    transformers.LlamaForCausalLM
+        In eval mode, float32.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -191,8 +250,18 @@ def build_rotary_model(recipe: RotaryRecipe, task: ModularTask) -> torch.nn.Modu
 def answer_loss(model: torch.nn.Module, batch: Tuple[Dict[str, torch.Tensor], torch.Tensor]):
     """Cross-entropy of the answer, from the last position's logits over the residues.
 
-    ``batch`` is ``({"input_ids": (B, 3)}, answers (B,))``; the residues are the tokens
-    ``0 .. p-1`` (``p = input_ids[0, -1]``, the ``=`` token).
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model of the population.
+    batch : tuple
+        ``({"input_ids": (B, 3)}, answers (B,))``; the residues are the tokens
+        ``0 .. p-1`` (``p = input_ids[0, -1]``, the ``=`` token).
+
+    Returns
+    -------
+    torch.Tensor
+        The mean cross-entropy, a float32 scalar.
     """
     inputs, answers = batch
     logits = _answer_logits(model, inputs["input_ids"])
@@ -216,7 +285,22 @@ def sharpness_batches(
     task: ModularTask, seed: int, max_examples: int, batch_size: int
 ) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
     """The first ``max_examples`` pairs of the population's order, in batches: training
-    examples of every model whose training set is at least that large."""
+    examples of every model whose training set is at least that large.
+
+    Parameters
+    ----------
+    task : ModularTask
+        The task.
+    seed : int
+        The population seed.
+    max_examples, batch_size : int
+        How many pairs, in batches of how many.
+
+    Returns
+    -------
+    list of tuple
+        ``({"input_ids": ...}, answers)`` per batch, for :func:`answer_loss`.
+    """
     inputs, answers = modular_pairs(task, seed)
     inputs, answers = inputs[:max_examples], answers[:max_examples]
     return [
@@ -225,7 +309,18 @@ def sharpness_batches(
 
 
 def threshold_name(threshold: float) -> str:
-    """The directory name of a threshold's checkpoints, e.g. ``loss-0.01``."""
+    """The directory name of a threshold's checkpoints, e.g. ``loss-0.01``.
+
+    Parameters
+    ----------
+    threshold : float
+        The training loss.
+
+    Returns
+    -------
+    str
+        ``loss-`` and the threshold in ``%g`` format.
+    """
     return f"loss-{threshold:g}"
 
 
@@ -432,10 +527,28 @@ def train_rotary_population(
 ) -> List[Dict[str, Any]]:
     """Train ``models`` runs per population seed into ``directory/seed-S/model-XX``.
 
-    Returns one record per (run, threshold reached), each with ``population_seed``,
-    ``index``, ``threshold``, ``checkpoint`` (the path of its Hugging Face checkpoint)
-    and the fields of :func:`train_run`'s records; ``on_model`` receives a summary of
-    each run as it finishes (``population_seed``, ``index``, ``records``).
+    Parameters
+    ----------
+    spec : PopulationSpec
+        The task, the ranges of the recipes, the thresholds.
+    seeds : sequence of int
+        The population seeds.
+    models : int
+        Runs per seed (:func:`sample_recipe` of ``(seed, index)``).
+    directory : str
+        Where the runs go.
+    resume : bool
+        Keep finished runs and continue interrupted ones (:func:`train_run`).
+    on_model : callable, optional
+        Receives a summary of each run as it finishes (``population_seed``, ``index``,
+        ``records``).
+
+    Returns
+    -------
+    list of dict
+        One record per (run, threshold reached), each with ``name``,
+        ``population_seed``, ``index``, ``checkpoint`` (the path of its Hugging Face
+        checkpoint) and the fields of :func:`train_run`'s records.
     """
     found = []
     for seed in seeds:

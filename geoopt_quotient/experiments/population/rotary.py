@@ -5,7 +5,7 @@ Llama-style models on modular arithmetic, each saved the first time its training
 reaches a threshold :math:`\lambda`, so that the models of one threshold have the same
 training loss and differ in test accuracy. For every threshold's population this module
 
-1. calibrates one radius per measure (:func:`calibrate_radii`): the median over a few
+1. calibrates one radius per measure (:func:`calibrate_study_radii`): the median over a few
    reference models of :func:`~geoopt_quotient.calibrate_rho`'s radius at which
    worst-case sharpness is ``target`` times the clean loss, which puts the balls of
    different shapes on one scale;
@@ -58,12 +58,24 @@ from .modular import (
 from .report import write_rows_csv
 
 __all__ = [
+    "QUANTITIES",
     "ROTARY_MEASURES",
     "TARGETS",
     "RotaryStudySettings",
-    "calibrate_radii",
+    "calibrate_study_radii",
+    "format_rotary_tau",
+    "load_rotary_checkpoint",
     "measure_rotary_model",
+    "measure_threshold",
+    "reference_models",
+    "rotary_frames",
+    "rotary_rows",
+    "rotary_share_rows",
+    "rotary_tau_rows",
+    "run_rotary_study",
+    "share_tau_records",
     "tau_records",
+    "write_rotary_files",
 ]
 
 #: The measures: name -> (metric or None for adaptive sharpness, symmetry kinds).
@@ -155,6 +167,17 @@ def measure_rotary_model(
 ) -> Dict[str, Any]:
     r"""Every measure of ``radii`` for one model, with its plan.
 
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model of the population.
+    batches : sequence
+        Its sharpness batches (:func:`.modular.sharpness_batches`).
+    radii : mapping of str to float
+        The radius of each measure of :data:`ROTARY_MEASURES` to measure.
+    settings : RotaryStudySettings
+        Auto-PGD iterations, seed and path.
+
     Returns
     -------
     dict
@@ -186,7 +209,7 @@ def measure_rotary_model(
     return {"measures": measures, "plan": summaries}
 
 
-def calibrate_radii(
+def calibrate_study_radii(
     models: Sequence[Tuple[str, torch.nn.Module, Sequence[Any]]],
     settings: RotaryStudySettings,
     measures: Sequence[str] = tuple(ROTARY_MEASURES),
@@ -286,6 +309,11 @@ def tau_records(
         The bootstrap's resamples and seed.
     control : str
         The per-model field the partial tau is conditioned on.
+
+    Returns
+    -------
+    list of dict
+        The records, gap by gap.
     """
     out = []
     controls = [float(m[control]) for m in models]
@@ -323,6 +351,20 @@ def share_tau_records(
     increase): ``measure``, ``block``, ``kind``, ``share``, ``tau``, ``p_value``,
     ``ci_low``, ``ci_high``, ``models``. Shares constant over the models (a block alone
     in its measure) have no tau and are left out.
+
+    Parameters
+    ----------
+    models : sequence of dict
+        Per model the ``gap`` and ``measures[name]["shares"]``.
+    measures : sequence of str
+        The measures.
+    resamples, seed : int
+        The bootstrap's resamples and seed.
+
+    Returns
+    -------
+    list of dict
+        The records.
     """
     out = []
     gaps = [float(m["gap"]) for m in models]
@@ -381,14 +423,38 @@ def _tau_entry(
 
 def reference_models(models: Sequence[Mapping[str, Any]], count: int) -> List[Mapping[str, Any]]:
     """``count`` models spread over the population: at the quantiles
-    :math:`(i + \\tfrac12) / k` of test accuracy (ties by name)."""
+    :math:`(i + \\tfrac12) / k` of test accuracy (ties by name).
+
+    Parameters
+    ----------
+    models : sequence of dict
+        Training records with ``test_accuracy`` and ``name``.
+    count : int
+        How many (at most all of them).
+
+    Returns
+    -------
+    list of dict
+        The chosen records, by increasing test accuracy.
+    """
     ranked = sorted(models, key=lambda m: (m["test_accuracy"], m["name"]))
     count = min(count, len(ranked))
     return [ranked[int((i + 0.5) * len(ranked) / count)] for i in range(count)]
 
 
 def load_rotary_checkpoint(path: str) -> torch.nn.Module:
-    """A trained model of the population, in float32 and eval mode."""
+    """A trained model of the population, in float32 and eval mode.
+
+    Parameters
+    ----------
+    path : str
+        Its Hugging Face checkpoint directory (``.../loss-T``).
+
+    Returns
+    -------
+    torch.nn.Module
+        The model.
+    """
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -424,7 +490,7 @@ def measure_threshold(
     Returns
     -------
     dict
-        ``calibration`` (:func:`calibrate_radii`), ``reference_models`` (their names),
+        ``calibration`` (:func:`calibrate_study_radii`), ``reference_models`` (their names),
         ``tau`` (:func:`tau_records`), ``share_tau`` (:func:`share_tau_records`),
         ``models`` (the records with their measures).
     """
@@ -436,7 +502,7 @@ def measure_threshold(
         (m["name"], load_rotary_checkpoint(m["checkpoint"]), batches_of(m["population_seed"]))
         for m in references
     ]
-    calibration = calibrate_radii(
+    calibration = calibrate_study_radii(
         loaded,
         settings,
         measures,
@@ -488,6 +554,31 @@ def run_rotary_study(
     (:func:`.modular.train_rotary_population`), then for each threshold of ``spec``
     :func:`measure_threshold` on the models that reached it, records in
     ``OUT/rotary-records.jsonl``.
+
+    Parameters
+    ----------
+    out : str
+        The output directory.
+    spec : PopulationSpec
+        The task, the recipes' ranges and the thresholds.
+    seeds : sequence of int
+        The population seeds.
+    models : int
+        Runs per seed.
+    settings : RotaryStudySettings
+        The sharpness side.
+    resume : bool
+        Continue the training runs and reuse the records of a previous run.
+    progress : bool
+        Progress of training and sharpness on stderr (lines when not a terminal).
+    measures : sequence of str
+        Names of :data:`ROTARY_MEASURES`.
+
+    Raises
+    ------
+    ValueError
+        When the sharpness examples are not training examples of every model, or fewer
+        than 3 runs reached a threshold.
 
     Returns
     -------
@@ -600,7 +691,19 @@ ROW_FIELDS = (
 def rotary_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One flat record per (model, measure): the model's recipe and training record,
     then the measure's ``rho``, ``value``, ``clean_loss``, ``perturbed_loss``,
-    ``relative``."""
+    ``relative``, and its maximiser's shares per block and kind (columns
+    ``norm_share/BLOCK/KIND`` and ``first_order_share/BLOCK/KIND``).
+
+    Parameters
+    ----------
+    document : dict
+        The study's document (:func:`run_rotary_study`).
+
+    Returns
+    -------
+    list of dict
+        The rows.
+    """
     rows = []
     for model in document["models"]:
         head = {k: model[k] for k in ROW_FIELDS}
@@ -619,7 +722,18 @@ def rotary_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
 
 def rotary_share_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One flat record per (model, measure, block, kind): the maximiser's shares
-    (:meth:`~geoopt_quotient.SharpnessResult.share_rows`) beside the model's gaps."""
+    (:meth:`~geoopt_quotient.SharpnessResult.share_rows`) beside the model's gap.
+
+    Parameters
+    ----------
+    document : dict
+        The study's document.
+
+    Returns
+    -------
+    list of dict
+        The rows.
+    """
     return [
         {
             "name": m["name"],
@@ -636,7 +750,18 @@ def rotary_share_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
 
 def rotary_tau_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One record per (threshold, gap, quantity, measure): the tau tables of every
-    threshold, flat."""
+    threshold, flat.
+
+    Parameters
+    ----------
+    document : dict
+        The study's document.
+
+    Returns
+    -------
+    list of dict
+        The rows, each with ``population`` (the threshold's name).
+    """
     return [
         {"population": name, **row}
         for name, result in document["thresholds"].items()
@@ -645,7 +770,18 @@ def rotary_tau_rows(document: Mapping[str, Any]) -> List[Dict[str, Any]]:
 
 
 def rotary_frames(document: Mapping[str, Any]):
-    """:func:`rotary_rows` and :func:`rotary_tau_rows` as :class:`pandas.DataFrame`."""
+    """:func:`rotary_rows` and :func:`rotary_tau_rows` as :class:`pandas.DataFrame`.
+
+    Parameters
+    ----------
+    document : dict
+        The study's document.
+
+    Returns
+    -------
+    tuple of pandas.DataFrame
+        ``(models, tau)``.
+    """
     pandas = require("pandas", "rotary_frames")
     return pandas.DataFrame(rotary_rows(document)), pandas.DataFrame(rotary_tau_rows(document))
 
@@ -656,7 +792,19 @@ def write_rotary_files(document: Dict[str, Any], out: str, title: str = "") -> L
     (:func:`rotary_tau_rows`), OUT/rotary-shares.csv (:func:`rotary_share_rows`), then
     OUT/rotary.json.
 
-    The document gets ``figures`` and ``tables``; returns the paths, the JSON last.
+    Parameters
+    ----------
+    document : dict
+        The study's document; it gets ``figures`` and ``tables``.
+    out : str
+        The output directory (made if missing).
+    title : str
+        A prefix of the figures' titles.
+
+    Returns
+    -------
+    list of str
+        The paths written, the JSON last.
     """
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -686,7 +834,20 @@ def write_rotary_files(document: Dict[str, Any], out: str, title: str = "") -> L
 
 def format_rotary_tau(document: Mapping[str, Any], target: str = "gap") -> str:
     """The tau tables as text: per threshold, per measure and quantity, tau [95% CI] and
-    the partial tau given the training loss [95% CI], against ``target``."""
+    the partial tau given the training loss [95% CI], against ``target``.
+
+    Parameters
+    ----------
+    document : dict
+        The study's document.
+    target : {"gap", "loss_gap"}
+        The generalization gap.
+
+    Returns
+    -------
+    str
+        The tables, lines joined by newlines.
+    """
     lines = []
     for name, result in document["thresholds"].items():
         rows = [r for r in result["tau"] if r["target"] == target]
