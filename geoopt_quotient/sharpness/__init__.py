@@ -14,7 +14,13 @@ from .measure import (
 )
 from .path_gap import PathGapWarning
 from .sharded import ShardingError
-from .stats import kendall_tau, kendall_tau_bootstrap
+from .shares import block_of, maximiser_shares, mean_shares
+from .stats import (
+    kendall_tau,
+    kendall_tau_bootstrap,
+    partial_kendall_tau,
+    partial_kendall_tau_bootstrap,
+)
 
 __all__ = [
     "DEFAULT_RADII",
@@ -33,6 +39,7 @@ __all__ = [
     "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
+    "block_of",
     "calibrate_radii",
     "calibrate_rho",
     "default_radius",
@@ -41,7 +48,11 @@ __all__ = [
     "hessian_trace",
     "kendall_tau",
     "kendall_tau_bootstrap",
+    "maximiser_shares",
     "maximize_in_ball",
+    "mean_shares",
+    "partial_kendall_tau",
+    "partial_kendall_tau_bootstrap",
     "riemannian_hvp",
 ]
 

@@ -585,7 +585,7 @@ def maximize_in_ball(
         Return a copy of the Riemannian gradient at the initial iterate
         (:attr:`BallMaxResult.initial_gradient`; one more vector of the ball's size, no
         extra pass), e.g. for the first-order shares of the maximiser
-        (:mod:`~geoopt_quotient.sharpness.shares`). Default ``False``.
+        (:func:`~geoopt_quotient.sharpness.maximiser_shares`). Default ``False``.
 
     Returns
     -------

@@ -126,7 +126,7 @@ class SharpnessResult:
         and of its first-order loss increase
         :math:`\langle \operatorname{grad} L(w), \xi^*_{\text{block}} \rangle_w`
         (``first_order``), from the maximiser itself
-        (:func:`~geoopt_quotient.sharpness.shares.maximiser_shares`); :meth:`share_rows`
+        (:func:`~geoopt_quotient.sharpness.maximiser_shares`); :meth:`share_rows`
         as a table. ``None`` otherwise.
     shares_per_batch : list of list of dict or None
         The same per batch.

@@ -14,7 +14,7 @@ heads, one MLP's hidden units), and its first-order loss increase
 
 splits the same way. :func:`maximiser_shares` computes both per (block, kind) from the
 maximiser and the Riemannian gradient at :math:`w` that Auto-PGD computed anyway (its
-first iterate's, :attr:`~geoopt_quotient.sharpness.apgd.BallMaxResult.initial_gradient`):
+first iterate's, :attr:`~geoopt_quotient.sharpness.BallMaxResult.initial_gradient`):
 no extra forward or backward pass. A block is a numbered layer (``model.layers.3``) or,
 outside the numbered layers, the module (``model.embed_tokens``, ``lm_head``). For a
 geodesic measure both quantities are invariant under the symmetry group: the metric is
