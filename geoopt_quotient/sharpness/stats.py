@@ -126,11 +126,7 @@ def kendall_tau_bootstrap(
     x, y = np.asarray(sharpness, dtype=float), np.asarray(generalization, dtype=float)
     rows = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
     taus = np.array([stats.kendalltau(x[r], y[r]).statistic for r in rows if _varies(x[r], y[r])])
-    if taus.size == 0:
-        return tau, float("nan"), float("nan")
-    alpha = 100 * (1 - confidence) / 2
-    low, high = np.percentile(taus, [alpha, 100 - alpha])
-    return tau, float(low), float(high)
+    return (tau, *_percentile_interval(taus, confidence))
 
 
 #: A tau-b within this of +-1 is taken as +-1 (its pair counts' ratio, rounded).
@@ -243,11 +239,16 @@ def partial_kendall_tau_bootstrap(
         ]
     )
     taus = taus[np.isfinite(taus)]
+    return (tau, *_percentile_interval(taus, confidence))
+
+
+def _percentile_interval(taus: np.ndarray, confidence: float) -> Tuple[float, float]:
+    """The central ``confidence`` percentile interval of resampled taus (NaNs if none)."""
     if taus.size == 0:
-        return tau, float("nan"), float("nan")
+        return float("nan"), float("nan")
     alpha = 100 * (1 - confidence) / 2
     low, high = np.percentile(taus, [alpha, 100 - alpha])
-    return tau, float(low), float(high)
+    return float(low), float(high)
 
 
 def _varies(*columns: np.ndarray) -> bool:
