@@ -1,11 +1,18 @@
-"""Default radii set on real pretrained models: one common fraction of the clean loss.
+r"""Default radii set on real pretrained models: sharpness a small fraction of the clean loss.
 
-For each model, each measure's radius at which worst-case sharpness is ``--target`` times
-the mean clean loss (``calibrate_rho``); the proposed default of each measure is the
-geometric mean of those radii over the models, rounded to one significant digit; then the
-fraction sharpness / clean loss of every model at the proposed and at the current
-defaults (``DEFAULT_RADII``). Models (each skipped, with the reason, when its package is
-missing; nothing is downloaded):
+For each model, each measure's radius :math:`\rho^*_i` at which worst-case sharpness is
+``--target`` :math:`t` times the mean clean loss (``calibrate_rho``). The calibrated radii
+of one measure differ between models (by factors 4 to 25 here), so no radius gives every
+model the same fraction; the proposed default is the radius furthest inside the band
+``--band`` :math:`[a, b]` of fractions for every model: near :math:`\rho^*_i` sharpness
+grows about linearly with :math:`\rho` (measured: fractions at the earlier defaults over
+:math:`t` are 1 to 1.15 powers of :math:`\rho / \rho^*_i`), so model :math:`i` is in
+the band for :math:`\rho \in [a\rho^*_i/t,\ b\rho^*_i/t]`; the default is the
+geometric centre of the intersection of these intervals, rounded to one significant
+digit (the geometric mean of the :math:`\rho^*_i` where they do not intersect). Then the
+fraction sharpness / clean loss of every model is measured at the proposed and at the
+current defaults (``DEFAULT_RADII``). Models (each skipped, with the reason, when its
+package is missing; nothing is downloaded):
 
 - ``smollm2``: SmolLM2-135M-Instruct (LlamaForCausalLM: rotary attention, GQA, gated MLP),
   the GGUF file (Q4_1, dequantised to float32 by transformers with ``gguf``) of the PyPI
@@ -19,6 +26,8 @@ missing; nothing is downloaded):
   training images in 2 batches.
 
     python benchmarks/real_radii.py --json benchmarks/results/cpu/real_radii.json
+    # the proposal again from an earlier run's calibrations (measures the fractions only)
+    python benchmarks/real_radii.py --calibrated earlier.json --json real_radii.json
 """
 
 from __future__ import annotations
@@ -133,6 +142,16 @@ def sharpness(model, loss_fn, batches, measure: str, rho: float, iters: int) -> 
     }
 
 
+def propose(radii: Sequence[float], target: float, band: Tuple[float, float]) -> Dict[str, Any]:
+    """The default radius for calibrated radii ``radii`` (see the module's docstring)."""
+    low = max(band[0] * r / target for r in radii)
+    high = min(band[1] * r / target for r in radii)
+    if low <= high:
+        return {"rho": round_radius(math.sqrt(low * high)), "interval": [low, high]}
+    mean = math.exp(sum(map(math.log, radii)) / len(radii))
+    return {"rho": round_radius(mean), "interval": None}
+
+
 def round_radius(rho: float) -> float:
     """``rho`` rounded to one significant digit."""
     exponent = math.floor(math.log10(rho))
@@ -147,7 +166,12 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
     parser.add_argument("--rtol", type=float, default=0.1)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--band", type=float, nargs=2, default=(0.003, 0.1))
+    parser.add_argument(
+        "--calibrated", type=Path, help="reuse the calibrations of an earlier run's JSON"
+    )
     args = parser.parse_args(argv)
+    earlier = json.loads(args.calibrated.read_text())["models"] if args.calibrated else {}
     torch.set_num_threads(args.threads)
     doc: Dict[str, Any] = {
         "experiment": "real_radii",
@@ -158,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
             "threads": args.threads,
             "kind": "worst",
             "path": "second_order",
+            "band": list(args.band),
+            "calibrations_reused": bool(args.calibrated),
             "current_defaults": dict(DEFAULT_RADII),
         },
         "environment": {
@@ -178,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
             continue
         start = time.perf_counter()
         loaded[name] = model, loss_fn, batches = build()
+        if name in earlier:
+            doc["models"][name] = earlier[name]
+            continue
         entry: Dict[str, Any] = {
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "calibrated": {},
@@ -206,14 +235,15 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
         entry["seconds"] = time.perf_counter() - start
         doc["models"][name] = entry
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    proposed = {}
+    proposals = {}
     for measure in MEASURES:
         radii = [e["calibrated"][measure] for e in doc["models"].values()]
         radii = [r for r in radii if r]
         if radii:
-            mean = math.exp(sum(map(math.log, radii)) / len(radii))
-            proposed[measure] = round_radius(mean)
+            proposals[measure] = propose(radii, args.target, tuple(args.band))
+    proposed = {m: p["rho"] for m, p in proposals.items()}
     doc["proposed_defaults"] = proposed
+    doc["proposal_intervals"] = {m: p["interval"] for m, p in proposals.items()}
     for name, (model, loss_fn, batches) in loaded.items():
         doc["models"][name]["at_proposed_defaults"] = {
             m: sharpness(model, loss_fn, batches, m, r, args.iters) for m, r in proposed.items()
