@@ -19,6 +19,7 @@ from geoopt_quotient.cli import build_parser, main  # noqa: E402
 from geoopt_quotient.cli import sharpness as sharpness_cli  # noqa: E402
 from geoopt_quotient.cli._runtime import radii_from_args  # noqa: E402
 from geoopt_quotient.experiments.population import StudySettings  # noqa: E402
+from geoopt_quotient.sharpness import DEFAULT_RADII  # noqa: E402
 
 WORDS = TINY_BERT_WORDS
 TEXTS = [
@@ -105,7 +106,7 @@ def test_radius_per_measure(checkpoint, data, capsys):
     def radii(*extra):
         return radii_from_args(build_parser().parse_args([*base, *extra]), defaults)
 
-    assert radii() == {"rho_adaptive": 0.2, "rho_inv": 0.05, "rho_mix": 0.01}
+    assert radii() == {f"rho_{m}": r for m, r in DEFAULT_RADII.items()}
     assert radii("--rho", "0.1", "--rho-mix", "0.01") == {
         "rho_adaptive": 0.1,
         "rho_inv": 0.1,

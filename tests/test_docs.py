@@ -32,6 +32,8 @@ PUBLIC_MODULES = (
     "geoopt_quotient.experiments.diagonal",
     "geoopt_quotient.experiments.population",
     "geoopt_quotient.experiments.population.rho_grid",
+    "geoopt_quotient.experiments.population.modular",
+    "geoopt_quotient.experiments.population.rotary",
     "geoopt_quotient.experiments.figures",
     "geoopt_quotient.experiments.records",
     "geoopt_quotient.experiments.classifiers",

@@ -391,10 +391,13 @@ def test_population_json_to_stdout_prints_nothing_else(text_population, tmp_path
     captured = capfd.readouterr()
     assert captured.err == ""
     doc = json.loads(captured.out)
-    assert doc["settings"]["rho_mix"] == 0.01 and doc["settings"]["rho_inv"] == 0.05
+    assert doc["settings"]["rho_mix"] == 0.01 and doc["settings"]["rho_inv"] == DEFAULT_RADII["inv"]
     assert doc["threads"] == 1  # the default --threads
     assert doc["warning"].startswith("only 3 models (fewer than 8)")
-    assert doc["figure_title"].startswith("3 checkpoints in checkpoints/\nradii ρ: adaptive 0.2")
+    adaptive = DEFAULT_RADII["adaptive"]
+    assert doc["figure_title"].startswith(
+        f"3 checkpoints in checkpoints/\nradii ρ: adaptive {adaptive:g}"
+    )
     assert "mix 0.01" in doc["figure_title"] and "warning: only 3 models" in doc["figure_title"]
 
 

@@ -1680,6 +1680,196 @@ def path_gap(results: Results) -> Table:
     )
 
 
+ROTARY_SOURCE = "reproductions/rotary.json"
+ROTARY_COMMAND = (
+    "geoopt-quotient reproduce rotary --threads 1 --out rotary-out "
+    "(its rotary.json, the per-batch lists and plan tables dropped, copied to "
+    "benchmarks/results/reproductions/rotary.json)"
+)
+ROTARY_LABELS = {
+    "train_loss": "training loss (control)",
+    "adaptive": "adaptive",
+    "geodesic_inv": "geodesic inv",
+    "geodesic_mix": "geodesic mix",
+    "geodesic_inv_all": "geodesic inv, kinds=all",
+}
+
+
+def _interval(row: Dict, prefix: str = "") -> str:
+    tau = row.get(f"{prefix}tau")
+    if tau is None or (isinstance(tau, float) and not math.isfinite(tau)):
+        return "-"
+    low, high = row.get(f"{prefix}ci_low"), row.get(f"{prefix}ci_high")
+    if low is None or not math.isfinite(low):
+        return f"{tau:+.3f}"
+    return f"{tau:+.3f} [{low:+.2f}, {high:+.2f}]"
+
+
+def _rotary_tau(results: Results, target: str) -> Table:
+    source = results.json(ROTARY_SOURCE)
+    rows = []
+    for result in (dig(source.data, "thresholds") or {}).values():
+        for row in result.get("tau", []):
+            if row["target"] != target:
+                continue
+            quantity = "S" if row["quantity"] == "value" else "S / L(w)"
+            if row["measure"] == "train_loss":
+                quantity = "L(w)"
+            rows.append(
+                [
+                    f"{result['threshold']:g} ({row['models']})",
+                    ROTARY_LABELS.get(row["measure"], row["measure"]),
+                    quantity,
+                    _interval(row),
+                    fmt(row.get("p_value"), ".2g"),
+                    _interval(row, "partial_"),
+                ]
+            )
+    if not rows:
+        rows = [["-", "-", "-", NOT_MEASURED, NOT_MEASURED, NOT_MEASURED]]
+    what = "test - train error" if target == "gap" else "test - train loss"
+    return Table(
+        ["training loss (models)", "measure", "quantity", "tau [95% CI]", "p", "partial tau"],
+        rows,
+        ROTARY_COMMAND,
+        [
+            f"Kendall's tau against the generalization gap ({what}) over the models saved "
+            "when their training loss first reached the threshold, with a percentile "
+            "bootstrap interval over models (2000 resamples); partial tau given the "
+            "training loss, with its own interval. S: sharpness; S / L(w): sharpness over "
+            "the clean loss on the sharpness examples."
+        ],
+    )
+
+
+def rotary_tau(results: Results) -> Table:
+    return _rotary_tau(results, "gap")
+
+
+def rotary_tau_loss(results: Results) -> Table:
+    return _rotary_tau(results, "loss_gap")
+
+
+def rotary_population(results: Results) -> Table:
+    source = results.json(ROTARY_SOURCE)
+    models = dig(source.data, "models") or []
+    rows = []
+    for result in (dig(source.data, "thresholds") or {}).values():
+        mine = [m for m in models if m["threshold"] == result["threshold"]]
+        accuracy = sorted(m["test_accuracy"] for m in mine)
+        radii = dig(result, "calibration", "radii") or {}
+        rows.append(
+            [
+                f"{result['threshold']:g}",
+                str(len(mine)),
+                f"{accuracy[0]:.3f} / {statistics.median(accuracy):.3f} / {accuracy[-1]:.3f}",
+                ", ".join(f"{ROTARY_LABELS.get(k, k)} {v:.3g}" for k, v in radii.items()),
+                ", ".join(result.get("reference_models", [])),
+            ]
+        )
+    if not rows:
+        rows = [["-", "-", NOT_MEASURED, NOT_MEASURED, "-"]]
+    target = dig(source.data, "settings", "target")
+    return Table(
+        ["training loss", "models", "test accuracy min / median / max", "radii", "calibrated on"],
+        rows,
+        ROTARY_COMMAND,
+        [
+            "Radii: per measure, the median over the reference models of the radius at which "
+            f"worst-case sharpness is {target if target is not None else '-'} x the clean loss "
+            "(calibrate_rho); the reference models sit at quantiles of test accuracy."
+        ],
+    )
+
+
+def _mean_shares(models: List[Dict], measure: str) -> Dict[Tuple[str, str], float]:
+    parts: Dict[Tuple[str, str], List[float]] = {}
+    for m in models:
+        for share in m["measures"][measure].get("shares", []):
+            parts.setdefault((share["block"], share["kind"]), []).append(share["norm_share"])
+    return {key: statistics.mean(values) for key, values in parts.items()}
+
+
+def rotary_shares(results: Results) -> Table:
+    source = results.json(ROTARY_SOURCE)
+    models = dig(source.data, "models") or []
+    rows = []
+    for result in (dig(source.data, "thresholds") or {}).values():
+        mine = [m for m in models if m["threshold"] == result["threshold"]]
+        taus = {
+            (r["measure"], r["block"], r["kind"], r["share"]): r
+            for r in result.get("share_tau", [])
+        }
+        for measure in dig(source.data, "measures") or []:
+            for (block, kind), mean in _mean_shares(mine, measure).items():
+                tau = taus.get((measure, block, kind, "norm_share"))
+                rows.append(
+                    [
+                        f"{result['threshold']:g}",
+                        ROTARY_LABELS.get(measure, measure),
+                        f"{block} {kind}",
+                        fmt(mean, ".3f"),
+                        _interval(tau) if tau else "-",
+                    ]
+                )
+    if not rows:
+        rows = [["-", "-", "-", NOT_MEASURED, NOT_MEASURED]]
+    return Table(
+        ["training loss", "measure", "block, kind", "mean share of |xi*|^2", "tau vs gap"],
+        rows,
+        ROTARY_COMMAND,
+        [
+            "Each block's share of the maximiser's squared norm in the measure's metric "
+            "(SharpnessResult.shares, mean over batches and models), and Kendall's tau of "
+            "that share against the error gap over the models ('-': the share is the same "
+            "for every model)."
+        ],
+    )
+
+
+def real_radii(results: Results) -> Table:
+    source = results.json("cpu/real_radii.json")
+    models = dig(source.data, "models") or {}
+    proposed = dig(source.data, "proposed_defaults") or {}
+    current = dig(source.data, "settings", "current_defaults") or {}
+    labels = {"smollm2": "SmolLM2-135M-Instruct", "minilm": "all-MiniLM-L6-v2", "vit": "tiny ViT"}
+    rows = []
+    for name, model in models.items():
+        for measure in ("adaptive", "inv", "mix"):
+            old = dig(model, "at_current_defaults", measure) or {}
+            new = dig(model, "at_proposed_defaults", measure) or {}
+            rows.append(
+                [
+                    labels.get(name, name),
+                    measure,
+                    fmt(dig(model, "calibrated", measure), ".3g"),
+                    f"{fmt(current.get(measure), 'g')}: {fmt(old.get('fraction'), '.3g')}",
+                    f"{fmt(proposed.get(measure), 'g')}: {fmt(new.get('fraction'), '.3g')}",
+                ]
+            )
+    for name, reason in (dig(source.data, "skipped") or {}).items():
+        rows.append([labels.get(name, name), "-", "skipped", reason, "-"])
+    if not rows:
+        rows = [["-", "-", NOT_MEASURED, NOT_MEASURED, NOT_MEASURED]]
+    target = dig(source.data, "settings", "target")
+    return Table(
+        [
+            "model",
+            "measure",
+            f"radius for {target if target is not None else '-'} x clean loss",
+            "earlier default: sharpness / clean loss",
+            "default: sharpness / clean loss",
+        ],
+        rows,
+        "python benchmarks/real_radii.py --json benchmarks/results/cpu/real_radii.json",
+        [
+            "Worst-case sharpness (second-order path, 5 Auto-PGD iterations) over the mean "
+            "clean loss on real pretrained weights; the defaults are the geometric means of "
+            "the calibrated radii over the models, rounded to one significant digit."
+        ],
+    )
+
+
 #: Every table a page can ask for.
 TABLES: Dict[str, Callable[[Results], Table]] = {
     "gpu-iteration": gpu_iteration,
@@ -1717,6 +1907,11 @@ TABLES: Dict[str, Callable[[Results], Table]] = {
     "diagonal-readings": diagonal_readings,
     "diagonal-checks": diagonal_checks,
     "default-radii": default_radii,
+    "real-radii": real_radii,
+    "rotary-tau": rotary_tau,
+    "rotary-tau-loss": rotary_tau_loss,
+    "rotary-population": rotary_population,
+    "rotary-shares": rotary_shares,
     "path-gap": path_gap,
 }
 

@@ -43,6 +43,7 @@ __all__ = [
     "add_study_arguments",
     "figure_title",
     "format_sharpness_to_clean_loss",
+    "package_versions",
     "register",
     "report",
     "run",
@@ -324,7 +325,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, parser=parser, needs=("matplotlib",))
 
 
-def _versions() -> Dict[str, str]:
+def package_versions() -> Dict[str, str]:
+    """The versions of this package, geoopt, torch and transformers, by name."""
     import geoopt
     import torch
     import transformers
@@ -350,7 +352,7 @@ def report(document: Dict[str, Any], args: argparse.Namespace, stem: str, label:
     import torch
 
     document["threads"] = torch.get_num_threads()
-    document["versions"] = _versions()
+    document["versions"] = package_versions()
     written = write_population_files(document, args.out, stem, label)
     text = Path(written[-1]).read_text().rstrip("\n")
     if args.json == "-":

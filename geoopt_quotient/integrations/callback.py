@@ -42,8 +42,8 @@ class SharpnessCallback(TrainerCallback):
         the ablations (:data:`~geoopt_quotient.integrations.ABLATIONS`).
     rho : float, mapping of str to float, or None
         One radius, one per measure, or ``None`` (default): each measure's default
-        radius (:func:`~geoopt_quotient.integrations.measure_radii`: 0.2 adaptive, 0.05
-        ``inv``, 0.01 ``mix``).
+        radius (:func:`~geoopt_quotient.integrations.measure_radii`: 0.01 adaptive, 0.003
+        ``inv``, 0.003 ``mix``).
     loss_fn : callable or None
         ``loss_fn(model, batch) -> scalar tensor``; ``None``: ``model(**batch).loss``.
     **options

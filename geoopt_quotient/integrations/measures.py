@@ -54,9 +54,9 @@ def default_measure_radius(measure: str) -> float:
     --------
     >>> from geoopt_quotient.integrations import default_measure_radius
     >>> [default_measure_radius(m) for m in ("adaptive", "geodesic_inv", "geodesic_mix")]
-    [0.2, 0.05, 0.01]
+    [0.01, 0.003, 0.003]
     >>> default_measure_radius("geodesic_mix_no_norm")
-    0.2
+    0.01
     """
     metric, norm, _ = split_measure(measure)
     return DEFAULT_RADII["adaptive" if metric is None or not norm else metric]
@@ -73,8 +73,8 @@ def measure_radii(measures: Sequence[str], rho: Radii = None) -> Dict[str, Radiu
     rho : float, mapping of str to float, or None
         One radius for every measure, or one per measure (radii of different balls are
         on different scales: :func:`~geoopt_quotient.calibrate_rho`). ``None``
-        (default): each measure's default radius (:func:`default_measure_radius`: 0.2
-        adaptive, 0.05 ``inv``, 0.01 ``mix``), as the sharpness functions and the
+        (default): each measure's default radius (:func:`default_measure_radius`: 0.01
+        adaptive, 0.003 ``inv``, 0.003 ``mix``), as the sharpness functions and the
         command line take them. A radius may be a sequence of radii, a grid, monotone
         by construction (:func:`~geoopt_quotient.geodesic_sharpness`).
 

@@ -127,8 +127,8 @@ class SharpnessMonitor:
         One radius for every measure, or one per measure (radii of different balls are
         on different scales; :func:`~geoopt_quotient.calibrate_rho`). ``None``
         (default): each measure's default radius
-        (:func:`~geoopt_quotient.integrations.measure_radii`: 0.2 adaptive, 0.05
-        ``inv``, 0.01 ``mix``), as for the sharpness functions and the command line.
+        (:func:`~geoopt_quotient.integrations.measure_radii`: 0.01 adaptive, 0.003
+        ``inv``, 0.003 ``mix``), as for the sharpness functions and the command line.
     loss_fn : callable or None
         ``loss_fn(model, batch) -> scalar tensor``; ``None``: :func:`default_loss`
         (``model(**batch).loss``).

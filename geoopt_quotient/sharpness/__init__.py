@@ -16,7 +16,13 @@ from .measure import (
 from .path_gap import PathGapWarning
 from .results import ResultList
 from .sharded import ShardingError
-from .stats import kendall_tau, kendall_tau_bootstrap
+from .shares import block_of, maximiser_shares, mean_shares
+from .stats import (
+    kendall_tau,
+    kendall_tau_bootstrap,
+    partial_kendall_tau,
+    partial_kendall_tau_bootstrap,
+)
 
 __all__ = [
     "DEFAULT_RADII",
@@ -37,6 +43,7 @@ __all__ = [
     "ZeroSharpnessWarning",
     "adaptive_sharpness",
     "average_in_ball",
+    "block_of",
     "calibrate_radii",
     "calibrate_rho",
     "default_radius",
@@ -45,7 +52,11 @@ __all__ = [
     "hessian_trace",
     "kendall_tau",
     "kendall_tau_bootstrap",
+    "maximiser_shares",
     "maximize_in_ball",
+    "mean_shares",
+    "partial_kendall_tau",
+    "partial_kendall_tau_bootstrap",
     "riemannian_hvp",
 ]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from geoopt.manifolds.base import Manifold
@@ -99,6 +99,10 @@ class BallMaxResult:
     gradients : int
         Of those, the evaluations that were differentiated (backward passes): all but
         the last iterate's.
+    initial_gradient : list of torch.Tensor or None
+        With ``keep_initial_gradient``: the Riemannian gradient of the objective at the
+        initial iterate (at the base point for ``init="zero"``), one horizontal vector
+        per group; else ``None``.
     """
 
     value: float
@@ -108,6 +112,7 @@ class BallMaxResult:
     step_sizes: List[float] = field(default_factory=list)
     evaluations: int = 0
     gradients: int = 0
+    initial_gradient: Optional[List[torch.Tensor]] = None
 
 
 def path_function(manifold: Manifold, path: str) -> Path:
@@ -517,6 +522,7 @@ def maximize_in_ball(
     momentum: float = 0.75,
     check_finite: bool = True,
     keep_best_gradient: bool | None = None,
+    keep_initial_gradient: bool = False,
 ) -> BallMaxResult:
     r"""Maximise ``objective`` over the horizontal metric ball of radius ``rho`` with Auto-PGD.
 
@@ -577,6 +583,11 @@ def maximize_in_ball(
         pass, at the price of one more vector of the ball's size alive throughout.
         ``None``: keep it when that vector takes at most
         :data:`KEEP_GRADIENT_MAX_BYTES`.
+    keep_initial_gradient : bool
+        Return a copy of the Riemannian gradient at the initial iterate
+        (:attr:`BallMaxResult.initial_gradient`; one more vector of the ball's size, no
+        extra pass), e.g. for the first-order shares of the maximiser
+        (:func:`~geoopt_quotient.sharpness.maximiser_shares`). Default ``False``.
 
     Returns
     -------
@@ -664,6 +675,7 @@ def maximize_in_ball(
             momentum=momentum,
             check_finite=check_finite,
             keep_best_gradient=keep_best_gradient,
+            keep_initial_gradient=keep_initial_gradient,
         )
 
 
@@ -680,6 +692,7 @@ def _maximize(
     momentum: float,
     check_finite: bool,
     keep_best_gradient: bool | None = None,
+    keep_initial_gradient: bool = False,
 ) -> BallMaxResult:
     ball, paths = _prepare(groups, rho, path)
     ball.reduce_sum = getattr(objective, "reduce_sum", None)
@@ -715,6 +728,7 @@ def _maximize(
     initial = best_value = value
     best_xi = xi_prev = xi
     rgrads, known = riemannian(grads, xi, xi)
+    initial_gradient = [g.clone() for g in rgrads] if keep_initial_gradient else None
     best_rgrads = rgrads if keep else None
     history, steps, evaluations, gradients = [value], [], 1, 1
     checkpoints = apgd_checkpoints(iters)
@@ -792,6 +806,7 @@ def _maximize(
         step_sizes=steps,
         evaluations=evaluations,
         gradients=gradients,
+        initial_gradient=initial_gradient,
     )
 
 

@@ -26,6 +26,7 @@ from .functional import RESOLUTION, PerturbedLoss, trainable_parameters
 from .layout import BallLayout
 from .path_gap import exact_groups
 from .precision import AutocastState
+from .shares import maximiser_shares
 
 __all__ = [
     "LocalBall",
@@ -164,6 +165,8 @@ class LocalBall:
         As for :func:`ball_groups`.
     keep_best_gradient : bool or None
         Passed on to Auto-PGD (:func:`~geoopt_quotient.maximize_in_ball`).
+    shares : bool
+        Worst case: keep :attr:`shares_of`, the maximiser's shares per block and kind.
 
     Attributes
     ----------
@@ -191,6 +194,7 @@ class LocalBall:
         path: str,
         norm: bool,
         keep_best_gradient: bool | None,
+        shares: bool = False,
     ):
         self.plan = plan
         self.loss = PerturbedLoss(model, loss_fn)
@@ -201,8 +205,10 @@ class LocalBall:
         check_points(plan.groups, points)
         groups = ball_groups(plan.groups, points, path, norm)
         self.layout = BallLayout(plan, self.base, groups) if kind == "worst" else None
-        self.exact = None
+        self.exact = self.shares_of = None
         if self.layout is not None:
+            if shares:
+                self.shares_of = _shares_function(plan, groups, self.layout)
             if path == "second_order":  # the path-gap report's groups on the exact path
                 on_exact = ball_groups(plan.groups, points, "exact", norm)
                 self.exact = exact_groups(self.layout.groups, groups, on_exact)
@@ -223,6 +229,19 @@ class LocalBall:
     def weights(self) -> Dict[str, torch.Tensor]:
         """The model's trainable parameters (name to tensor), the base point."""
         return self.base
+
+
+def _shares_function(
+    plan: BoundPlan, groups: List[BallGroup], layout: BallLayout
+) -> Callable[[List[torch.Tensor], List[torch.Tensor]], List[Dict[str, Any]]]:
+    """``(xi, gradient) -> maximiser_shares`` for vectors of the layout's groups."""
+
+    def shares_of(xi: List[torch.Tensor], gradient: List[torch.Tensor]) -> List[Dict[str, Any]]:
+        return maximiser_shares(
+            plan, groups, layout.plan_vectors(xi), layout.plan_vectors(gradient)
+        )
+
+    return shares_of
 
 
 def _drain(points: List[torch.Tensor]) -> Iterator[torch.Tensor]:

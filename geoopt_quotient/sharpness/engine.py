@@ -94,6 +94,9 @@ class Search:
         Worst case: more Auto-PGD searches from random points of the ball.
     keep_best_gradient : bool or None
         As for :func:`~geoopt_quotient.maximize_in_ball`.
+    shares : bool
+        Worst case: each block's and symmetry kind's share of the maximiser
+        (:func:`~geoopt_quotient.sharpness.maximiser_shares`).
     """
 
     kind: str
@@ -103,12 +106,15 @@ class Search:
     norm: bool
     restarts: int = 0
     keep_best_gradient: bool | None = None
+    shares: bool = False
 
     def __post_init__(self) -> None:
         self.iters = check_positive_int(self.iters, "iters")
         self.restarts = check_nonnegative_int(self.restarts, "restarts")
         if self.restarts and self.kind != "worst":
             raise ValueError("`restarts` is for the worst case (kind='worst') only")
+        if self.shares and self.kind != "worst":
+            raise ValueError("`shares` are those of the worst case's maximiser: use kind='worst'")
         check_choice(self.path, PATHS, "path")
         check_choice(self.kind, KINDS, "kind")
 
@@ -135,6 +141,8 @@ class BatchRecord:
         Worst case on ``path="second_order"``: the path gap at the maximiser and the
         loss on the exact geodesic there
         (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`); else ``None``.
+    shares : list of dict or None
+        With ``Search.shares``: the maximiser's shares per block and kind.
     """
 
     index: int
@@ -146,6 +154,7 @@ class BatchRecord:
     seconds: float
     path_gap: Optional[float] = None
     exact_loss: Optional[float] = None
+    shares: Optional[List[Dict[str, Any]]] = None
 
     @property
     def sharpness(self) -> float:
@@ -198,7 +207,14 @@ def measure_batch(
             keep_best_gradient=ball.keep_best_gradient,
         )
         return _maximize_over_radii(
-            ball.groups, objective, radii, index, search.restarts, ball.exact, options
+            ball.groups,
+            objective,
+            radii,
+            index,
+            search.restarts,
+            ball.exact,
+            options,
+            getattr(ball, "shares_of", None),
         )
     records = []
     for rho in radii:
@@ -242,6 +258,7 @@ def _maximize_over_radii(
     restarts: int,
     exact: List[BallGroup] | None,
     options: Dict[str, Any],
+    shares_of: Callable | None = None,
 ) -> List[BatchRecord]:
     r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
 
@@ -253,13 +270,18 @@ def _maximize_over_radii(
     radius, ``restarts`` more searches from random points (:func:`_restart_searches`).
     With ``exact`` (the groups on the exact path), the path gap at the kept maximiser
     (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass).
-    ``options``: Auto-PGD's ``iters``, ``path``, ``seed`` and ``keep_best_gradient``.
+    ``options``: Auto-PGD's ``iters``, ``path``, ``seed`` and ``keep_best_gradient``. With
+    ``shares_of``, ``shares_of(xi, gradient)`` of the kept maximiser and the gradient at
+    the base point (the first search's first iterate's: no extra pass).
     """
     records: List[BatchRecord] = []
     best_value, best_xi = -math.inf, None
+    gradient = None
     for rho in radii:
         t0 = time.perf_counter()
-        run = maximize_in_ball(groups, objective, rho=rho, **options)
+        keep = shares_of is not None and gradient is None
+        run = maximize_in_ball(groups, objective, rho=rho, keep_initial_gradient=keep, **options)
+        gradient = run.initial_gradient if keep else gradient
         clean, passes = run.initial_value, [run.evaluations, run.gradients]
         top, history, xi = run.value, run.history, run.xi
         if best_xi is not None:
@@ -278,8 +300,11 @@ def _maximize_over_radii(
         if exact is not None:
             gap, exact_loss = path_gap(groups, exact, objective, xi)
             passes[0] += not math.isnan(gap)  # no forward where the geodesic broke down
+        shares = None if shares_of is None else shares_of(xi, gradient)
         seconds = time.perf_counter() - t0
-        records.append(BatchRecord(index, clean, top, history, *passes, seconds, gap, exact_loss))
+        records.append(
+            BatchRecord(index, clean, top, history, *passes, seconds, gap, exact_loss, shares)
+        )
     return records
 
 
@@ -331,6 +356,7 @@ class Placement:
             path=search.path,
             norm=search.norm,
             keep_best_gradient=search.keep_best_gradient,
+            shares=search.shares,
         )
 
     def local(self, batches: Iterable[Any]) -> Iterable[Any]:
@@ -432,6 +458,8 @@ class ShardedModel(Placement):
     ) -> Iterator[Any]:
         """The sharded ball, checked on every rank, with ``keep_best_gradient`` resolved
         alike on every rank; the model's shards and gradients restored on exit."""
+        if search.shares:
+            raise ValueError("`shares` is not available for a sharded (FSDP2) model yet")
         ball = sharded_ball(model, plan, loss_fn, path=search.path, norm=search.norm)
         self.rank = ball.rank
         try:

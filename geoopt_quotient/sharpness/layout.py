@@ -392,6 +392,8 @@ class BallLayout:
                 fused.setdefault(key, []).append(index)
         self.plan = plan
         stacks = _stacks(groups, rest)
+        self._stack_list = stacks
+        self._fused_members = list(fused.values())
         self.groups: List[BallGroup] = [stack.group(groups) for stack in stacks]
         self._fused: List[_Flat] = []
         for (dtype, device, eps), members in fused.items():
@@ -438,6 +440,22 @@ class BallLayout:
             shapes = [groups[p].point.shape for p in positions]
             out.append(_Rest(flat, positions, shapes, destination, source))
         return out
+
+    def plan_vectors(self, vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """A vector of :attr:`groups` (e.g. an Auto-PGD iterate or gradient) as one tensor
+        per group of the plan, in the plan's order and each group's point shape: the
+        inverse of the layout's stacking and fusing (views where possible, no copy of the
+        fused buffers)."""
+        out: List[torch.Tensor | None] = [None] * len(self.plan.groups)
+        for stack, vector in zip(self._stack_list, vectors):
+            for index, piece in zip(stack.members, stack.unstacked(vector, self.plan)):
+                out[index] = piece
+        unfused = len(self._stack_list)
+        for members, flat, vector in zip(self._fused_members, self._fused, vectors[unfused:]):
+            views, _ = flat.pieces(vector)
+            for index, view in zip(members, views):
+                out[index] = view.view(self.plan.groups[index].shape)
+        return out  # type: ignore[return-value]
 
     def vector_bytes(self) -> int:
         """Memory of one vector of the ball (its groups, in their compute dtypes)."""
@@ -670,6 +688,21 @@ class _Stack:
             expmap_steps=manifold.expmap_steps,
         )
         return BallGroup(point.to(first.point.dtype), stacked)
+
+    def unstacked(self, vector: torch.Tensor, plan: BoundPlan) -> List[torch.Tensor]:
+        """The members' parts of a vector of the stack's shape, in their own shapes (the
+        inverse of :meth:`_stacked`, padding dropped)."""
+        if not self.padded:
+            return [vector]
+        shapes = [plan.groups[i].shape for i in self.members]
+        counts = [math.prod(s[:-2]) for s in shapes]
+        out = []
+        for part, shape, index in zip(vector.split(counts), shapes, self.members):
+            manifold = plan.groups[index].manifold
+            n, m = manifold.n, manifold.m
+            rows = torch.cat((part[:, :n], part[:, self.rows : self.rows + m]), dim=1)
+            out.append(rows.reshape(shape))
+        return out
 
     def _stacked(self, pieces: List[torch.Tensor], manifolds: List, fill) -> torch.Tensor:
         """``pieces`` (points or index tensors of the members) in the stack's shape, the

@@ -14,6 +14,7 @@ quotients, :math:`|\cdot|_w` their GL-invariant metric, joint with the adaptive 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -37,6 +38,7 @@ from .engine import (
 from .functional import check_batches, check_loss_fn
 from .path_gap import warn_if_path_gap
 from .results import ResultList, Table
+from .shares import mean_shares
 
 __all__ = [
     "SharpnessResult",
@@ -95,6 +97,17 @@ class SharpnessResult(Table):
         :math:`\operatorname{Exp}_w(\xi^*)`, the exact geodesic's point at the same
         maximiser (one more forward pass). ``exact_losses[b] - clean_losses[b]`` is a
         lower bound of the exact path's sharpness of batch ``b``.
+    shares : list of dict or None
+        With ``shares=True``: per (block, kind) of the plan, the mean over batches of the
+        maximiser's :math:`|\xi^*_{\text{block}}|^2` in the metric (``norm_sq``; they sum
+        to the mean :math:`|\xi^*|_w^2`, :math:`\rho^2` for maximisers on the sphere)
+        and of its first-order loss increase
+        :math:`\langle \operatorname{grad} L(w), \xi^*_{\text{block}} \rangle_w`
+        (``first_order``), from the maximiser itself
+        (:func:`~geoopt_quotient.sharpness.maximiser_shares`); :meth:`share_rows`
+        as a table. ``None`` otherwise.
+    shares_per_batch : list of list of dict or None
+        The same per batch.
     """
 
     value: float
@@ -110,6 +123,8 @@ class SharpnessResult(Table):
     plan: str = ""
     path_gaps: Optional[List[float]] = None
     exact_losses: Optional[List[float]] = None
+    shares: Optional[List[Dict[str, Any]]] = None
+    shares_per_batch: Optional[List[List[Dict[str, Any]]]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Every attribute, as plain Python values (JSON-serialisable)."""
@@ -145,6 +160,19 @@ class SharpnessResult(Table):
         if self.path_gaps is not None:
             for row, gap, exact in zip(rows, self.path_gaps, self.exact_losses or []):
                 row.update(path_gap=gap, exact_loss=exact)
+        return rows
+
+    def share_rows(self) -> List[Dict[str, Any]]:
+        r""":attr:`shares` as flat records, each with its fraction of the totals:
+        ``block``, ``kind``, ``norm_sq``, ``norm_share`` (of :math:`|\xi^*|^2`),
+        ``first_order``, ``first_order_share`` (of the first-order total; NaN when it is
+        0); empty without shares."""
+        rows = [dict(r) for r in self.shares or []]
+        norm = sum(r["norm_sq"] for r in rows)
+        first = sum(r["first_order"] for r in rows)
+        for row in rows:
+            row["norm_share"] = row["norm_sq"] / norm if norm else math.nan
+            row["first_order_share"] = row["first_order"] / first if first else math.nan
         return rows
 
 
@@ -285,6 +313,7 @@ def _result(
         flat = [r.index for r in records if r.perturbed == r.clean]
         zero_weights = zero_weight_parameters(plan, measured.weights) if flat else []
         warn_if_no_ascent(flat, len(records), zero_weights)
+    per_batch_shares = None if records[0].shares is None else [r.shares for r in records]
     gaps = exact_losses = None
     if records[0].path_gap is not None:
         gaps = [r.path_gap for r in records]
@@ -304,6 +333,8 @@ def _result(
         plan=summary,
         path_gaps=gaps,
         exact_losses=exact_losses,
+        shares=None if per_batch_shares is None else mean_shares(per_batch_shares),
+        shares_per_batch=per_batch_shares,
     )
 
 
@@ -403,6 +434,7 @@ def geodesic_sharpness(
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
     restarts: int = 0,
+    shares: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -527,6 +559,13 @@ def geodesic_sharpness(
         that of ``restarts=0`` with the same ``seed``, whose search from
         :math:`\xi = 0` is among them. Default 0; not available for an FSDP2-sharded
         model.
+    shares : bool
+        Worst case: also each block's and symmetry kind's share of every batch's
+        maximiser, its :math:`|\xi^*|^2` in the metric and its first-order loss increase
+        :math:`\langle \operatorname{grad} L(w), \xi^* \rangle_w`
+        (:attr:`SharpnessResult.shares`; from the maximiser and the first iterate's
+        gradient: no extra pass, one more vector of the ball's size per batch). Default
+        ``False``; not available for an FSDP2-sharded model.
 
     Returns
     -------
@@ -664,6 +703,7 @@ def geodesic_sharpness(
         norm=norm,
         restarts=restarts,
         keep_best_gradient=keep_best_gradient,
+        shares=shares,
     )
 
 
@@ -682,6 +722,7 @@ def adaptive_sharpness(
     keep_best_gradient: bool | None = None,
     process_group: Any = None,
     restarts: int = 0,
+    shares: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -737,6 +778,9 @@ def adaptive_sharpness(
     restarts : int
         Worst case: more Auto-PGD searches from seeded random points of the ball, the
         best kept, as for :func:`geodesic_sharpness` (default 0).
+    shares : bool
+        Worst case: each block's share of the maximiser, as for
+        :func:`geodesic_sharpness` (default ``False``).
 
     Returns
     -------
@@ -812,4 +856,5 @@ def adaptive_sharpness(
         norm=True,
         restarts=restarts,
         keep_best_gradient=keep_best_gradient,
+        shares=shares,
     )

@@ -151,7 +151,7 @@ class StudySettings:
     ----------
     rho_adaptive, rho_inv, rho_mix : float
         Ball radii of adaptive sharpness and of the geodesic balls per metric (defaults
-        :data:`~geoopt_quotient.sharpness.DEFAULT_RADII`: 0.2, 0.05, 0.01). The
+        :data:`~geoopt_quotient.sharpness.DEFAULT_RADII`: 0.01, 0.003, 0.003). The
         no-norm ablations use the adaptive ball (``rho_adaptive``); the no-curvature
         ablations the quotient ball of their metric.
     iters : int
