@@ -166,7 +166,18 @@ class QuotientManifold(Manifold):
 
 
 def has_group(manifold: Manifold) -> bool:
-    """Whether ``manifold`` is a quotient by a non-trivial group this package can act with."""
+    """Whether ``manifold`` is a quotient by a non-trivial group this package can act with.
+
+    Parameters
+    ----------
+    manifold : geoopt.manifolds.Manifold
+        Any manifold (Geoopt's own have no group here).
+
+    Returns
+    -------
+    bool
+        :attr:`QuotientManifold.has_group`, ``False`` for other manifolds.
+    """
     return bool(getattr(manifold, "has_group", False))
 
 
@@ -179,8 +190,29 @@ def random_group_element(
     generator: Optional[torch.Generator] = None,
     dtype: torch.dtype = torch.float64,
 ) -> Optional[torch.Tensor]:
-    """:meth:`QuotientManifold.random_element` of any manifold; ``None`` for a manifold
-    with no group this package knows (Geoopt's own manifolds, the adaptive geometry)."""
+    """:meth:`QuotientManifold.random_element` of any manifold.
+
+    Parameters
+    ----------
+    manifold : geoopt.manifolds.Manifold
+        Any manifold.
+    batch_shape : sequence of int
+        Leading shape of the points (one element each).
+    h : int
+        The points' rank (trailing size).
+    max_condition : float
+        Bound on the elements' condition number.
+    generator : torch.Generator or None
+        Random number generator.
+    dtype : torch.dtype
+        Dtype of the result.
+
+    Returns
+    -------
+    torch.Tensor or None
+        The elements; ``None`` for a manifold with no group this package knows (Geoopt's
+        own manifolds, the adaptive geometry).
+    """
     if not isinstance(manifold, QuotientManifold):
         return None
     return manifold.random_element(
@@ -189,7 +221,20 @@ def random_group_element(
 
 
 def group_label(manifold: Manifold, rank: int) -> str:
-    """:meth:`QuotientManifold.group_label` of any manifold; ``"-"`` without a known group."""
+    """:meth:`QuotientManifold.group_label` of any manifold.
+
+    Parameters
+    ----------
+    manifold : geoopt.manifolds.Manifold
+        Any manifold.
+    rank : int
+        The trailing size of its points.
+
+    Returns
+    -------
+    str
+        The group acting on one block with its dimension; ``"-"`` without a known group.
+    """
     return manifold.group_label(rank) if isinstance(manifold, QuotientManifold) else "-"
 
 

@@ -201,16 +201,28 @@ def probe_inputs_for(
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def default_probe(model: torch.nn.Module) -> Any:
+def default_probe(model: torch.nn.Module, guess: bool = True) -> Any:
     """Probe inputs for ``model``: random query, key and value for a
     ``torch.nn.MultiheadAttention`` (or a module like it), inputs built from a Hugging Face
-    config, or one input read off a first ``Embedding``, ``Linear`` or multi-head attention
-    layer.
+    config, or (with ``guess``) one input read off a first ``Embedding``, ``Linear`` or
+    multi-head attention layer.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    guess : bool
+        Read one input off the first layer when nothing else applies (default ``True``).
+
+    Returns
+    -------
+    dict, tuple or torch.Tensor
+        Keyword arguments, positional arguments or the one input of ``model``.
 
     Raises
     ------
     PlanError
-        If neither applies: pass ``probe_inputs=`` (or ``verify=False``).
+        If none applies: pass ``probe_inputs=`` (or ``verify=False``).
     """
     if _attention_like(model):
         p = next(model.parameters())
@@ -225,7 +237,7 @@ def default_probe(model: torch.nn.Module) -> Any:
         return (x, k, v)
     if getattr(_base_model(model), "config", None) is not None:
         return probe_inputs_for(model)
-    single = _single_input(model)
+    single = _single_input(model) if guess else None
     if single is None:
         raise PlanError(
             f"cannot build probe inputs for {type(model).__name__}: it has no Hugging Face "
@@ -280,10 +292,12 @@ def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def probe_for(model: torch.nn.Module, fallback: Any = None) -> Any:
-    """:func:`default_probe` of ``model``, or ``fallback`` (e.g. the loss on a batch) when
-    none can be built; the :class:`PlanError` when there is no fallback either."""
+    """Probe inputs for ``model``: built from its config (or an attention module's sizes),
+    else ``fallback`` (e.g. the loss on a batch of the user's data), else one input
+    guessed from its first layer (:func:`default_probe`); the :class:`PlanError` when
+    none of these applies."""
     try:
-        return default_probe(model)
+        return default_probe(model, guess=fallback is None)
     except PlanError:
         if fallback is None:
             raise
