@@ -784,7 +784,10 @@ def _separate_projections(
     path: str, module: torch.nn.Module, context: _Context
 ) -> Optional[Findings]:
     for q_name, k_name, v_name, o_names in SEPARATE_CONVENTIONS:
-        found = [_projection(module, n) for n in (q_name, k_name, v_name)]
+        query = _projection(module, q_name)
+        if query is None:  # most modules: no query child, no need to look further
+            continue
+        found = [query, _projection(module, k_name), _projection(module, v_name)]
         if any(f is None for f in found):
             continue
         o_found = next((f for n in o_names if (f := _projection(module, n)) is not None), None)
