@@ -143,10 +143,10 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             for kinds in ("default", "all"):
                 row = report["models"][model][kinds]
                 assert row["boxes"] > 0 and row["side_by_side"]["index_map_s"] > 0
-    if name == "sweep_zoo":  # an exact family, and one whose rotary claim is not exact today
+    if name == "sweep_zoo":  # gpt2, and cohere whose interleaved rotary planes are read
         rows = {row["family"]: row for row in report["families"]}
-        assert rows["gpt2"]["exact"] and not rows["cohere"]["exact"]
-        assert report["summary"]["not_exact"] == {"cohere": "query-key"}
+        assert rows["gpt2"]["exact"] and rows["cohere"]["exact"]
+        assert rows["cohere"]["groups"] and report["summary"]["not_exact"] == {}
     if name == "bench_precision":  # float64 is the reference, the others are compared to it
         rows = report["models"]["bert-tiny"]
         assert {r["mode"] for r in rows} == {"float64", "float32", "bf16-autocast"}
