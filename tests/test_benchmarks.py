@@ -44,6 +44,7 @@ QUICK = [
     "bench_gl_iteration",
     "bench_iteration_flops",
     "sweep_zoo",
+    "bench_verification",
 ]
 
 
