@@ -131,7 +131,7 @@ def measure(name: str, args) -> Dict[str, Any]:
     }
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(SHAPES), help="comma-separated")
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (4)")
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             f"{row['proven_over_call']:.3f}, proof / call {row['proof_over_call']:.3f}",
             flush=True,
         )
-    write_document("verification", args, rows)
+    return write_document("verification", args, rows)
 
 
 if __name__ == "__main__":
