@@ -357,12 +357,18 @@ def shard_for_study(
     metrics.pop(None, None)
     probe = probe_rows(batches[0][0], model)
     plans, failure = {}, None
-    try:
-        for index, metric in enumerate(metrics):
-            check = settings.verify and index == 0
-            plans[metric] = find_symmetries(
-                model, metric=metric, eps=settings.eps, verify=check, probe_inputs=probe
-            )
+    try:  # one discovery (and proof, on the unsharded model) serves every metric
+        found = None
+        for metric in metrics:
+            if found is None:
+                found = find_symmetries(
+                    model,
+                    metric=metric,
+                    eps=settings.eps,
+                    verify=settings.verify,
+                    probe_inputs=probe,
+                )
+            plans[metric] = found.with_metric(metric, settings.eps)
     except SymmetryVerificationError as error:
         failure = error
     if not all_agree(failure is None, device):

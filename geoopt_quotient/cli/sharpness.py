@@ -426,7 +426,8 @@ def _run(
         model, loss_fn, share, rho=radii["rho_adaptive"], **common
     )
     for metric in metrics:
-        symmetries = bound if metric == metrics[0] else None
+        # one discovery (and proof, on the unsharded model) for every metric
+        symmetries = bound if metric == metrics[0] else plan.with_metric(metric).bind(model)
         results[f"geodesic_{metric}"] = geodesic_sharpness(
             model,
             loss_fn,

@@ -43,6 +43,7 @@ from .probe import (
     pair_holds,
     recorded_forward,
     rotary_planes,
+    why_not_runnable,
 )
 from .verify import REPORT, SymmetryNotProvenWarning
 
@@ -691,11 +692,12 @@ def _unprobed_query_key(
     rotary: Optional[str],
     why_not: str,
 ) -> Tuple[bool, int, str, Optional[List[int]], Optional[str]]:
-    """Q/K of a model that could not be probed: on the meta device, the rotary geometry
-    read from the config and names (noted as unverified); otherwise left adaptive."""
+    """Q/K of a model that could not be probed: on the meta device or sharded, the rotary
+    geometry read from the config and names (noted as unverified); otherwise left
+    adaptive."""
     if rotary is None:
         return True, 0, "half", None, None
-    meta = any(p.is_meta for p in owner.parameters())
+    meta = bool(why_not_runnable(owner))  # on the meta device, or sharded (FSDP2)
     geometry, why = rotary_geometry(owner, context.model_config, head_dim)
     if not meta or geometry is None:
         reason = why_not if not meta else why
