@@ -186,7 +186,7 @@ def test_full_vit_b32_key_set_loads_with_12_qk_and_12_vo_groups_of_12_heads():
         assert group.count == 12 * 12
         assert tuple(group.index.shape[:2]) == (12, 12)  # blocks, heads
         assert group.index.shape[-1] == 64  # head width h: GL(64) per head
-    assert not [n for n in plan.notes if not n.startswith("verified")]
+    assert not [n for n in plan.notes if not n.startswith(("verified", "pairs not replayed"))]
 
 
 class Payload:
