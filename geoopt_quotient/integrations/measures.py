@@ -16,9 +16,8 @@ import torch
 
 from .._checks import ABLATIONS, NAMED_MEASURES, check_positive_float, split_measure
 from ..sharpness import DEFAULT_RADII, SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from ..sharpness.measure import loss_probe
-from ..symmetry import BoundPlan, SymmetryPlan, find_symmetries
-from ..symmetry.verify import probe_for
+from ..sharpness.measure import discover, loss_probe
+from ..symmetry import BoundPlan, SymmetryPlan
 
 __all__ = [
     "ABLATIONS",
@@ -214,12 +213,15 @@ def measure_sharpness(
             continue
         if metric not in plans:
             if not found:  # one discovery (and proof); the other metric's plan follows it
-                probe = probe_inputs
-                if verify and probe is None:
-                    probe = probe_for(model, loss_probe(loss_fn, batches))
+                fallback = loss_probe(loss_fn, batches) if probe_inputs is None else None
                 found.append(
-                    find_symmetries(
-                        model, metric=metric, eps=eps, verify=verify, probe_inputs=probe
+                    discover(
+                        model,
+                        metric,
+                        eps,
+                        fallback=fallback,
+                        verify=verify,
+                        probe_inputs=probe_inputs,
                     )
                 )
             plans[metric] = found[0].with_metric(metric, eps).bind(model)

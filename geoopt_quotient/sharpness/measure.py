@@ -25,7 +25,7 @@ from .._checks import check_choice, check_positive_float
 from ..errors import GeooptQuotientWarning
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
 from ..symmetry.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan, plan_metric
-from ..symmetry.verify import probe_for
+from ..symmetry.verify import ProbeError
 from .defaults import default_radius
 from .engine import (
     BatchRecord,
@@ -197,11 +197,36 @@ def resolve_plan(
     if isinstance(symmetries, BoundPlan):
         return symmetries
     if symmetries is None:
-        inputs = probe_for(model, probe)
-        return find_symmetries(model, metric=metric, eps=eps, probe_inputs=inputs).bind(model)
+        return discover(model, metric, eps, fallback=probe).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
     return symmetries.bind(model)
+
+
+def discover(
+    model: torch.nn.Module,
+    metric: str,
+    eps: float = 0.0,
+    *,
+    fallback: Callable[[torch.nn.Module], Any] | None = None,
+    **options: Any,
+) -> SymmetryPlan:
+    """:func:`~geoopt_quotient.symmetry.find_symmetries`, each group proven on probe inputs
+    built from the model (its config, or its first layer); where none can be built or run,
+    on ``fallback`` (e.g. :func:`loss_probe`, the loss on the first batch), so that the
+    user's ``loss_fn`` is called only where nothing else proves the plan.
+
+    Raises
+    ------
+    ProbeError
+        Where no probe runs the model and there is no ``fallback``.
+    """
+    try:
+        return find_symmetries(model, metric=metric, eps=eps, **options)
+    except ProbeError:
+        if fallback is None:
+            raise
+        return find_symmetries(model, metric=metric, eps=eps, probe_inputs=fallback, **options)
 
 
 def resolve_metric(symmetries: Symmetries, metric: str | None) -> str:

@@ -26,6 +26,7 @@ from .torch_nn import multihead_attention_pairs
 from .verify import (
     GroupCheck,
     PlanProof,
+    ProbeError,
     SymmetryNotProvenWarning,
     SymmetryVerificationError,
     probe_inputs_for,
@@ -40,6 +41,7 @@ __all__ = [
     "PairSpec",
     "PlanError",
     "PlanProof",
+    "ProbeError",
     "SymmetryGroup",
     "SymmetryNotProvenWarning",
     "SymmetryPlan",

@@ -54,6 +54,7 @@ from .plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan
 __all__ = [
     "GroupCheck",
     "PlanProof",
+    "ProbeError",
     "SymmetryNotProvenWarning",
     "SymmetryVerificationError",
     "WeightPrecision",
@@ -90,6 +91,11 @@ Probe = Callable[[torch.nn.Module], Any]
 
 class SymmetryVerificationError(PlanError):
     """A group of a symmetry plan changes the model's outputs: it is not a symmetry."""
+
+
+class ProbeError(PlanError):
+    """No probe inputs could be built for a model, or those built do not run it: pass
+    ``probe_inputs=``."""
 
 
 class SymmetryNotProvenWarning(GeooptQuotientWarning, UserWarning):
@@ -148,14 +154,14 @@ def probe_inputs_for(
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None:
-        raise PlanError(
+        raise ProbeError(
             f"cannot build probe inputs for {type(model).__name__}: it has no Hugging Face "
             "config; pass probe_inputs= (a dict of keyword arguments, a tuple or a tensor)"
         )
     try:
         signature = inspect.signature(base.forward).parameters
     except (TypeError, ValueError) as error:
-        raise PlanError(f"cannot inspect {type(base).__name__}.forward: {error}") from error
+        raise ProbeError(f"cannot inspect {type(base).__name__}.forward: {error}") from error
     device = next((p.device for p in base.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
     gen = generator or torch.Generator().manual_seed(0)
@@ -194,7 +200,7 @@ def probe_inputs_for(
     data_keys = {"input_ids", "pixel_values", "decoder_input_ids"}
     if missing or not data_keys & set(inputs):
         needs = ", ".join(missing) if missing else "inputs this function does not know"
-        raise PlanError(
+        raise ProbeError(
             f"cannot build probe inputs for {type(base).__name__} (forward needs {needs}); "
             "pass probe_inputs= (a dict of keyword arguments, a tuple or a tensor)"
         )
@@ -239,7 +245,7 @@ def default_probe(model: torch.nn.Module, guess: bool = True) -> Any:
         return probe_inputs_for(model)
     single = _single_input(model) if guess else None
     if single is None:
-        raise PlanError(
+        raise ProbeError(
             f"cannot build probe inputs for {type(model).__name__}: it has no Hugging Face "
             "config and its first layer does not say what it takes; pass probe_inputs= (a dict "
             "of keyword arguments, a tuple, a tensor or a function of the model), or verify=False"
@@ -289,19 +295,6 @@ def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
     if isinstance(first, torch.nn.MultiheadAttention):  # e.g. a TransformerEncoderLayer
         return torch.randn(2, 5, first.embed_dim, generator=gen, dtype=torch.float64).to(p)
     return None
-
-
-def probe_for(model: torch.nn.Module, fallback: Any = None) -> Any:
-    """Probe inputs for ``model``: built from its config (or an attention module's sizes),
-    else ``fallback`` (e.g. the loss on a batch of the user's data), else one input
-    guessed from its first layer (:func:`default_probe`); the :class:`PlanError` when
-    none of these applies."""
-    try:
-        return default_probe(model, guess=fallback is None)
-    except PlanError:
-        if fallback is None:
-            raise
-        return fallback
 
 
 def as_probe(probe_inputs: Any) -> Probe:
@@ -558,7 +551,7 @@ class _Prover:
         named = {f"model.{n}": p for n, p in params.items()}
         leaves = _float_leaves(functional_call(self.module, named, (), strict=False))
         if not leaves:
-            raise PlanError("the model's outputs on the probe inputs contain no floating tensor")
+            raise ProbeError("the model's outputs on the probe inputs contain no floating tensor")
         return leaves
 
     def draw(self, max_condition: float) -> List[Optional[torch.Tensor]]:
@@ -737,7 +730,7 @@ def prove_plan(
             if probe_inputs is not None or isinstance(error, PlanError):
                 raise
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise PlanError(
+            raise ProbeError(
                 f"the probe inputs built for {type(model).__name__} do not run it "
                 f"({type(error).__name__}: {first}); pass probe_inputs= (a dict of keyword "
                 "arguments, a tuple, a tensor or a function of the model), or verify=False"
