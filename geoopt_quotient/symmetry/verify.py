@@ -379,11 +379,6 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
-@contextlib.contextmanager
-def _nothing():
-    yield
-
-
 def _float_leaves(output: Any, key: str = "") -> List[torch.Tensor]:
     if any(s in key for s in SKIPPED_OUTPUT_KEYS):
         return []
@@ -592,7 +587,8 @@ class _Prover:
         # in float32) in a way that matters for the tolerance; the dispatch mode that reads
         # it costs Python time per operator, so it runs only there
         precision = WeightPrecision(roots)
-        with torch.enable_grad(), precision if self.dtype == torch.float64 else _nothing():
+        reading = precision if self.dtype == torch.float64 else contextlib.nullcontext()
+        with torch.enable_grad(), reading:
             leaves = self.outputs(params)
         lowest = precision.lowest or self.dtype
         reference = [t.detach().to(torch.float64) for t in leaves]
