@@ -291,3 +291,11 @@ def test_the_proof_and_its_controls_run_under_no_grad():
         n.startswith("verified 2") for n in plan.notes
     )
     assert not any("weak check" in n for n in plan.notes), plan.notes
+
+
+def test_discovery_under_autocast_proves_in_the_weights_precision():
+    model = tiny_llama().float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = gq.find_symmetries(model)
+    assert {g.kind for g in plan.groups} == {"query-key", "value-output"}
+    assert any("computing in float32" in n for n in plan.notes), plan.notes

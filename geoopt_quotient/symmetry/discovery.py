@@ -19,7 +19,7 @@ from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .probe import shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
-from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan
+from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan, without_autocast
 
 __all__ = ["find_symmetries"]
 
@@ -152,6 +152,12 @@ def find_symmetries(
     check_choice(metric, METRICS, "metric")
     eps = check_nonnegative_float(eps, "eps")
     wanted = _kinds(kinds)
+    with without_autocast():  # the model's own function, in its weights' precision
+        return _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted)
+
+
+def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted) -> SymmetryPlan:
+    """The body of :func:`find_symmetries`, its arguments checked."""
     with shared_records():  # one recorded probe forward for every detector
         found = _found(model, wanted, eps)
     specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]

@@ -38,7 +38,7 @@ import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.func import functional_call
@@ -295,6 +295,21 @@ def _single_input(model: torch.nn.Module) -> Optional[torch.Tensor]:
     if isinstance(first, torch.nn.MultiheadAttention):  # e.g. a TransformerEncoderLayer
         return torch.randn(2, 5, first.embed_dim, generator=gen, dtype=torch.float64).to(p)
     return None
+
+
+@contextlib.contextmanager
+def without_autocast() -> Iterator[None]:
+    """Autocast off on every device type where the caller turned it on: a symmetry is a
+    property of the model's function, checked in its weights' precision."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda", "xpu", "mps"):
+            try:
+                enabled = torch.is_autocast_enabled(device)
+            except (RuntimeError, TypeError):  # a device type this build does not know
+                continue
+            if enabled:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def as_probe(probe_inputs: Any) -> Probe:
@@ -719,7 +734,7 @@ def prove_plan(
     prover = _Prover(model, bound, probe, seed)
     if not prover.groups:
         return PlanProof(rtol=rtol or 0.0, precision=prover.dtype)
-    with preserved_model_state(model):
+    with preserved_model_state(model), without_autocast():
         try:
             reference, precision, grads = prover.reference()
         except Exception as error:
