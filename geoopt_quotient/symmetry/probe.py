@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.func import functional_call
 
+from .plan import SymmetryGroup
+
 __all__ = [
     "ForwardRecord",
     "RotaryReading",
@@ -511,22 +513,17 @@ def local_tolerance(dtype: torch.dtype) -> float:
 def moved_by_element(spec: Any, params: Dict[str, torch.Tensor], seed: int = 0):
     """The parameters of ``spec`` (a :class:`~geoopt_quotient.symmetry.PairSpec`) moved by
     a random element of its own group (``spec.manifold(...).random_element``, condition
-    number at most 4), acting per head as the manifold does."""
-    names = list(spec.params)
-    tensors = [params[n] for n in names]
-    dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
-    point = spec.layout(*tensors).to(dtype)
+    number at most 4), gathered and scattered by the pair's group as plans do."""
     manifold = spec.manifold("mix", 0.0)
-    gen = torch.Generator().manual_seed(seed)
+    group = SymmetryGroup.from_layout(spec.module, manifold, spec.params, spec.layout)
+    dtype = torch.float64 if params[group.param_names[0]].dtype == torch.float64 else torch.float32
+    point = group.gather(params).to(dtype)
     element = manifold.random_element(
-        (spec.num_heads,), h=spec.head_dim, max_condition=4.0, generator=gen, dtype=dtype
+        (spec.num_heads,),
+        h=spec.head_dim,
+        max_condition=4.0,
+        generator=torch.Generator().manual_seed(seed),
+        dtype=dtype,
     )
-    moved = manifold.act(point, element.to(point.device))
-    sizes = [t.numel() for t in tensors]
-    starts = torch.tensor([0, *sizes]).cumsum(0)
-    index = spec.layout(
-        *(torch.arange(s, s + n).reshape(t.shape) for s, n, t in zip(starts, sizes, tensors))
-    )
-    flat = torch.cat([t.reshape(-1) for t in tensors]).clone()
-    flat[index.reshape(-1)] = moved.reshape(-1).to(flat.dtype)
-    return {n: flat[s : s + c].view(t.shape) for n, s, c, t in zip(names, starts, sizes, tensors)}
+    moved = group.scatter(manifold.act(point, element.to(point.device)), params)
+    return {n: t.to(params[n].dtype) for n, t in moved.items()}
