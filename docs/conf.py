@@ -42,9 +42,8 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "sphinxcontrib.bibtex",
     # local extensions (docs/_ext)
-    "benchmark_tables",
+    "results_table",
     "project_directives",
-    "zoo_table",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -182,8 +181,6 @@ html_context = {"default_mode": "light"}
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
 
-# -- the benchmark tables (docs/_ext/benchmark_tables.py) ------------------------------------
+# -- the benchmark tables (docs/_ext/results_table.py) ------------------------------------
 
 benchmark_results_dir = str(ROOT / "benchmarks" / "results")
-# the table of causal-LM families (docs/_ext/zoo_table.py)
-zoo_sweep_file = str(ROOT / "benchmarks" / "results" / "zoo" / "causal_lm_sweep.json")

@@ -268,3 +268,47 @@ def test_malloc_retain_is_set_through_mallopt_and_recorded():
     }
     with pytest.raises(ValueError, match="malloc"):
         configure_malloc("jemalloc")
+
+
+def test_derived_result_files_are_what_their_measured_files_give(tmp_path):
+    """``derive_results.py --check`` passes on the committed files and fails once a
+    measured figure changes, until the derived file is written again from it."""
+    module = importlib.import_module("derive_results")
+    assert module.main(["--check"]) == 0
+    results = tmp_path / "results"
+    (results / "reproductions").mkdir(parents=True)
+    measured = json.loads((module.RESULTS / "reproductions/transformers_seeds.json").read_text())
+    path = results / "reproductions/transformers_seeds.json"
+    path.write_text(json.dumps(measured))
+    assert module.main(["--results", str(results), "--check"]) == 1  # no derived file yet
+    assert module.main(["--results", str(results)]) == 0
+    assert module.main(["--results", str(results), "--check"]) == 0
+    taus = [run["tau"]["adaptive"]["tau"] for run in measured["runs"]]
+    derived = json.loads(path.with_suffix(".derived.json").read_text())["derived"]
+    assert derived["tau_over_seeds"]["adaptive"]["max"] == max(taus)
+    measured["runs"][0]["tau"]["adaptive"]["tau"] = max(taus) + 1.0
+    path.write_text(json.dumps(measured))
+    assert module.main(["--results", str(results), "--check"]) == 1
+
+
+def test_results_table_cells_show_what_the_row_holds_and_nothing_else():
+    """The docs' ``results-table`` cells: units, bound keys, lists; a missing, ``None`` or
+    non-finite field reads "not measured", never a number."""
+    docs_ext = BENCHMARKS.parent / "docs" / "_ext"
+    pytest.importorskip("sphinx")
+    sys.path.insert(0, str(docs_ext))
+    try:
+        table = importlib.import_module("results_table")
+    finally:
+        sys.path.remove(str(docs_ext))
+    row = {"s": 0.01234, "m": "b", "a": {"b": [1, 2.5]}, "none": None, "nan": float("nan")}
+    assert table.cell("{s:ms:.1f} ms", row) == "12.3 ms"
+    assert table.cell("{s:%:.2g}%", row) == "1.2%"
+    assert table.cell("{a[$m][-1]:.1f}", row) == "2.5"
+    assert table.cell("{a[b]:range:.1f} / {a[b]:join:.0f}", row) == "1.0–2.5 / 1 / 2"
+    assert table.cell("{none:opt:.1f}", row) == "–"
+    for template in ("{none:.1f}", "{nan:.1f}", "{missing}", "{a[c]}", "{a[b][7]}", "x {s} {none}"):
+        assert table.cell(template, row) == table.NOT_MEASURED, template
+    rows = list(table.walk({"m": {"x": {"v": 1}, "y": 2}}, ["m", "{k}"], {}, None))
+    assert [(r["k"], r.get("v", r.get("value"))) for r in rows] == [("x", 1), ("y", 2)]
+    assert table.matches(rows[0], {"k": "x", "v": None}) and not table.matches(rows[1], {"v": None})
