@@ -23,15 +23,15 @@ bound to ``name`` (``{_doc[models][$model][plain_ms]}``), ``{a[-1]}`` a list's l
 
 A template is a :meth:`str.format` string over the row. A format spec may start with
 transforms separated by ``:``: a unit (``ms``, ``us``, ``%``, ``M``, ``GiB``, ``MiB``: the
-value scaled to it), ``*F`` or ``/F`` (scaled by a number), ``join`` (a list's items, or a
-mapping's ``key: value``, joined by " / "), ``shape`` (a list's items joined by " × "),
-``range`` (a list's least and greatest) and ``opt`` ("–" for ``None``: nothing to measure).
+value scaled to it), ``join`` (a list's items, or a mapping's ``key: value``, joined by
+" / "), ``shape`` (a list's items joined by " × "), ``range`` (a list's least and
+greatest) and ``opt`` ("–" for ``None``: nothing to measure).
 A cell whose field is missing, ``None`` or not finite reads "not measured": the tables
 show what the files hold, and nothing else; a column that no row fills is a warning.
 
 Under the table: the caption (``:caption:``, reStructuredText, formatted over the first
-file's document as ``_doc``), the files with the device, threads and software each
-records, and the command that writes them (``:command:``).
+file's document as ``_doc``: literal braces doubled), the files with the device, threads
+and software each records, and the command that writes them (``:command:``).
 """
 
 from __future__ import annotations
@@ -91,22 +91,13 @@ class CellFormatter(string.Formatter):
                 return (
                     f"{self.format_field(min(value), spec)}–{self.format_field(max(value), spec)}"
                 )
-            if transform != "opt":
-                value = self.scaled(value, transform)
+            if transform in UNITS and value is not None:
+                value = value * UNITS[transform]
+            elif transform not in (*UNITS, "opt"):
+                raise ValueError(f"unknown transform {transform!r}: {(*UNITS, *TRANSFORMS)}")
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
             raise Missing(spec)
         return format(value, spec)
-
-    @staticmethod
-    def scaled(value: Any, transform: str) -> Any:
-        if value is None:
-            raise Missing(transform)
-        if transform in UNITS:
-            return value * UNITS[transform]
-        if transform[:1] in "*/" and transform[1:]:
-            factor = float(transform[1:])
-            return value * factor if transform[0] == "*" else value / factor
-        raise ValueError(f"unknown transform {transform!r} (known: {', '.join(UNITS)}, *F, /F)")
 
 
 FORMATTER = CellFormatter()
@@ -128,7 +119,9 @@ def walk(node: Any, segments: List[str], bound: Dict[str, Any], up: Any) -> Iter
         return
     head, rest = segments[0], segments[1:]
     if head == "*" or (head.startswith("{") and head.endswith("}")):
-        items = node.items() if isinstance(node, dict) else enumerate(node or [])
+        if not isinstance(node, (dict, list)):
+            return
+        items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, child in items:
             names = {} if head == "*" else {head[1:-1]: key}
             yield from walk(child, rest, {**bound, **names}, node)
@@ -151,7 +144,7 @@ def environment(doc: Any) -> str:
     found: Dict[str, Any] = {}
     for section in (doc, doc.get("environment"), doc.get("settings")):
         if isinstance(section, dict):
-            for key in (*ENVIRONMENT_KEYS, "transformers"):
+            for key in (*ENVIRONMENT_KEYS, "transformers", "clock"):
                 if section.get(key) is not None and not isinstance(section[key], (dict, list)):
                     found.setdefault(key, section[key])
     parts = [f"{key} {value}" for key, value in found.items()]
@@ -250,7 +243,12 @@ class ResultsTable(SphinxDirective):
         out: List[nodes.Node] = [table_node([header for header, _ in columns], rows)]
         caption = self.options.get("caption")
         if caption:
-            out.extend(self.parse_text_to_nodes(cell(caption, {"_doc": sources[0][1]})))
+            text = cell(caption, {"_doc": sources[0][1]})
+            if text == NOT_MEASURED:
+                LOGGER.warning(
+                    "results-table: a field of the caption is missing", location=self.get_location()
+                )
+            out.extend(self.parse_text_to_nodes(text))
         out.append(self.provenance(sources))
         return out
 
