@@ -1,11 +1,11 @@
 """Figures derived from measured result files, written beside those files.
 
 The documentation's tables (``.. results-table::``) only format what a result file holds.
-Where a table shows a figure computed from several measured ones (a ratio, a median over
-seeds, a sum over operators), this script computes it from the file and writes it to
-``NAME.derived.json`` beside the file ``NAME.json`` (with the machine and settings that
-file records); it measures nothing and changes no measured file. Run it after a benchmark
-writes one of the files it knows::
+Where a table shows a figure computed from several measured ones (a median over seeds, a
+sum over operators) or a summary (the zoo sweep's one-line notes), this script computes
+it from the file and writes it to ``NAME.derived.json`` beside the file ``NAME.json``
+(with the machine and settings that file records); it measures nothing and changes no
+measured file. Run it after a benchmark writes one of the files it knows::
 
     python benchmarks/derive_results.py [--results benchmarks/results] [--check]
 
@@ -304,7 +304,7 @@ def main(argv: List[str] | None = None) -> int:
             if not args.check:
                 file.write_text(new)
     if args.check and stale:
-        print(f"derived figures out of date in: {', '.join(stale)}; run {sys.argv[0]}")
+        print(f"out of date: {', '.join(stale)}; run python benchmarks/derive_results.py")
         return 1
     print(f"{'stale' if stale else 'up to date'}: {', '.join(stale) or 'every file'}")
     return 0
