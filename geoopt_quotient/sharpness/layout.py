@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
 from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
@@ -676,17 +676,9 @@ class _Stack:
         if not self.padded:
             return groups[self.members[0]]
         first = groups[self.members[0]]
-        manifold: GLQuotient = first.manifold
         pieces = [groups[i].point for i in self.members]
         point = self._stacked(pieces, [groups[i].manifold for i in self.members], 0)
-        stacked = GLQuotient(
-            self.rows,
-            self.rows,
-            manifold.metric,
-            manifold.eps,
-            retraction=manifold.retraction,
-            expmap_steps=manifold.expmap_steps,
-        )
+        stacked = first.manifold.stacked(self.rows)
         return BallGroup(point.to(first.point.dtype), stacked)
 
     def unstacked(self, vector: torch.Tensor, plan: BoundPlan) -> List[torch.Tensor]:

@@ -59,7 +59,6 @@ import torch
 
 from ..errors import GeooptQuotientWarning
 from ..manifolds import GeodesicDomainError
-from ..manifolds._gl_tangent import GLTangentSpace
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.base import acts_per_point, has_elementwise_metric
 from .apgd import BallGroup, _prepare, _straight, as_scalar
@@ -225,7 +224,7 @@ def _slice_gap(
     (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
     (space,) = ball.spaces
     same_manifold = exact.path is None and exact.manifold is group.manifold
-    if same_manifold and isinstance(space, GLTangentSpace) and retract is not _straight:
+    if same_manifold and space.integrates_geodesic and retract is not _straight:
         return _controlled_gap(space, retract(x, v), v, buffers.like("difference", x, x.dtype))
     (_, (geodesic,)) = _prepare([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
     end = geodesic(x, v)
@@ -313,7 +312,7 @@ class _SpanEnds:
 
     def __init__(self, space, v: torch.Tensor):
         self.space, self.v = space, v
-        self.span = space._span(v)
+        self.span = space.span_geodesic(v)
         self.expmaps = space.expmaps(v) if self.span is None else None
 
     def __call__(self, steps: int, checked: bool = True) -> Any:
