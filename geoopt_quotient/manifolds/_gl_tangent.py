@@ -45,10 +45,11 @@ __all__ = [
 
 
 class ProjectionKernel(Protocol):
-    r"""The horizontal projection of a geometry at one point as a batched kernel:
-    :math:`T = \Omega^\top` of the vertical component :math:`(-F\Omega, H\Omega^\top)`
-    to remove, from :math:`D = H^\top \nabla_H - \nabla_G^\top G` of the metric-converted
-    gradient (``(B, h, h)``, the points flattened to one batch dimension)."""
+    r"""The horizontal projection of the Riemannian gradient at one point as a batched
+    kernel: :math:`T = \Omega^\top` of the shift :math:`(G\Omega, -H\Omega^\top)` along
+    the orbit that makes the converted gradient :math:`\nabla_F K_F` horizontal, from
+    :math:`D = H^\top \nabla_H - \nabla_G^\top G` of the Euclidean gradient
+    :math:`\nabla` (``(B, h, h)``, the points flattened to one batch dimension)."""
 
     def transposed_omega(self, d: torch.Tensor) -> torch.Tensor:
         """:math:`T` of each point, ``(B, h, h)``, for ``d`` (any dtype; computed in the
@@ -744,11 +745,12 @@ def _riemannian_gradient(
     out: torch.Tensor,
     out_cross: torch.Tensor,
 ) -> torch.Tensor:
-    r""":math:`g_F = \nabla_F K_F + F\,O_F` (module docstring), written into ``out``
-    (like ``grad``, returned), and its :math:`F^\top g_F = (F^\top \nabla_F) K_F +
-    F^\top F\,O_F` from ``h x h`` products alone, into ``out_cross``; ``cross``:
-    :math:`F^\top \nabla_F` where known (:func:`_pull_back_`), ``grams``:
-    :math:`F^\top F`, all three ``(2 B, h, h)``."""
+    r""":math:`g_F = \nabla_F K_F + F\,O_F` with :math:`O = [T^\top; -T]`, :math:`T`
+    the kernel's projection of :math:`D = H^\top\nabla_H - \nabla_G^\top G`
+    (:class:`ProjectionKernel`), written into ``out`` (like ``grad``, returned), and its
+    :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F` from ``h x h`` products
+    alone, into ``out_cross``; ``cross``: :math:`F^\top \nabla_F` where known
+    (:func:`_pull_back_`), ``grams``: :math:`F^\top F`, all three ``(2 B, h, h)``."""
     if cross is None:
         cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
