@@ -412,8 +412,8 @@ class GLQuotient(QuotientManifold):
         of the geodesic (:meth:`geodesic`, ``_christoffel``,
         ``_christoffel_coefficients``) says which kernels still apply by defining this
         method too (``BatchedKernels(projection=None, span_geodesic=False)``: the
-        reference formulas, on the batched metric conversion); without, defining the
-        class raises :class:`TypeError` (:meth:`__init_subclass__`).
+        reference formulas, on the batched metric conversion); without, the class
+        definition raises :class:`TypeError`.
 
         Returns
         -------
