@@ -28,11 +28,11 @@ from geoopt_quotient import (
 )
 from geoopt_quotient.sharpness import apgd
 from geoopt_quotient.sharpness.apgd import (
-    _evaluate,
-    _prepare,
-    _update_weights,
     apgd_checkpoints,
+    evaluate_in_ball,
+    prepare_ball,
     random_tangent,
+    update_weights,
 )
 from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.sharpness.precision import AutocastState
@@ -156,7 +156,7 @@ def gram_update(ball, xi, xi_prev, rgrads, step, alpha, gram=None):
     """The same update as one combination, out of place, in the engine's arithmetic
     (``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)`` where known)."""
     gram = ball.gram((xi, rgrads, xi_prev)) if gram is None else gram
-    weights, _ = _update_weights(gram, step, alpha, ball.rho)
+    weights, _ = update_weights(gram, step, alpha, ball.rho)
     wa, wb, wc = weights.unbind()
     return [
         (c * wc.to(c.dtype)).addcmul(a, wa.to(a.dtype)).addcmul(g, wb.to(g.dtype))
@@ -168,7 +168,7 @@ def textbook_apgd(
     groups, objective, *, rho, iters, init="zero", seed=0, momentum=0.75, update=gram_update
 ):
     """Auto-PGD written out plainly: out-of-place updates, the best gradient kept."""
-    ball, paths = _prepare(groups, rho, "second_order")
+    ball, paths = prepare_ball(groups, rho, "second_order")
     if init == "zero":
         xi = [torch.zeros_like(x) for x in ball.points]
     else:
@@ -176,7 +176,7 @@ def textbook_apgd(
         xi = ball.project(ball.random(generator, ball.rho))
     autocast = AutocastState.capture()
     step, checkpoints = 2.0 * rho, apgd_checkpoints(iters)
-    value_t, grads = _evaluate(ball, paths, objective, xi, True, autocast)
+    value_t, grads = evaluate_in_ball(ball, paths, objective, xi, True, autocast)
     value = best_value = float(value_t)
     best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
@@ -194,7 +194,7 @@ def textbook_apgd(
         alpha = 1.0 if k == 0 else momentum
         xi_next = update(ball, xi, xi_prev, rgrads, step, alpha, gram)
         need_grad = k + 1 < iters
-        value_t, new_grads = _evaluate(ball, paths, objective, xi_next, need_grad, autocast)
+        value_t, new_grads = evaluate_in_ball(ball, paths, objective, xi_next, need_grad, autocast)
         new_value = float(value_t)
         history.append(new_value)
         increases += int(new_value > value)

@@ -121,10 +121,14 @@ def path_function(manifold: Manifold, path: str) -> Path:
         return manifold.expmap
     if path == "second_order":
         return manifold.retr
-    return _straight
+    return straight_path
 
 
-def _straight(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def straight_path(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    r"""The straight path :math:`x + u` (``path="straight"``, and ``"second_order"`` where
+    the retraction is the straight line). The evaluations recognise it by identity
+    (``path is straight_path``) and write :math:`x + \xi` into a buffer of their own
+    (:func:`explicit_path`)."""
     return x + u
 
 
@@ -145,8 +149,9 @@ def apgd_checkpoints(iters: int) -> List[int]:
     return [w for w in marks if 0 < w <= iters]
 
 
-class _Ball:
-    """The feasible set and its geometry at fixed base points.
+class TangentBall:
+    """The feasible set and its geometry at fixed base points: the ball of
+    :func:`maximize_in_ball` and :func:`average_in_ball`, made by :func:`prepare_ball`.
 
     Its vectors are in :func:`compute_dtype` of their points (float32 for a bfloat16 or
     float16 model): Auto-PGD's iterates and the paths' arithmetic keep full precision,
@@ -162,7 +167,7 @@ class _Ball:
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
-        #: last update left it (:func:`_apgd_update`); taken by the next evaluation.
+        #: last update left it (:func:`apgd_update`); taken by the next evaluation.
         self.written: Tuple[List[torch.Tensor], List[bool]] | None = None
         #: Sums a local inner product or Gram matrix over the processes that hold the
         #: other pieces of the ball (a sharded model's); ``None``: the ball is all here.
@@ -346,9 +351,17 @@ class _Ball:
         ]
 
 
-def _prepare(
+def prepare_ball(
     groups: Sequence[Union[BallGroup, Tuple[torch.Tensor, Manifold]]], rho: float, path: str
-) -> Tuple[_Ball, List[Path]]:
+) -> Tuple[TangentBall, List[Path]]:
+    """The ball of radius ``rho`` at the groups' points, and each group's path.
+
+    Checks the arguments as :func:`maximize_in_ball` documents them (``groups`` as
+    :class:`BallGroup` or ``(point, manifold)`` pairs, ``rho > 0``, ``path`` one of
+    :data:`PATHS`) and resolves each group's path: its own ``path``, else the named one
+    at the ball's tangent space (:func:`straight_path` where the retraction is the
+    straight line, so that the evaluation writes the point into a buffer).
+    """
     groups = [g if isinstance(g, BallGroup) else BallGroup(*g) for g in groups]
     if not groups:
         raise ValueError("`groups` is empty: nothing to perturb")
@@ -360,7 +373,7 @@ def _prepare(
                 f"base points must be floating-point tensors, got {g.point.dtype}; "
                 "convert the model with .float() or .double()"
             )
-    ball = _Ball(groups, float(rho))
+    ball = TangentBall(groups, float(rho))
     paths = [g.path or _space_path(space, path) for g, space in zip(groups, ball.spaces)]
     return ball, paths
 
@@ -371,11 +384,11 @@ def _space_path(space, path: str) -> Path:
         return lambda x, u: space.expmap(u)
     if path == "second_order" and not space.straight_retraction:
         return _Retraction(space)
-    return _straight
+    return straight_path
 
 
 class _Retraction:
-    """The retraction of a tangent space, as a path; :func:`_evaluate` uses the space's
+    """The retraction of a tangent space, as a path; :func:`evaluate_in_ball` uses the space's
     explicit pullback (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retr_vjp`)
     where it has one."""
 
@@ -386,12 +399,14 @@ class _Retraction:
         return self.space.retr(u)
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A new generator on ``device`` seeded with ``seed``: the random starts and samples of
+    this module and the Hessian estimators draw from it, on the model's device."""
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _evaluate(
-    ball: _Ball,
+def evaluate_in_ball(
+    ball: TangentBall,
     paths: Sequence[Path],
     objective: Objective,
     xi: Sequence[torch.Tensor],
@@ -403,9 +418,9 @@ def _evaluate(
 
     The paths run in full precision, the objective under the caller's ``autocast``. A
     straight path :math:`x + \xi` in the point's own dtype is written into the ball's
-    :meth:`~_Ball.perturbed_buffer` and differentiated there (its gradient is that of
+    :meth:`~TangentBall.perturbed_buffer` and differentiated there (its gradient is that of
     :math:`\xi`, bit for bit); so is a retraction with an explicit pullback
-    (:func:`_explicit_path`), whose pullback then maps that gradient to one with respect
+    (:func:`explicit_path`), whose pullback then maps that gradient to one with respect
     to :math:`\xi`, in place. The gradients are the leaves' ``.grad``, which autograd
     copies where it cannot hand over a buffer of its own: they belong to the caller.
 
@@ -426,7 +441,7 @@ def _evaluate(
     written = ball.take_written(xi)
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
         buffer = functools.partial(ball.perturbed_buffer, index)
-        point, pullback = _explicit_path(p, x, v, buffer, written[index])
+        point, pullback = explicit_path(p, x, v, buffer, written[index])
         if point is not None:
             leaf = point.detach().requires_grad_(grad)
             leaves.append(leaf)
@@ -455,7 +470,7 @@ def _evaluate(
     return value.detach().reshape(()), grads
 
 
-def _explicit_path(
+def explicit_path(
     path: Path,
     x: torch.Tensor,
     v: torch.Tensor,
@@ -466,11 +481,11 @@ def _explicit_path(
     there to one with respect to ``v`` (``None``: the identity), for the paths that
     have them without autograd: the straight line and explicit retractions. ``(None,
     None)`` for the others. ``written``: the straight line's point is in ``buffer()``
-    already (:meth:`_Ball.take_written`)."""
+    already (:meth:`TangentBall.take_written`)."""
     if v.dtype != x.dtype:
         return None, None
     with torch.no_grad():
-        if path is _straight:
+        if path is straight_path:
             return (buffer() if written else torch.add(x, v, out=buffer())), None
         if isinstance(path, _Retraction):
             explicit = path.space.retr_vjp(v, buffer())
@@ -620,7 +635,7 @@ def maximize_in_ball(
     and iterates to be written into: with those in use, never more than it held at once
     before, so that a run stops allocating once it has that many.
     Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
-    :math:`\xi_{k-1}` (see :func:`_apgd_update`), written into a freed iterate's buffer;
+    :math:`\xi_{k-1}` (see :func:`apgd_update`), written into a freed iterate's buffer;
     the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
     gradient is a reference, not a copy. When Auto-PGD restarts from an earlier best
     iterate (after halving the step), that iterate's gradient is the kept one, or is recomputed:
@@ -694,7 +709,7 @@ def _maximize(
     keep_best_gradient: bool | None = None,
     keep_initial_gradient: bool = False,
 ) -> BallMaxResult:
-    ball, paths = _prepare(groups, rho, path)
+    ball, paths = prepare_ball(groups, rho, path)
     ball.reduce_sum = getattr(objective, "reduce_sum", None)
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
@@ -710,7 +725,7 @@ def _maximize(
     def evaluate(xi: Sequence[torch.Tensor], grad: bool):
         ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
         try:
-            return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
+            return evaluate_in_ball(ball, paths, objective, xi, grad, autocast, recycled)
         finally:
             ball.pending = None  # announced for this evaluation only
 
@@ -751,9 +766,7 @@ def _maximize(
             recycled.append(rgrads)  # read by the update, then free
         gram = _known_gram(known, (xi, rgrads, xi_prev))
         known = None
-        xi_next, grad_norm = _apgd_update(
-            ball, xi, xi_prev, rgrads, step, alpha, out, gram, targets
-        )
+        xi_next, grad_norm = apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out, gram, targets)
         # alive while the objective runs: xi, the previous xi and the best xi
         xi_prev, xi, rgrads = xi, xi_next, None
         need_grad = k + 1 < iters
@@ -811,7 +824,7 @@ def _maximize(
 
 
 def _initial_vector(
-    ball: _Ball, init: Union[str, Sequence[torch.Tensor]], seed: int
+    ball: TangentBall, init: Union[str, Sequence[torch.Tensor]], seed: int
 ) -> List[torch.Tensor]:
     """Auto-PGD's first iterate: zero, random, or the given vector projected onto the
     feasible set, in a buffer of its own (the loop writes into freed iterates)."""
@@ -819,7 +832,7 @@ def _initial_vector(
         check_choice(init, ("zero", "random"), "init")
         if init == "zero":
             return ball.zeros()
-        return ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
+        return ball.project(ball.random(seeded_generator(ball.points[0].device, seed), ball.rho))
     init = list(init)
     shapes = [tuple(v.shape) for v in init]
     if shapes != [tuple(x.shape) for x in ball.points]:
@@ -837,7 +850,7 @@ def _initial_vector(
 
 
 def _perturbed_targets(
-    ball: _Ball, paths: Sequence[Path], objective: Objective
+    ball: TangentBall, paths: Sequence[Path], objective: Objective
 ) -> List[Tuple[torch.Tensor, torch.Tensor] | None] | None:
     """Per group, ``(x, buffer)`` where the update writes the perturbed point
     :math:`x + \\xi` as well, in its sweep over the new iterate (a straight path in the
@@ -854,7 +867,9 @@ def _perturbed_targets(
     if buffer is None:
         return None
     targets = [
-        (x, buffer(i)) if path is _straight and dtype == x.dtype and not capped(x.device) else None
+        (x, buffer(i))
+        if path is straight_path and dtype == x.dtype and not capped(x.device)
+        else None
         for i, (path, x, dtype) in enumerate(zip(paths, ball.points, ball.dtypes))
     ]
     return targets if any(t is not None for t in targets) else None
@@ -871,8 +886,8 @@ def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -
     return all(vector is not other for other in in_use)
 
 
-def _apgd_update(
-    ball: _Ball,
+def apgd_update(
+    ball: TangentBall,
     xi: Sequence[torch.Tensor],
     xi_prev: Sequence[torch.Tensor],
     rgrads: Sequence[torch.Tensor],
@@ -884,10 +899,10 @@ def _apgd_update(
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     r"""Auto-PGD's next iterate, written into ``out``, and the norm of the Riemannian
     gradient ``rgrads`` at ``xi``; ``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)``
-    where the caller has it (:meth:`_Ball.riemannian_gradient_gram_`); ``targets``: per
+    where the caller has it (:meth:`TangentBall.riemannian_gradient_gram_`); ``targets``: per
     group, ``(x, buffer)`` where the straight path's perturbed point :math:`x + \xi_{next}`
     is written too, in the same sweep (:func:`_perturbed_targets`; recorded in
-    :attr:`_Ball.written` for the next evaluation), or ``None``.
+    :attr:`TangentBall.written` for the next evaluation), or ``None``.
 
     With :math:`g` the Riemannian gradient, :math:`P` the radial scaling into the ball and
     :math:`\eta` the step,
@@ -900,7 +915,7 @@ def _apgd_update(
     Both are linear combinations of :math:`\xi`, :math:`g` and :math:`\xi_{prev}`, and
     radial scaling multiplies by :math:`\min(1, \rho / |v|)`, so the whole update is
     :math:`\xi_{next} = w_1 \xi + w_2 g + w_3 \xi_{prev}` with weights from the 3 × 3
-    Gram matrix of the three vectors (:func:`_update_weights`): one read of the vectors
+    Gram matrix of the three vectors (:func:`update_weights`): one read of the vectors
     for the Gram matrix and one for the combination, instead of a pass per operation.
     ``out`` may be ``xi_prev`` itself; the other inputs are only read. Each group's
     tangent space is told the combination
@@ -913,7 +928,7 @@ def _apgd_update(
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
         gram, ball.derived_run = ball.gram(vectors), 0
-    weights, grad_norm = _update_weights(gram, step, alpha, ball.rho)
+    weights, grad_norm = update_weights(gram, step, alpha, ball.rho)
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
     shifts = [None] * len(out) if targets is None else targets
     derived = []  # told the tensors written once all are: a write may bump another's version
@@ -934,7 +949,7 @@ def _apgd_update(
 
 
 #: At most this many Gram matrices in a row have iterate entries derived from the
-#: previous update's (:meth:`_Ball.riemannian_gradient_gram_`); the next is summed whole.
+#: previous update's (:meth:`TangentBall.riemannian_gradient_gram_`); the next is summed whole.
 MAX_DERIVED_RUN = 8
 
 
@@ -957,10 +972,10 @@ def _with_column(iterates: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     return torch.stack((a, g0, b, g0, g1, g2, b, g2, c)).view(3, 3)
 
 
-def _update_weights(
+def update_weights(
     gram: torch.Tensor, step: float, alpha: float, rho: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`_apgd_update` from their
+    r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`apgd_update` from their
     Gram matrix (float64), and :math:`|g|`."""
     xx, xg, gg = gram[0, 0], gram[0, 1], gram[1, 1]
     grad_norm = gg.clamp_min(0).sqrt()
@@ -995,7 +1010,7 @@ def combine_(
     r"""Auto-PGD's update kernel: ``out = w_2 v_2 + w_0 v_0 + w_1 v_1``, in this order.
 
     The one pass over the vectors that each Auto-PGD update makes
-    (:func:`_apgd_update`: :math:`\xi_{next} = w_0 \xi + w_1 g + w_2 \xi_{prev}`),
+    (:func:`apgd_update`: :math:`\xi_{next} = w_0 \xi + w_1 g + w_2 \xi_{prev}`),
     block by block on the CPU (:data:`COMBINE_BLOCK` entries), whole tensors elsewhere.
     Its order of operations fixes the rounding of every iterate, so benchmarks and tests
     that time or check the update call it directly.
@@ -1135,13 +1150,13 @@ def average_in_ball(
     """
     autocast = AutocastState.capture()
     with autocast.disabled():
-        ball, paths = _prepare(groups, rho, path)
+        ball, paths = prepare_ball(groups, rho, path)
         samples = check_positive_int(samples, "samples")
-        generator = _generator(ball.points[0].device, seed)
+        generator = seeded_generator(ball.points[0].device, seed)
         values = []
         for _ in range(samples):
             xi = ball.random(generator, ball.rho)
-            values.append(_evaluate(ball, paths, objective, xi, False, autocast)[0])
+            values.append(evaluate_in_ball(ball, paths, objective, xi, False, autocast)[0])
     per_sample = torch.stack(values).tolist()
     for index, value in enumerate(per_sample):
         _raise_if_not_finite(value, 0.0, index)
