@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.sharpness import apgd
+from geoopt_quotient.sharpness import apgd, buffers
 from geoopt_quotient.sharpness import ball as ball_module
 from geoopt_quotient.sharpness import layout as layout_module
 from geoopt_quotient.sharpness.apgd import BallGroup, maximize_in_ball
@@ -752,7 +752,7 @@ def test_iterates_reuse_their_buffers(keep, most):
     best iterate holds both (after a restart) over the iterate the restart left."""
     objective, _ = restarting_objective()
     allocations = []
-    original = apgd._joint_buffer
+    original = buffers.joint_buffer
 
     def counted(*args, **kwargs):
         allocations.append(1)
@@ -760,7 +760,7 @@ def test_iterates_reuse_their_buffers(keep, most):
 
     point = torch.ones(3, dtype=torch.float64)
     try:
-        apgd._joint_buffer = counted
+        buffers.joint_buffer = counted
         result = maximize_in_ball(
             [(point, gq.AdaptiveEuclidean())],
             objective,
@@ -769,7 +769,7 @@ def test_iterates_reuse_their_buffers(keep, most):
             keep_best_gradient=keep,
         )
     finally:
-        apgd._joint_buffer = original
+        buffers.joint_buffer = original
     assert result.gradients >= 40
     assert len(allocations) <= most
 
@@ -783,7 +783,7 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
     iterate a restart left) is written over, not dropped for a new one to be faulted in."""
     model, batches = tiny_bert()
     allocations = []
-    joint, gradient_buffers = apgd._joint_buffer, layout_module.BallLayout.gradient_buffers
+    joint, gradient_buffers = buffers.joint_buffer, layout_module.BallLayout.gradient_buffers
 
     def counted_joint(*args, **kwargs):
         allocations.append("iterate")
@@ -794,7 +794,7 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
             allocations.append("gradient")
         return gradient_buffers(self, spare)
 
-    monkeypatch.setattr(apgd, "_joint_buffer", counted_joint)
+    monkeypatch.setattr(buffers, "joint_buffer", counted_joint)
     monkeypatch.setattr(layout_module.BallLayout, "gradient_buffers", counted_gradients)
     result = measure(model, batches, "adaptive", rho=0.5, iters=30, keep_best_gradient=keep)
     restarts = sum(result.backward_passes) - 30 * len(batches)

@@ -34,6 +34,7 @@ from geoopt_quotient.sharpness.apgd import (
     random_tangent,
     update_weights,
 )
+from geoopt_quotient.sharpness.buffers import AutoPGDVectors
 from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.sharpness.precision import AutocastState
 
@@ -259,20 +260,27 @@ def test_auto_pgd_is_bitwise_the_textbook_loop(init, keep, monkeypatch):
     assert (restarts == 0) if keep else (restarts > 0)  # the recomputed gradient was used
 
 
-#: The local names under which Auto-PGD's loop holds the ball's vectors.
-BALL_VECTORS = ("xi", "xi_prev", "best_xi", "rgrads", "best_rgrads", "grads", "spare")
+def ball_tensors(value) -> list:
+    """The tensors of ``value`` if it is a vector of the ball (a list of tensors) or a
+    list of them; none for anything else (a scalar tensor is no vector of the ball)."""
+    if not isinstance(value, list):
+        return []
+    return [t for item in value for t in ([item] if torch.is_tensor(item) else ball_tensors(item))]
 
 
 def ball_vectors_alive() -> int:
     """The distinct storages of the vectors Auto-PGD's loop holds (its iterates and
-    gradients), read from the loop's frame: the ball's own buffers, whatever other
-    tensors are alive in the process."""
+    gradients, and the free vectors it keeps for reuse), read from the loop's frame: every
+    vector of its :class:`AutoPGDVectors` and of its own locals, whatever other tensors
+    are alive in the process."""
     frame = sys._getframe()
-    while frame is not None and frame.f_code is not apgd._maximize.__code__:
+    while frame is not None and frame.f_code is not apgd.auto_pgd.__code__:
         frame = frame.f_back
     assert frame is not None, "not called from inside Auto-PGD's loop"
     local = frame.f_locals
-    tensors = [t for name in BALL_VECTORS for t in (local.get(name) or ())]
+    assert isinstance(local["vectors"], AutoPGDVectors)
+    held = [*vars(local["vectors"]).values(), *local.values()]
+    tensors = [t for value in held for t in ball_tensors(value)]
     return len({t.untyped_storage().data_ptr() for t in tensors})
 
 

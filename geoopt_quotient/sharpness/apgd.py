@@ -26,6 +26,8 @@ from ..errors import GeooptQuotientError
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.adaptive import GradientSweep
 from ..manifolds.tangent import tangent_space
+from . import buffers
+from .buffers import AutoPGDVectors
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
 
@@ -162,7 +164,8 @@ class TangentBall:
         self.points = [g.point.detach() for g in groups]
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
-        #: Per group, whether its vectors get buffers of their own (:func:`_joint_buffer`)
+        #: Per group, whether its vectors get buffers of their own
+        #: (:func:`~geoopt_quotient.sharpness.buffers.joint_buffer`)
         self.apart = [space.own_buffer for space in self.spaces]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
@@ -193,8 +196,8 @@ class TangentBall:
         return sum(x.numel() * d.itemsize for x, d in zip(self.points, self.dtypes))
 
     def zeros(self) -> List[torch.Tensor]:
-        """The zero vector, in one :func:`_joint_buffer`."""
-        return _joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
+        """The zero vector, in one :func:`~geoopt_quotient.sharpness.buffers.joint_buffer`."""
+        return buffers.joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._reduced(sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v)))
@@ -332,7 +335,7 @@ class TangentBall:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
         same at every call: the straight paths write into it instead of allocating anew."""
         if self._perturbed is None:
-            self._perturbed = _joint_buffer(self.points)
+            self._perturbed = buffers.joint_buffer(self.points)
         return self._perturbed[index]
 
     def take_written(self, xi: Sequence[torch.Tensor]) -> List[bool]:
@@ -709,118 +712,243 @@ def _maximize(
     keep_best_gradient: bool | None = None,
     keep_initial_gradient: bool = False,
 ) -> BallMaxResult:
+    """:func:`maximize_in_ball` with autocast off, ``autocast`` its caller's."""
     ball, paths = prepare_ball(groups, rho, path)
     ball.reduce_sum = getattr(objective, "reduce_sum", None)
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
-    xi = _initial_vector(ball, init, seed)
-    # the vectors of the ball no longer needed (gradients, iterates a restart left), for
-    # the next updates and evaluations to write into: a model-sized buffer allocated anew
-    # is faulted in page by page, which costs several copies' worth of time. Taken before
-    # anything is allocated, so the vectors alive never outnumber the most the loop needs
-    # at once (with the kept gradient: three iterates and two gradients)
-    recycled: List[List[torch.Tensor]] = []
+    vectors = AutoPGDVectors(_initial_vector(ball, init, seed), ball.apart, keep)
+    passes = BallPasses(ball, paths, objective, autocast, vectors)
+    return auto_pgd(
+        passes,
+        iters=iters,
+        momentum=momentum,
+        check_finite=check_finite,
+        keep_initial_gradient=keep_initial_gradient,
+    )
 
-    def evaluate(xi: Sequence[torch.Tensor], grad: bool):
-        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
-        try:
-            return evaluate_in_ball(ball, paths, objective, xi, grad, autocast, recycled)
-        finally:
-            ball.pending = None  # announced for this evaluation only
 
-    def riemannian(grads: List[torch.Tensor], xi, xi_prev) -> Tuple[List[torch.Tensor], Tuple]:
-        """The Riemannian gradient, and the Gram matrix the next update reads, with the
-        vectors it is of (the update recomputes it for others, after a restart)."""
-        rgrads, gram = ball.riemannian_gradient_gram_(grads, xi, xi_prev)
-        return rgrads, (gram, xi, rgrads, xi_prev)
+#: Auto-PGD halves its step at a checkpoint where the objective rose in fewer than this
+#: fraction of the steps since the last one (:math:`\rho` of Croce & Hein, 2020).
+RISING_FRACTION = 0.75
 
-    targets = _perturbed_targets(ball, paths, objective)
-    step = 2.0 * ball.rho
-    ball.expect_gradient(xi, xi)
-    value_t, grads = evaluate(xi, grad=True)
+
+class StepRule:
+    r"""Croce & Hein's step size rule of Auto-PGD.
+
+    The step :math:`\eta` starts at :math:`2\rho` (the ball's diameter). At each checkpoint
+    :math:`w_j` (:func:`apgd_checkpoints`) it is halved when either
+
+    1. the objective rose in fewer than :data:`RISING_FRACTION` of the steps since the
+       last checkpoint, :math:`\#\{k \in [w_{j-1}, w_j) : f(\xi_{k+1}) > f(\xi_k)\}
+       < 0.75\,(w_j - w_{j-1})`, or
+    2. the step was not halved at the last checkpoint and the best value did not rise
+       since, :math:`f_{best}(w_j) \le f_{best}(w_{j-1})`;
+
+    the loop then restarts from the best iterate.
+
+    Parameters
+    ----------
+    rho : float
+        The ball's radius.
+    iters : int
+        The number of iterations :math:`N` (the checkpoints' scale).
+    value : float
+        The objective at the first iterate (the first checkpoint's best value).
+    """
+
+    def __init__(self, rho: float, iters: int, value: float):
+        self.step = 2.0 * rho
+        self.checkpoints = apgd_checkpoints(iters)
+        self.last_mark, self.increases = 0, 0
+        self.best_at_last_mark, self.halved_at_last_mark = value, True
+
+    def record(self, rose: bool) -> None:
+        """One step taken: whether the objective rose along it."""
+        self.increases += int(rose)
+
+    def halves_after(self, iteration: int, best_value: float) -> bool:
+        """Whether the step is halved after ``iteration`` iterations (1-based), which
+        halves it there; ``best_value``: the best objective so far."""
+        if iteration not in self.checkpoints:
+            return False
+        since = iteration - self.last_mark
+        too_few_increases = self.increases < RISING_FRACTION * since
+        stalled = (not self.halved_at_last_mark) and best_value <= self.best_at_last_mark
+        self.halved_at_last_mark = too_few_increases or stalled
+        if self.halved_at_last_mark:
+            self.step /= 2.0
+        self.last_mark, self.increases, self.best_at_last_mark = iteration, 0, best_value
+        return self.halved_at_last_mark
+
+
+def auto_pgd(
+    passes: BallPasses,
+    *,
+    iters: int,
+    momentum: float,
+    check_finite: bool,
+    keep_initial_gradient: bool,
+) -> BallMaxResult:
+    r"""Auto-PGD (Croce & Hein, 2020) over the ball of ``passes``, from its first iterate.
+
+    With :math:`g_k` the Riemannian gradient at :math:`\xi_k`, :math:`P` the projection
+    onto the ball (radial scaling), :math:`\eta` the step of :class:`StepRule` and
+    :math:`\alpha` the momentum (1 at the first step),
+
+    .. math::
+
+        z_{k+1} = P\Big(\xi_k + \eta \frac{g_k}{|g_k|}\Big), \qquad
+        \xi_{k+1} = P\big(\xi_k + \alpha (z_{k+1} - \xi_k)
+            + (1 - \alpha)(\xi_k - \xi_{k-1})\big)
+
+    (one linear combination, :func:`apgd_update`), for :math:`k = 0, \dots, N - 1`, with
+    the step rule of Croce & Hein (:class:`StepRule`): :math:`\eta = 2\rho` at first;
+    at each checkpoint :math:`w_j = \lceil p_j N \rceil`, :math:`p_0 = 0, p_1 = 0.22,
+    p_{j+1} = p_j + \max(p_j - p_{j-1} - 0.03, 0.06)` (:func:`apgd_checkpoints`), before
+    the last iteration, :math:`\eta` is halved when the objective rose in fewer than
+    75% (:data:`RISING_FRACTION`) of the steps since the last checkpoint, or when it was
+    not halved there and the best value has not risen since. Where it is halved, the
+    loop restarts from the best iterate (:math:`\xi_{k-1}` stays), with the gradient
+    there kept or recomputed. The last iterate is evaluated without its gradient.
+
+    Which buffer holds each vector is :class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors`'s
+    concern, and the arithmetic on the ball :class:`BallPasses`'s: neither changes a
+    value.
+
+    Parameters
+    ----------
+    passes : BallPasses
+        The ball, the objective and the vectors the loop holds, at the first iterate.
+    iters : int
+        The number of iterations :math:`N \ge 1`.
+    momentum : float
+        :math:`\alpha` after the first step.
+    check_finite : bool
+        Raise :class:`NonFiniteError` at a NaN/Inf value or gradient.
+    keep_initial_gradient : bool
+        Return a copy of the Riemannian gradient at the first iterate.
+
+    Returns
+    -------
+    BallMaxResult
+        As :func:`maximize_in_ball` returns it.
+    """
+    vectors = passes.vectors
+    value_t = passes.evaluate_iterate(grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
-    initial = best_value = value
-    best_xi = xi_prev = xi
-    rgrads, known = riemannian(grads, xi, xi)
-    initial_gradient = [g.clone() for g in rgrads] if keep_initial_gradient else None
-    best_rgrads = rgrads if keep else None
-    history, steps, evaluations, gradients = [value], [], 1, 1
-    checkpoints = apgd_checkpoints(iters)
-    last_mark, increases = 0, 0
-    best_at_last_mark, step_halved_at_last_mark = value, True
+    passes.make_riemannian()
+    initial_gradient = [g.clone() for g in vectors.rgrads] if keep_initial_gradient else None
+    if vectors.keep_best_gradient:
+        vectors.best_rgrads = vectors.rgrads
+    rule, initial, best_value = StepRule(passes.ball.rho, iters, value), value, value
+    history, steps = [value], []
     for k in range(iters):
-        alpha = 1.0 if k == 0 else momentum
-        # written over an input the update reads each entry of before writing it (the
-        # previous iterate), else a vector freed earlier (an iterate a restart left, a
-        # gradient), else the gradient, unless the best iterate holds them
-        if _is_free(xi_prev, (xi, best_xi)):
-            out = xi_prev
-        elif recycled:  # not the gradient: no staging in combine_
-            out = recycled.pop()
-        elif rgrads is not best_rgrads:
-            out = rgrads
-        else:
-            out = _joint_buffer(xi, apart=ball.apart)
-        if out is not rgrads and rgrads is not best_rgrads:
-            recycled.append(rgrads)  # read by the update, then free
-        gram = _known_gram(known, (xi, rgrads, xi_prev))
-        known = None
-        xi_next, grad_norm = apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out, gram, targets)
-        # alive while the objective runs: xi, the previous xi and the best xi
-        xi_prev, xi, rgrads = xi, xi_next, None
+        grad_norm = passes.update(rule.step, alpha=1.0 if k == 0 else momentum)
         need_grad = k + 1 < iters
-        if need_grad:
-            ball.expect_gradient(xi, xi_prev)
-        new_value_t, grads = evaluate(xi, grad=need_grad)
-        evaluations, gradients = evaluations + 1, gradients + int(need_grad)
-        # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
+        new_value_t = passes.evaluate_iterate(grad=need_grad)
+        # the loop's one host read: the new value, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
         if check_finite:
             _raise_if_not_finite(new_value, norm, k)
-        steps.append(step)
+        steps.append(rule.step)
         history.append(new_value)
-        increases += int(new_value > value)
+        rule.record(new_value > value)
         value = new_value
-        # ``grads`` is made Riemannian in place (the same list) at the end of the
-        # iteration, unless a restart leaves its iterate behind
         if new_value > best_value:
-            if _is_free(best_xi, (xi, xi_prev)):  # an earlier best iterate
-                recycled.append(best_xi)
-            best_value, best_xi = new_value, xi
-            if keep and need_grad:
-                if best_rgrads is not None:
-                    recycled.append(best_rgrads)
-                best_rgrads = grads
-        if k + 1 in checkpoints and need_grad:
-            since = k + 1 - last_mark
-            too_few_increases = increases < 0.75 * since
-            stalled = (not step_halved_at_last_mark) and best_value <= best_at_last_mark
-            step_halved_at_last_mark = too_few_increases or stalled
-            if step_halved_at_last_mark:
-                step /= 2.0
-                if best_xi is not xi:  # restart from the best iterate, with its gradient
-                    recycled += [xi, grads]  # the iterate left behind and its gradient
-                    xi, value, grads = best_xi, best_value, None
-                    if keep:
-                        rgrads = best_rgrads
-                    else:  # converted alone, as the kept one: the update computes the Gram
-                        # matrix, in the same arithmetic whether the gradient is kept or not
-                        rgrads = ball.riemannian_gradients_(evaluate(xi, grad=True)[1])
-                        evaluations, gradients = evaluations + 1, gradients + 1
-            last_mark, increases, best_at_last_mark = k + 1, 0, best_value
-        if grads is not None:
-            (rgrads, known), grads = riemannian(grads, xi, xi_prev), None
+            best_value = new_value
+            vectors.take_best()
+        if need_grad and rule.halves_after(k + 1, best_value):
+            if vectors.best_xi is not vectors.xi:
+                passes.restart()
+                value = best_value
+        if vectors.grads is not None:
+            passes.make_riemannian()
     return BallMaxResult(
         value=best_value,
-        xi=[v.detach() for v in best_xi],
+        xi=[v.detach() for v in vectors.best_xi],
         initial_value=initial,
         history=history,
         step_sizes=steps,
-        evaluations=evaluations,
-        gradients=gradients,
+        evaluations=passes.evaluations,
+        gradients=passes.gradients,
         initial_gradient=initial_gradient,
     )
+
+
+class BallPasses:
+    """What Auto-PGD's loop asks of the ball: evaluations of the objective at the current
+    iterate, its gradient made Riemannian, updates and restarts, on the vectors of an
+    :class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors` (which decides their
+    buffers), counting the passes.
+
+    Between a gradient made Riemannian and the next update it keeps the Gram matrix of
+    :math:`(\\xi_k, g_k, \\xi_{k-1})` that the conversion computed in the same sweep
+    (:meth:`TangentBall.riemannian_gradient_gram_`, whose iterate entries may be derived
+    from the last update's), for the update to read instead of summing it anew.
+    """
+
+    def __init__(self, ball: TangentBall, paths, objective, autocast, vectors: AutoPGDVectors):
+        self.ball, self.paths, self.objective, self.autocast = ball, paths, objective, autocast
+        self.vectors = vectors
+        self.targets = _perturbed_targets(ball, paths, objective)
+        #: ``(G, xi, rgrads, xi_prev)`` of the last conversion, until the next update
+        self.known: Tuple | None = None
+        self.evaluations, self.gradients = 0, 0
+
+    def evaluate(self, xi: Sequence[torch.Tensor], grad: bool):
+        """:func:`evaluate_in_ball` at ``xi``, its gradient possibly written into a free
+        vector; ``(value, gradient or None)``."""
+        ball = self.ball
+        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
+        try:
+            free = self.vectors.free
+            args = (ball, self.paths, self.objective, xi, grad, self.autocast, free)
+            value, grads = evaluate_in_ball(*args)
+        finally:
+            ball.pending = None  # announced for this evaluation only
+        self.evaluations, self.gradients = self.evaluations + 1, self.gradients + int(grad)
+        return value, grads
+
+    def evaluate_iterate(self, grad: bool) -> torch.Tensor:
+        """The objective at the current iterate (a 0-d tensor), its gradient (``grad``)
+        announced to the ball for the next conversion and kept in the vectors."""
+        vectors = self.vectors
+        if grad:
+            self.ball.expect_gradient(vectors.xi, vectors.xi_prev)
+        value, grads = self.evaluate(vectors.xi, grad)
+        vectors.set_gradient(grads)
+        return value
+
+    def make_riemannian(self) -> None:
+        """The last evaluation's gradient made Riemannian in place, with the Gram matrix
+        the next update reads."""
+        v = self.vectors
+        rgrads, gram = self.ball.riemannian_gradient_gram_(v.grads, v.xi, v.xi_prev)
+        self.known = (gram, v.xi, rgrads, v.xi_prev)
+        v.set_riemannian(rgrads)
+
+    def update(self, step: float, alpha: float) -> torch.Tensor:
+        """Auto-PGD's next iterate (:func:`apgd_update`) made the current one; returns the
+        norm of the gradient it stepped along (a 0-d tensor)."""
+        v = self.vectors
+        out = v.output()
+        gram, self.known = _known_gram(self.known, (v.xi, v.rgrads, v.xi_prev)), None
+        args = (self.ball, v.xi, v.xi_prev, v.rgrads, step, alpha, out, gram, self.targets)
+        xi_next, grad_norm = apgd_update(*args)
+        v.advance(xi_next)
+        return grad_norm
+
+    def restart(self) -> None:
+        """Back to the best iterate, with the gradient there: the kept one, else
+        recomputed (one more pass) and converted alone, so that the update computes the
+        Gram matrix, in the same arithmetic whether the gradient is kept or not."""
+        vectors = self.vectors
+        vectors.restart()
+        if vectors.rgrads is None:
+            grads = self.evaluate(vectors.xi, grad=True)[1]
+            vectors.rgrads = self.ball.riemannian_gradients_(grads)
 
 
 def _initial_vector(
@@ -843,7 +971,7 @@ def _initial_vector(
     vectors = [
         v.detach().to(dtype=d, device=x.device) for v, d, x in zip(init, ball.dtypes, ball.points)
     ]
-    out = _joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
+    out = buffers.joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
     for o, v in zip(out, ball.project(vectors)):
         o.copy_(v)
     return out
@@ -880,10 +1008,6 @@ def _known_gram(known: Tuple | None, vectors: Tuple) -> torch.Tensor | None:
     if known is None or any(a is not b for a, b in zip(known[1:], vectors)):
         return None
     return known[0]
-
-
-def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -> bool:
-    return all(vector is not other for other in in_use)
 
 
 def apgd_update(
@@ -1048,51 +1172,6 @@ def combine_(
             o.copy_(target)
         if shifted:
             torch.add(shifted[0], target, out=shifted[1])
-
-
-def _joint_buffer(
-    like: Sequence[torch.Tensor],
-    dtypes: Sequence[torch.dtype] | None = None,
-    zero: bool = False,
-    apart: Sequence[bool] | None = None,
-) -> List[torch.Tensor]:
-    """New tensors shaped like ``like`` (in ``dtypes``, default theirs), views of one flat
-    buffer per dtype and device, but those marked in ``apart``, each in a buffer of its
-    own: the views of one buffer share one version counter, so that a write into one of
-    them would drop what a tangent space keeps about another while its counter is
-    unchanged (:attr:`~geoopt_quotient.manifolds.tangent.TangentSpace.own_buffer`).
-
-    A vector of the ball lives for several iterations, next to per-parameter buffers that
-    come and go in every forward and backward pass. In one allocation of its own, as large
-    as the model, it stays out of the allocator's pool of small blocks, and is returned
-    whole when freed, instead of pinning that pool at its high-water mark. Each view
-    starts at a multiple of :data:`ALIGNMENT` bytes, as a tensor of its own would: a
-    weight matrix perturbed in a view that starts mid-cache-line slows the model's
-    matrix products.
-    """
-    dtypes = [t.dtype for t in like] if dtypes is None else dtypes
-    apart = [False] * len(like) if apart is None else apart
-    keys = [
-        (dtype, t.device, index if alone else -1)
-        for index, (dtype, t, alone) in enumerate(zip(dtypes, like, apart))
-    ]
-    starts, sizes = [], {}
-    for key, t in zip(keys, like):
-        step = max(ALIGNMENT // key[0].itemsize, 1)
-        start = -(-sizes.get(key, 0) // step) * step
-        starts.append(start)
-        sizes[key] = start + t.numel()
-    make = torch.zeros if zero else torch.empty
-    flat = {key: make(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    return [
-        flat[key][start : start + t.numel()].view(t.shape)
-        for key, start, t in zip(keys, starts, like)
-    ]
-
-
-#: Alignment in bytes of the views of :func:`_joint_buffer` (a cache line, and what
-#: PyTorch's CPU allocator gives each tensor).
-ALIGNMENT = 64
 
 
 def average_in_ball(

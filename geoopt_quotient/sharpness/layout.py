@@ -28,7 +28,7 @@ With the element-wise metric, fusing the groups changes nothing but the order of
 with :math:`x = (x_1, \dots, x_k)` concatenated,
 :math:`|\xi|_x^2 = \sum_i |\xi_i|_{x_i}^2` and :math:`\gamma_x(\xi)_i = x_i + \xi_i`.
 Each parameter starts at a multiple of
-:data:`~geoopt_quotient.sharpness.apgd.ALIGNMENT` bytes, as a tensor of its own would;
+:data:`~geoopt_quotient.sharpness.buffers.ALIGNMENT` bytes, as a tensor of its own would;
 the gaps are zero in the base point, the iterates (which start at zero) and the
 gradients, and stay zero.
 """
@@ -45,7 +45,8 @@ import torch
 from ..manifolds import AdaptiveEuclidean, GLQuotient
 from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
-from .apgd import ALIGNMENT, BallGroup, as_scalar, explicit_path
+from .apgd import BallGroup, as_scalar, explicit_path
+from .buffers import ALIGNMENT
 from .functional import check_depends_on_perturbation
 
 __all__ = ["BallLayout"]
