@@ -636,7 +636,9 @@ def maximize_in_ball(
     With an objective that writes the gradient into a vector of the ball (the engine's
     flat layout), the loop also keeps the vectors it has freed, for the next gradients
     and iterates to be written into: with those in use, never more than it held at once
-    before, so that a run stops allocating once it has that many.
+    before, so that a run stops allocating once it has that many
+    (:class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors`; the loop itself is
+    :func:`auto_pgd`).
     Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
     :math:`\xi_{k-1}` (see :func:`apgd_update`), written into a freed iterate's buffer;
     the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
@@ -887,9 +889,29 @@ class BallPasses:
     :math:`(\\xi_k, g_k, \\xi_{k-1})` that the conversion computed in the same sweep
     (:meth:`TangentBall.riemannian_gradient_gram_`, whose iterate entries may be derived
     from the last update's), for the update to read instead of summing it anew.
+
+    Parameters
+    ----------
+    ball : TangentBall
+        The feasible set (:func:`prepare_ball`).
+    paths : sequence of callable
+        Per group, the path from a tangent vector to the perturbed point.
+    objective : callable
+        ``objective(points) -> scalar tensor``, as :func:`maximize_in_ball` takes it.
+    autocast : AutocastState
+        The caller's autocast, under which the objective runs.
+    vectors : AutoPGDVectors
+        The loop's vectors, at the first iterate.
     """
 
-    def __init__(self, ball: TangentBall, paths, objective, autocast, vectors: AutoPGDVectors):
+    def __init__(
+        self,
+        ball: TangentBall,
+        paths: Sequence[Path],
+        objective: Objective,
+        autocast: AutocastState,
+        vectors: AutoPGDVectors,
+    ):
         self.ball, self.paths, self.objective, self.autocast = ball, paths, objective, autocast
         self.vectors = vectors
         self.targets = _perturbed_targets(ball, paths, objective)

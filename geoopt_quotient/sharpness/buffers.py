@@ -17,7 +17,8 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["ALIGNMENT", "AutoPGDVectors", "joint_buffer"]
+#: Nothing here is meant for users: the names are the sharpness engine's internal interface.
+__all__: List[str] = []
 
 #: Alignment in bytes of the views of :func:`joint_buffer` (a cache line, and what
 #: PyTorch's CPU allocator gives each tensor).
