@@ -16,6 +16,8 @@ from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mixture_attention import mixture_of_attention_pairs
 from .mlp import gated_mlp_pairs
+from .norm_gains import norm_gain_pairs
+from .output_gate import gated_output_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .probe import shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
@@ -192,6 +194,8 @@ def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findi
     found.extend(latent_attention_pairs(model))
     found.extend(mixture_of_attention_pairs(model))
     found.extend(find_attention(model, skip=set(found.claimed)))
+    gated_output_pairs(model, found)  # V/O's diagonal subgroup under an output gate
+    norm_gain_pairs(model, found)  # the gains of q/k norms, where V/O's GL(h) is not had
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))
         found.extend(expert_pairs(model))
