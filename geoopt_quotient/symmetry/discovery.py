@@ -56,6 +56,13 @@ def find_symmetries(
       same projection layouts (BART, OPT, Whisper...), fused and multi-query layouts
       (GPT-BigCode ``c_attn``, MPT and DBRX ``Wqkv``, CTRL, OpenAI GPT), attention
       sinks;
+    * attention with an elementwise output gate (AFMoE, Qwen3-Next, Qwen3.5): V/O by its
+      diagonal subgroup, one GL(1) pair per head dimension of each key/value head
+      (:func:`~geoopt_quotient.symmetry.gated_output_pairs`);
+    * q/k-normalised attention whose V/O is not quotiented by GL(h) (Gemma 3n, Gemma 4,
+      Doge, and the gated ones): the gains of the q and k norms scaled by :math:`s` and
+      :math:`1/s` per rotary plane, one GL(1) pair each, kind ``"query-key"``
+      (:func:`~geoopt_quotient.symmetry.norm_gain_pairs`);
     * mixture-of-attention heads (JetMoE:
       :func:`~geoopt_quotient.symmetry.mixture_of_attention_pairs`);
     * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, LongCat...): per head

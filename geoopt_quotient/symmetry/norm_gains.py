@@ -27,9 +27,10 @@ Gemma 3n's shared key/value layers, stacked below) and :math:`H` = the same entr
 continuous symmetry of Q/K that survives the norms.
 
 Only norms that multiply by their gain, :math:`\mathrm{norm}(x; \gamma) = \gamma \odot
-f(x)`, are claimed (checked numerically on the norm module): a norm with
-:math:`(1 + \gamma)` (Qwen3-Next's zero-centred gains) or a bias makes the scaling an
-affine map of the parameters, which is not a group action on them, and is noted instead.
+f(x)`, or :math:`\gamma \odot f(x) + \beta` with the bias scaled alike, are claimed
+(checked numerically on the norm module): a norm with :math:`(1 + \gamma)` (Qwen3-Next's
+zero-centred gains) makes the scaling an affine map of the parameters, which is not a
+linear group action on them, and is noted instead.
 Where V/O's full :math:`\mathrm{GL}(h)` is quotiented the gains are left as they are.
 The rotary planes are read by probing the model's rotary function
 (:func:`~geoopt_quotient.symmetry.probe.rotary_planes`); every pair is replayed on its
@@ -48,7 +49,7 @@ from .layouts import PairSpec, child_path
 from .output_gate import AttentionProjections, attention_projections
 from .probe import ForwardRecord, local_tolerance, recorded_forward, rotary_planes
 
-__all__ = ["multiplies_by_gain", "norm_gain_pairs"]
+__all__ = ["gain_names", "gain_pairs", "key_sharers", "multiplies_by_gain", "norm_gain_pairs"]
 
 #: (query norm, key norm) children of q/k-normalised attention.
 NORM_PAIRS = (
@@ -72,7 +73,7 @@ GAIN_NOTE = (
 #: The note where the norms do not multiply by their gains.
 AFFINE_NOTE = (
     "Q/K normalised ({q}, {k}) with gains that do not simply multiply (a (1 + weight) "
-    "gain or a bias): scaling the gains by s and 1/s is an affine map of the parameters, "
+    "gain): scaling the gains by s and 1/s is an affine map of the parameters, "
     "not a linear group action on them, and is not claimed; Q/K's GL(h) does not survive "
     "the norms: Q/K left to the adaptive geometry"
 )
@@ -91,13 +92,22 @@ def _gain(norm: object, size: int) -> Optional[torch.nn.Parameter]:
     return None
 
 
+def gain_names(norm: torch.nn.Module, size: int) -> Tuple[str, ...]:
+    r"""The norm's per-dimension parameters the scaling acts on: ``weight``, and ``bias``
+    where the norm has one of the same size (the output :math:`\gamma \odot f(x) + \beta`
+    is linear in the pair)."""
+    bias = getattr(norm, "bias", None)
+    with_bias = isinstance(bias, torch.nn.Parameter) and bias.shape == torch.Size((size,))
+    return ("weight", "bias") if with_bias else ("weight",)
+
+
 def multiplies_by_gain(norm: torch.nn.Module, size: int) -> bool:
     r"""Whether ``norm`` computes :math:`\gamma \odot f(x)` of its gain ``weight``.
 
     Checked on random inputs: with gains :math:`r` and :math:`r \odot d` (random, of
-    either sign) the outputs must differ by the factor :math:`d` entry by entry, within
-    the local tolerance of the norm's precision. A :math:`(1 + \gamma)` gain or a bias
-    fails.
+    either sign; a bias of the same size, if any, drawn and scaled alike: see
+    :func:`gain_names`) the outputs must differ by the factor :math:`d` entry by entry,
+    within the local tolerance of the norm's precision. A :math:`(1 + \gamma)` gain fails.
 
     Parameters
     ----------
@@ -115,16 +125,21 @@ def multiplies_by_gain(norm: torch.nn.Module, size: int) -> bool:
     if weight is None:
         return False
     generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape, signed=False):
+        values = 4.0 ** (2 * torch.rand(shape, generator=generator, dtype=torch.float64) - 1)
+        if signed:
+            values = values * torch.where(torch.rand(shape, generator=generator) < 0.5, -1, 1)
+        return values.to(weight.device, weight.dtype)
+
     x = torch.randn(3, 2, size, generator=generator, dtype=torch.float64)
-    r = 0.5 + torch.rand(size, generator=generator, dtype=torch.float64)
-    d = (4.0 ** (2 * torch.rand(size, generator=generator, dtype=torch.float64) - 1)) * torch.where(
-        torch.rand(size, generator=generator) < 0.5, -1.0, 1.0
-    ).to(torch.float64)
-    x, r, d = (t.to(weight.device, weight.dtype) for t in (x, r, d))
+    x = x.to(weight.device, weight.dtype)
+    names, d = gain_names(norm, size), draw(size, signed=True)
+    values = {n: draw(size, signed=True) for n in names}
     try:
         with torch.no_grad():
-            a = functional_call(norm, {"weight": r}, (x,), strict=False)
-            b = functional_call(norm, {"weight": r * d}, (x,), strict=False)
+            a = functional_call(norm, values, (x,), strict=False)
+            b = functional_call(norm, {n: v * d for n, v in values.items()}, (x,), strict=False)
     except Exception:
         return False
     scale = (a * d).abs().max().clamp_min(torch.finfo(a.dtype).tiny)
@@ -169,7 +184,9 @@ def key_sharers(model: torch.nn.Module) -> Dict[str, List[str]]:
         q_name = _query_norm_only(module)
         source = last.get(getattr(module, "layer_type", None))
         if q_name is not None and source is not None:
-            sharers.setdefault(source, []).append(child_path(child_path(path, q_name), "weight"))
+            norm, size = getattr(module, q_name), getattr(module, q_name).weight.numel()
+            gains = [child_path(child_path(path, q_name), n) for n in gain_names(norm, size)]
+            sharers.setdefault(source, []).extend(gains)
     return sharers
 
 
@@ -199,7 +216,8 @@ def gain_pairs(
 ) -> PairSpec:
     """The rank-one pairs of the gains of ``norms`` over ``units`` (each a rotary plane's
     two dimensions, or one dimension): :math:`G` = the unit's entries of the query norm's
-    gain (then of each of ``sharers``' gains), :math:`H` = those of the key norm's gain.
+    gain and bias, if any (then of each of ``sharers``' gains), :math:`H` = those of the
+    key norm's.
 
     Parameters
     ----------
@@ -219,15 +237,21 @@ def gain_pairs(
     """
     hd, width, count = projections.head_dim, len(units[0]), len(units)
     index = torch.tensor([list(u) for u in units], dtype=torch.long)
-    q_gain, k_gain = (child_path(child_path(projections.path, n), "weight") for n in norms)
-    params = {name: torch.Size((hd,)) for name in (q_gain, *sharers, k_gain)}
+    q_gains, k_gains = (
+        [
+            child_path(child_path(projections.path, n), g)
+            for g in gain_names(getattr(projections.module, n), hd)
+        ]
+        for n in norms
+    )
+    params = {name: torch.Size((hd,)) for name in (*q_gains, *sharers, *k_gains)}
 
     def layout(*gains):
         return torch.cat([g[index].reshape(count, width, 1) for g in gains], dim=-2)
 
-    n = width * (1 + len(sharers))
+    n, m = width * (len(q_gains) + len(sharers)), width * len(k_gains)
     return PairSpec(
-        "query-key", projections.path, params, layout, n, width, 1, count, label=GAIN_SCALING
+        "query-key", projections.path, params, layout, n, m, 1, count, label=GAIN_SCALING
     )
 
 
