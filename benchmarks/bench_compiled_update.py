@@ -65,7 +65,7 @@ def ball_vectors(model: torch.nn.Module):
     """The ball's points (one flat buffer, as in the engine) and three feasible vectors."""
     manifold = gq.AdaptiveEuclidean()
     points = flat_points(model)
-    ball, _ = apgd._prepare([(p, manifold) for p in points], 0.1, "straight")
+    ball, _ = apgd.prepare_ball([(p, manifold) for p in points], 0.1, "straight")
     generator = torch.Generator().manual_seed(0)
     xi, grads, xi_prev = (ball.clip(ball.random(generator, 1.0)) for _ in range(3))
     return ball, points, xi, grads, xi_prev

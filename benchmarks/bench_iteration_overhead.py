@@ -263,11 +263,11 @@ def marginal_cost(
 def flat_points(model: torch.nn.Module) -> List[torch.Tensor]:
     """The model's parameters as the ball's points of an adaptive measure: one flat,
     aligned buffer (the sharpness engine's layout)."""
-    from geoopt_quotient.sharpness.layout import _Flat
+    from geoopt_quotient.sharpness.layout import FlatBuffer
 
     params = [p.detach() for p in model.parameters()]
     names = [str(i) for i in range(len(params))]
-    flat = _Flat(names, [p.shape for p in params], params[0].dtype, params[0].device)
+    flat = FlatBuffer(names, [p.shape for p in params], params[0].dtype, params[0].device)
     return [flat.filled(params)]
 
 
@@ -289,8 +289,8 @@ def update_breakdown(model, repeats: int) -> Dict[str, float]:
 
     manifold = gq.AdaptiveEuclidean()
     points = flat_points(model)  # as the engine's ball
-    ball, _ = apgd._prepare([(p, manifold) for p in points], 0.1, "straight")
-    unit, _ = apgd._prepare([(torch.ones_like(p), manifold) for p in points], 0.1, "straight")
+    ball, _ = apgd.prepare_ball([(p, manifold) for p in points], 0.1, "straight")
+    unit, _ = apgd.prepare_ball([(torch.ones_like(p), manifold) for p in points], 0.1, "straight")
     generator = torch.Generator().manual_seed(0)
     xi, xi_prev, grads = (ball.clip(ball.random(generator, 1.0)) for _ in range(3))
     weights = torch.tensor([0.5, 0.25, -0.25]).unbind()

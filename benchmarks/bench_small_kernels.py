@@ -139,7 +139,7 @@ def geometry(repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
         space = group.manifold.tangent_space(x)
         rows[f"{group.kind} {tuple(x.shape)}"] = group_row(space, repeats, generator)
         groups.append(BallGroup(x, group.manifold))
-    for stack in layout._stacks(groups, list(range(len(groups)))):
+    for stack in layout.group_stacks(groups, list(range(len(groups)))):
         if not stack.padded:
             continue
         stacked = stack.group(groups)

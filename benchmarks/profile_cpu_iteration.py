@@ -305,7 +305,7 @@ def _tensors(value: Any):
 
 #: Functions of this package that call autograd: the backward pass's operators below
 #: them are the model's.
-AUTOGRAD_CALLERS = ("evaluate_ball", "_evaluate")
+AUTOGRAD_CALLERS = ("evaluate_ball", "evaluate_in_ball")
 
 
 def _bytes_site() -> str:
@@ -369,9 +369,9 @@ def bytes_by_site(
 
 #: The phases of :func:`phase_times`: (label, module, attribute) of what each times.
 PHASES = (
-    ("update", apgd, "_apgd_update"),
-    ("riemannian gradient", apgd._Ball, "riemannian_gradient_gram_"),
-    ("evaluation", layout._LayoutObjective, "evaluate_ball"),
+    ("update", apgd, "apgd_update"),
+    ("riemannian gradient", apgd.TangentBall, "riemannian_gradient_gram_"),
+    ("evaluation", layout.LayoutObjective, "evaluate_ball"),
     ("retraction", _gl_tangent.GLTangentSpace, "retr_vjp"),
 )
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import geoopt_quotient as gq
-from geoopt_quotient.manifolds import _gl_tangent
+from geoopt_quotient.manifolds import _gl_tangent, _rotary_tangent
 from geoopt_quotient.manifolds.gl_quotient import PointState
 from geoopt_quotient.manifolds.tangent import CachedTangentSpace
 
@@ -162,7 +162,7 @@ def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(m
     assert torch.allclose(space.egrad2rgrad_(c.clone()), expected, rtol=0, atol=1e-12)
     # the rotary projection is batched too (its own matrices, _rotary_tangent)
     assert calls == ["_retract", "_riemannian_gradient", "_riemannian_gradient"]
-    assert space._whole().rotary is not None and space._whole().left is None
+    assert isinstance(space._whole().projection, _rotary_tangent.RotaryProjection)
     generic = gq.GLQuotient(4, 5, "inv").egrad2rgrad(x, c)  # the negative: GL(h)'s differs
     assert not torch.allclose(expected, generic, rtol=0, atol=1e-6)
 
@@ -533,3 +533,33 @@ def test_an_auto_pgd_iteration_allocates_nothing_of_the_vectors_size(
     with FreshTensors() as fresh:
         reference.egrad2rgrad(c)
     assert any(size >= slice_bytes for _, _, size in fresh.records)
+
+
+def test_a_subclass_with_formulas_of_its_own_names_the_kernels_that_still_apply():
+    """A subclass that redefines the projection without saying which batched kernels
+    still apply is refused where it is defined; one that names none gets its own
+    projection on the batched metric conversion, and the reference's geodesic."""
+    with pytest.raises(TypeError, match="define `batched_kernels`"):
+
+        class Silent(gq.GLQuotient):
+            def _proju(self, st, u):
+                return super()._proju(st, u)
+
+    class Doubled(gq.GLQuotient):  # a projection of its own: twice GL(h)'s
+        def _proju(self, st, u):
+            return 2 * super()._proju(st, u)
+
+        def batched_kernels(self):
+            return _gl_tangent.BatchedKernels(projection=None, span_geodesic=False)
+
+    manifold, general = Doubled(8, 8, "inv"), gq.GLQuotient(8, 8, "inv")
+    generator = torch.Generator().manual_seed(0)
+    x, c = (torch.randn(3, 16, 2, generator=generator, dtype=torch.float64) for _ in "xc")
+    space = manifold.tangent_space(x)
+    rgrad = space.egrad2rgrad_(c.clone())
+    magnitude = float(c.abs().max()) * (1 + float(x.abs().max())) ** 6
+    assert torch.allclose(rgrad, manifold.egrad2rgrad(x, c), rtol=0, atol=1e-11 * magnitude)
+    assert not torch.allclose(rgrad, general.egrad2rgrad(x, c), rtol=0, atol=1e-6 * magnitude)
+    u = 0.01 * general.proju(x, c)
+    assert space.span_geodesic(u) is None  # its geodesic is not said to be GL(h)'s
+    assert general.tangent_space(x).span_geodesic(u) is not None

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
-from geoopt_quotient.sharpness import apgd
+from geoopt_quotient.sharpness import apgd, buffers
 from geoopt_quotient.sharpness import ball as ball_module
 from geoopt_quotient.sharpness import layout as layout_module
 from geoopt_quotient.sharpness.apgd import BallGroup, maximize_in_ball
@@ -119,7 +119,7 @@ def test_only_quotient_groups_of_one_geometry_are_stacked():
         group(5, 5, retraction="first_order"),
         BallGroup(gq.GLQuotient(5, 5).random(2, 10, 2), gq.GLQuotient(5, 5), lambda x, u: x + u),
     ]
-    stacks = layout_module._stacks(groups, list(range(len(groups))))
+    stacks = layout_module.group_stacks(groups, list(range(len(groups))))
     assert [(s.members, s.rows) for s in stacks] == [
         ([0, 1], 5),
         ([2], 0),
@@ -138,7 +138,7 @@ def test_only_quotient_groups_of_one_geometry_are_stacked():
     assert not padding(stacks[0], groups, first.point).any()
     assert stacks[1].group(groups) is groups[2]
     # a single group with unequal factors is padded on its own where that is cheap
-    alone = layout_module._stacks([group(8, 7)], [0])
+    alone = layout_module.group_stacks([group(8, 7)], [0])
     assert [(s.members, s.rows) for s in alone] == [([0], 8)]
 
 
@@ -159,7 +159,7 @@ def test_stacked_quotients_have_the_joint_geometry_and_keep_the_padding_zero(
     manifolds = [gq.GLQuotient(n, m, metric=metric, eps=eps) for m in rows]
     points = [mf.random(2, n + mf.m, rank, dtype=torch.float64) for mf in manifolds]
     groups = [BallGroup(x, mf) for x, mf in zip(points, manifolds)]
-    stacks = layout_module._stacks(groups, list(range(len(groups))))
+    stacks = layout_module.group_stacks(groups, list(range(len(groups))))
     if all(m == n for m in rows):
         assert [s.rows for s in stacks] == ([n] if len(rows) > 1 else [0])
         if len(rows) == 1:
@@ -246,7 +246,7 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
     assert torch.equal(gathered, copied)
     twice = rest.destination.long().clone()
     twice[1] = twice[0]  # the second entry of the first parameter is no longer written
-    destination, source = layout_module._index_maps(twice, rest.flat)
+    destination, source = layout_module.index_maps(twice, rest.flat)
     assert source is None and destination.dtype == torch.int32
 
 
@@ -304,13 +304,13 @@ def test_layout_gradients_mostly_reuse_the_buffers_the_loop_frees(name, monkeypa
     evaluation; and that changes no bit of the result."""
     model, batches = tiny_bert()
     allocations = []
-    original = layout_module._Flat.empty
+    original = layout_module.FlatBuffer.empty
 
     def counted(self):
         allocations.append(self.size)
         return original(self)
 
-    monkeypatch.setattr(layout_module._Flat, "empty", counted)
+    monkeypatch.setattr(layout_module.FlatBuffer, "empty", counted)
     reused = measure(model, batches, name, iters=24)
     count = len(allocations)
     monkeypatch.setattr(layout_module.BallLayout, "fits", lambda self, vector: False)
@@ -432,14 +432,14 @@ def test_update_as_one_combination_is_the_formulas_up_to_rounding(
         BallGroup(gl.random(2, 9, 2, dtype=dtype), gl),
     ]
     rho = 0.7
-    ball, _ = apgd._prepare(groups, rho, "second_order")
+    ball, _ = apgd.prepare_ball(groups, rho, "second_order")
     xi = random_ball_vector(ball, generator, radii[0] * rho)
     xi_prev = random_ball_vector(ball, generator, radii[1] * rho)
     rgrads = ball.random(generator, 3.0)  # horizontal, zero where frozen
     step = step_over_rho * rho
     expected = formula_update(ball, xi, xi_prev, rgrads, step, alpha)
     out = [torch.empty_like(v) for v in xi]
-    got, grad_norm = apgd._apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
+    got, grad_norm = apgd.apgd_update(ball, xi, xi_prev, rgrads, step, alpha, out)
     assert got is out
     tol = 64 * torch.finfo(dtype).eps * rho
     for a, b in zip(got, expected):
@@ -448,7 +448,7 @@ def test_update_as_one_combination_is_the_formulas_up_to_rounding(
     assert math.isclose(float(grad_norm), float(ball.norm(rgrads)), rel_tol=64 * 1e-7)
     # in place into the previous iterate, as the loop does when nothing else holds it
     in_place = [v.clone() for v in xi_prev]
-    apgd._apgd_update(ball, xi, in_place, rgrads, step, alpha, in_place)
+    apgd.apgd_update(ball, xi, in_place, rgrads, step, alpha, in_place)
     assert all(torch.equal(a, b) for a, b in zip(in_place, got))
 
 
@@ -639,7 +639,7 @@ def test_derived_gram_entries_are_those_summed_and_refreshed_every_few(dtype):
     point = torch.randn(50, 40, dtype=dtype)
     a = torch.randn(40, dtype=dtype)
     runs, errors = [], []
-    original = apgd._Ball.riemannian_gradient_gram_
+    original = apgd.TangentBall.riemannian_gradient_gram_
 
     def checked(ball, egrads, xi, xi_prev):
         rgrads, gram = original(ball, egrads, xi, xi_prev)
@@ -652,7 +652,7 @@ def test_derived_gram_entries_are_those_summed_and_refreshed_every_few(dtype):
         return torch.sin(points[0] @ a).sum() + points[0].pow(3).sum()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(apgd._Ball, "riemannian_gradient_gram_", checked)
+        patch.setattr(apgd.TangentBall, "riemannian_gradient_gram_", checked)
         maximize_in_ball([(point, gq.AdaptiveEuclidean())], objective, rho=1.0, iters=30)
     assert runs[0] == 0 and max(runs) == apgd.MAX_DERIVED_RUN
     assert sum(r > 0 for r in runs) > len(runs) / 2  # derived most of the time
@@ -732,12 +732,12 @@ def test_straight_path_gradient_and_value_are_those_of_x_plus_xi():
     def objective(points):
         return torch.tanh(points[0] @ a).pow(3).sum()
 
-    ball, paths = apgd._prepare([(point, gq.AdaptiveEuclidean())], 1.0, "second_order")
-    assert paths[0] is apgd._straight
+    ball, paths = apgd.prepare_ball([(point, gq.AdaptiveEuclidean())], 1.0, "second_order")
+    assert paths[0] is apgd.straight_path
     autocast = apgd.AutocastState.capture()
     for seed in range(3):
         xi = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        value, (grad,) = apgd._evaluate(ball, paths, objective, [xi], True, autocast)
+        value, (grad,) = apgd.evaluate_in_ball(ball, paths, objective, [xi], True, autocast)
         leaf = xi.clone().requires_grad_()
         expected_value = objective([point + leaf])
         (expected_grad,) = torch.autograd.grad(expected_value, leaf)
@@ -752,7 +752,7 @@ def test_iterates_reuse_their_buffers(keep, most):
     best iterate holds both (after a restart) over the iterate the restart left."""
     objective, _ = restarting_objective()
     allocations = []
-    original = apgd._joint_buffer
+    original = buffers.joint_buffer
 
     def counted(*args, **kwargs):
         allocations.append(1)
@@ -760,7 +760,7 @@ def test_iterates_reuse_their_buffers(keep, most):
 
     point = torch.ones(3, dtype=torch.float64)
     try:
-        apgd._joint_buffer = counted
+        buffers.joint_buffer = counted
         result = maximize_in_ball(
             [(point, gq.AdaptiveEuclidean())],
             objective,
@@ -769,7 +769,7 @@ def test_iterates_reuse_their_buffers(keep, most):
             keep_best_gradient=keep,
         )
     finally:
-        apgd._joint_buffer = original
+        buffers.joint_buffer = original
     assert result.gradients >= 40
     assert len(allocations) <= most
 
@@ -783,7 +783,7 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
     iterate a restart left) is written over, not dropped for a new one to be faulted in."""
     model, batches = tiny_bert()
     allocations = []
-    joint, gradient_buffers = apgd._joint_buffer, layout_module.BallLayout._gradient_buffers
+    joint, gradient_buffers = buffers.joint_buffer, layout_module.BallLayout.gradient_buffers
 
     def counted_joint(*args, **kwargs):
         allocations.append("iterate")
@@ -794,8 +794,8 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
             allocations.append("gradient")
         return gradient_buffers(self, spare)
 
-    monkeypatch.setattr(apgd, "_joint_buffer", counted_joint)
-    monkeypatch.setattr(layout_module.BallLayout, "_gradient_buffers", counted_gradients)
+    monkeypatch.setattr(buffers, "joint_buffer", counted_joint)
+    monkeypatch.setattr(layout_module.BallLayout, "gradient_buffers", counted_gradients)
     result = measure(model, batches, "adaptive", rho=0.5, iters=30, keep_best_gradient=keep)
     restarts = sum(result.backward_passes) - 30 * len(batches)
     assert (restarts == 0) if keep else (restarts > 0)  # kept: a restart costs no pass
@@ -886,7 +886,7 @@ def test_the_gradient_converted_as_it_arrives_changes_no_value(build, keep, dtyp
     monkeypatch.setattr(adaptive.GradientSweep, "block", counted)
     on_arrival = run()
     assert sum(during) > len(during) / 3
-    monkeypatch.setattr(apgd._Ball, "gradient_sweep", lambda self, index, grad: None)
+    monkeypatch.setattr(apgd.TangentBall, "gradient_sweep", lambda self, index, grad: None)
     after = run()
     assert on_arrival.value == after.value and on_arrival.histories == after.histories
     assert on_arrival.per_batch == after.per_batch
@@ -928,7 +928,7 @@ def test_a_sweep_not_taken_leaves_no_trace():
     converted once: the sweep is finished, not repeated; an evaluation that drops it
     makes the next conversion start afresh."""
     x = torch.randn(300, dtype=torch.float64)
-    ball = apgd._Ball([BallGroup(x, gq.AdaptiveEuclidean())], 1.0)
+    ball = apgd.TangentBall([BallGroup(x, gq.AdaptiveEuclidean())], 1.0)
     xi, xi_prev, other = ([torch.randn(300, dtype=torch.float64)] for _ in range(3))
     egrad = torch.randn(300, dtype=torch.float64)
     expected_rgrad = ball.spaces[0].egrad2rgrad(egrad)
@@ -956,7 +956,7 @@ def test_a_segments_blocks_tile_it_by_chunk_and_block(start, chunks, step):
     """Each piece lies in one chunk and one block; the pieces tile the segment in order."""
     pieces = [
         (block, piece)
-        for block, lo, hi, parts in layout_module._blocks(start, sum(chunks), chunks, step)
+        for block, lo, hi, parts in layout_module.segment_blocks(start, sum(chunks), chunks, step)
         for piece in parts
         if lo // step == block and (hi - 1) // step == block
     ]

@@ -76,7 +76,7 @@ FAMILIES: Dict[str, Tuple[str, Dict, Optional[Tuple[int, str]], bool, bool]] = {
         True,
         False,
     ),
-    "gemma3n": (  # v_norm: no V/O; q_norm/k_norm: no Q/K
+    "gemma3n": (  # v_norm: no V/O; q_norm/k_norm: Q/K by the gains only
         "Gemma3nTextConfig",
         dict(
             layer_types=["sliding_attention", "full_attention"],
@@ -138,8 +138,10 @@ def test_family_gets_its_true_groups(name):
     found = kinds(plan)
     assert ("value-output" in found) == value_output, plan.notes
     assert ("mlp" in found) == mlp, plan.notes
-    if rotary is None:
-        assert "query-key" not in found
+    if rotary is None:  # no Q/K GL(h) pair; q/k-normalised ones keep their gain scaling
+        query_key = [g for g in plan.groups if g.kind == "query-key"]
+        assert all(g.name.endswith("[query-key: q/k-norm gain scaling]") for g in query_key)
+        assert bool(query_key) == (name in ("gemma3n", "gemma4")), plan.notes
         return
     qk = found["query-key"]
     assert isinstance(qk, RotaryGLQuotient)

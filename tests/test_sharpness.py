@@ -28,12 +28,13 @@ from geoopt_quotient import (
 )
 from geoopt_quotient.sharpness import apgd
 from geoopt_quotient.sharpness.apgd import (
-    _evaluate,
-    _prepare,
-    _update_weights,
     apgd_checkpoints,
+    evaluate_in_ball,
+    prepare_ball,
     random_tangent,
+    update_weights,
 )
+from geoopt_quotient.sharpness.buffers import AutoPGDVectors
 from geoopt_quotient.sharpness.measure import resolve_plan
 from geoopt_quotient.sharpness.precision import AutocastState
 
@@ -156,7 +157,7 @@ def gram_update(ball, xi, xi_prev, rgrads, step, alpha, gram=None):
     """The same update as one combination, out of place, in the engine's arithmetic
     (``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)`` where known)."""
     gram = ball.gram((xi, rgrads, xi_prev)) if gram is None else gram
-    weights, _ = _update_weights(gram, step, alpha, ball.rho)
+    weights, _ = update_weights(gram, step, alpha, ball.rho)
     wa, wb, wc = weights.unbind()
     return [
         (c * wc.to(c.dtype)).addcmul(a, wa.to(a.dtype)).addcmul(g, wb.to(g.dtype))
@@ -168,7 +169,7 @@ def textbook_apgd(
     groups, objective, *, rho, iters, init="zero", seed=0, momentum=0.75, update=gram_update
 ):
     """Auto-PGD written out plainly: out-of-place updates, the best gradient kept."""
-    ball, paths = _prepare(groups, rho, "second_order")
+    ball, paths = prepare_ball(groups, rho, "second_order")
     if init == "zero":
         xi = [torch.zeros_like(x) for x in ball.points]
     else:
@@ -176,7 +177,7 @@ def textbook_apgd(
         xi = ball.project(ball.random(generator, ball.rho))
     autocast = AutocastState.capture()
     step, checkpoints = 2.0 * rho, apgd_checkpoints(iters)
-    value_t, grads = _evaluate(ball, paths, objective, xi, True, autocast)
+    value_t, grads = evaluate_in_ball(ball, paths, objective, xi, True, autocast)
     value = best_value = float(value_t)
     best_xi, best_grads, xi_prev, history = xi, grads, xi, [value]
     last_mark, increases, best_at_last_mark, halved = 0, 0, value, True
@@ -194,7 +195,7 @@ def textbook_apgd(
         alpha = 1.0 if k == 0 else momentum
         xi_next = update(ball, xi, xi_prev, rgrads, step, alpha, gram)
         need_grad = k + 1 < iters
-        value_t, new_grads = _evaluate(ball, paths, objective, xi_next, need_grad, autocast)
+        value_t, new_grads = evaluate_in_ball(ball, paths, objective, xi_next, need_grad, autocast)
         new_value = float(value_t)
         history.append(new_value)
         increases += int(new_value > value)
@@ -259,20 +260,27 @@ def test_auto_pgd_is_bitwise_the_textbook_loop(init, keep, monkeypatch):
     assert (restarts == 0) if keep else (restarts > 0)  # the recomputed gradient was used
 
 
-#: The local names under which Auto-PGD's loop holds the ball's vectors.
-BALL_VECTORS = ("xi", "xi_prev", "best_xi", "rgrads", "best_rgrads", "grads", "spare")
+def ball_tensors(value) -> list:
+    """The tensors of ``value`` if it is a vector of the ball (a list of tensors) or a
+    list of them; none for anything else (a scalar tensor is no vector of the ball)."""
+    if not isinstance(value, list):
+        return []
+    return [t for item in value for t in ([item] if torch.is_tensor(item) else ball_tensors(item))]
 
 
 def ball_vectors_alive() -> int:
     """The distinct storages of the vectors Auto-PGD's loop holds (its iterates and
-    gradients), read from the loop's frame: the ball's own buffers, whatever other
-    tensors are alive in the process."""
+    gradients, and the free vectors it keeps for reuse), read from the loop's frame: every
+    vector of its :class:`AutoPGDVectors` and of its own locals, whatever other tensors
+    are alive in the process."""
     frame = sys._getframe()
-    while frame is not None and frame.f_code is not apgd._maximize.__code__:
+    while frame is not None and frame.f_code is not apgd.auto_pgd.__code__:
         frame = frame.f_back
     assert frame is not None, "not called from inside Auto-PGD's loop"
     local = frame.f_locals
-    tensors = [t for name in BALL_VECTORS for t in (local.get(name) or ())]
+    assert isinstance(local["vectors"], AutoPGDVectors)
+    held = [*vars(local["vectors"]).values(), *local.values()]
+    tensors = [t for value in held for t in ball_tensors(value)]
     return len({t.untyped_storage().data_ptr() for t in tensors})
 
 

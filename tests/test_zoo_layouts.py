@@ -9,7 +9,6 @@ and (3) checks the negative: the same maps on one factor only do move them.
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 from typing import Callable, Dict
@@ -18,6 +17,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from zoo_sharpness import sharpness_before_and_after
 
 from geoopt_quotient import find_symmetries
 from geoopt_quotient.testing import zoo
@@ -320,37 +321,18 @@ def test_llama4_quotients_query_key_of_its_nope_layers_only():
     _invariance("llama4_text", act)
 
 
-def _next_token_loss(model, batch):
-    logits = model(**batch).logits
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::geoopt_quotient.GeodesicEqualsAdaptiveWarning")
 def test_geodesic_sharpness_of_deepseek_v3_is_invariant_adaptive_is_not():
     """Latent attention and fused experts acted on together (this file's own actions):
     geodesic sharpness (kinds="all") does not move, adaptive sharpness does."""
-    from geoopt_quotient import adaptive_sharpness, geodesic_sharpness
-
     built = _built("deepseek_v3")
     model, batch = built.model, {"input_ids": built.inputs["input_ids"]}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     moved = _latent_action(model, _scale_experts(model, dict(params), True, seed=1), True)
-    other = copy.deepcopy(model)
-    other.load_state_dict(moved, strict=False)
-    kw = dict(rho=0.05, iters=3)
-    for metric in ("mix", "inv"):
-        a, b = (
-            geodesic_sharpness(
-                m, _next_token_loss, [batch], metric=metric,
-                symmetries=find_symmetries(m, metric=metric, kinds="all"), **kw,
-            ).value
-            for m in (model, other)
-        )  # fmt: skip
+    geodesic, (c, d) = sharpness_before_and_after(model, moved, batch, kinds="all")
+    for metric, (a, b) in geodesic.items():
         assert a > 0 and abs(a - b) <= 1e-5 * abs(a), (metric, a, b)
-    c, d = (adaptive_sharpness(m, _next_token_loss, [batch], **kw).value for m in (model, other))
     assert abs(c - d) > 1e-2 * abs(c), (c, d)
 
 

@@ -1,5 +1,6 @@
 """Geoopt manifolds for the quotients that neural-network symmetries create."""
 
+from ._gl_tangent import BatchedKernels
 from .adaptive import AdaptiveEuclidean
 from .base import QuotientManifold, group_label, has_group, random_group_element
 from .diagonal_quotient import DiagonalQuotient, GeodesicDomainError
@@ -10,6 +11,7 @@ from .rotary_quotient import RotaryGLQuotient
 
 __all__ = [
     "AdaptiveEuclidean",
+    "BatchedKernels",
     "DiagonalQuotient",
     "GLQuotient",
     "GeodesicDomainError",

@@ -64,21 +64,20 @@ from typing import List, Tuple
 import torch
 
 from ._linalg import capped
+from ._validation import check_speeds, integration_error
+
+__all__ = ["SpanGeodesic", "applies", "exchanged", "geodesic"]
 
 
 def applies(manifold, x: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether :func:`geodesic` integrates ``manifold``'s geodesic from ``x`` along ``u``:
-    the reference's Christoffel term and integrator (no subclass of its own), a point in
-    its own high precision (float64), contiguous tensors of one shape, dtype and device,
-    nothing for autograd to record, and at least :math:`2h` rows in each factor (the
-    span's orthonormal basis; the span's stages are then the cheaper)."""
-    from .gl_quotient import GLQuotient
-
-    cls = type(manifold)
+    the manifold's geodesic is GL(h)'s (``span_geodesic`` of its
+    :meth:`~geoopt_quotient.GLQuotient.batched_kernels`), a point in its own high
+    precision (float64), contiguous tensors of one shape, dtype and device, nothing for
+    autograd to record, and at least :math:`2h` rows in each factor (the span's
+    orthonormal basis; the span's stages are then the cheaper)."""
     return (
-        cls.geodesic is GLQuotient.geodesic
-        and cls._christoffel is GLQuotient._christoffel
-        and cls._christoffel_coefficients is GLQuotient._christoffel_coefficients
+        manifold.batched_kernels().span_geodesic
         and x.dtype == torch.float64
         and x.dim() >= 2
         and min(manifold.n, manifold.m) >= 2 * x.shape[-1]
@@ -246,8 +245,6 @@ class SpanGeodesic:
         ------
         GeodesicDomainError
             Where the checked integration breaks down."""
-        from .gl_quotient import _integration_error
-
         try:
             state, failures = self.integrate(1.0, steps)
             if not checked:
@@ -255,7 +252,7 @@ class SpanGeodesic:
             (position,) = self.ends(state)
             self.check(state, failures, steps, position)
         except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
-            raise _integration_error(steps) from error
+            raise integration_error(steps) from error
         return state, position
 
     def check(
@@ -265,13 +262,12 @@ class SpanGeodesic:
         (:meth:`~geoopt_quotient.GLQuotient._check_integration`) from the coordinates: a
         finite end ``position`` and ``state``, each point's squared speed
         (:meth:`squared_speeds`) within 2% of its start's, and every Cholesky
-        factorisation of ``failures`` and of the speeds positive definite. Raises
+        factorisation of ``failures`` and of the speeds positive definite
+        (:func:`~geoopt_quotient.manifolds._validation.check_speeds`). Raises
         :class:`~geoopt_quotient.manifolds.GeodesicDomainError` otherwise."""
-        from .gl_quotient import _check_speeds
-
         start, start_failures = self.start_speeds()
         end = self.squared_speeds(state, failures)
-        _check_speeds(steps, start, end, [*start_failures, *failures], position, state)
+        check_speeds(steps, start, end, [*start_failures, *failures], position, state)
 
     def start_speeds(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """:meth:`squared_speeds` at the start, :math:`|u|_x^2` of each point, and the

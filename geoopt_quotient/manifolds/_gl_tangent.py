@@ -1,101 +1,23 @@
 r"""The tangent space of :class:`~geoopt_quotient.GLQuotient` at a fixed point, with every
 operation of a sharpness iteration a few batched products.
 
-Auto-PGD evaluates, at one base point :math:`X = [G; H]` and many times, the metric's
-Gram matrix of three vectors, the Riemannian gradient (metric conversion and horizontal
-projection), the second-order retraction and its pullback. The reference formulas
-(:class:`~geoopt_quotient.GLQuotient`) apply them factor by factor and solve the
-projection's Sylvester equation from the converted gradient. Here everything that
-depends on the point only is combined once (:class:`_Kernel`), so that each operation
-is linear algebra on the tangent vectors alone:
+The reference formulas (:class:`~geoopt_quotient.GLQuotient`) apply the metric, the
+Riemannian gradient, the second-order retraction and its pullback factor by factor.
+Here everything that depends on the point only is combined once (:class:`_Kernel`), so
+that each operation is linear algebra on the tangent vectors alone: one batched product
+per factor, or one for both (:class:`_Split`), and the horizontal projection of the
+Riemannian gradient from :math:`D = H^\top \nabla_H - \nabla_G^\top G` through the
+point's :math:`h \times h` matrices (a :class:`ProjectionKernel`: GL(h)'s
+:class:`SylvesterProjection`, or the one of the manifold's subgroup). The manifold says
+which kernels compute its operations
+(:meth:`~geoopt_quotient.GLQuotient.batched_kernels`, a :class:`BatchedKernels`).
+Products with the point are shared across the operations of an Auto-PGD iteration
+(:attr:`GLTangentSpace._crosses`).
 
-- each per-factor product :math:`\xi_F W_F` is one batched product per factor, and
-  with :math:`n = m` rows in both factors (the sharpness ball's layout pads its stacked
-  groups to that) one for both: a batch of points ``(..., 2n, h)`` is a batch of twice
-  as many ``n x h`` matrices :math:`(G_b, H_b)`, multiplied by the stacked
-  :math:`h \times h` weights :math:`[W_G; W_H]`;
-- the Riemannian gradient's projection, from the Euclidean gradient :math:`\nabla`, has
-  a right-hand side that factors through :math:`D = H^\top\nabla_H - \nabla_G^\top G`:
-  inv, with :math:`\rho_F = \nabla_F S_F`, :math:`S_G H^\top \rho_H - \rho_G^\top G S_H
-  = S_G D S_H`; mix, with :math:`\rho_G = \nabla_G S_H^{-1}`, :math:`\rho_H = \nabla_H
-  S_G^{-1}`, :math:`\rho_H^\top H S_H^{-1} - S_G^{-1} G^\top \rho_G = S_G^{-1} D^\top
-  S_H^{-1}`. The solution's transpose :math:`T = \Omega^\top` is then
-  :math:`P_l\,[(L D R) \odot Q]\,P_r` with matrices :math:`L, R, P_l, P_r, Q` of the
-  point (below), and the gradient is :math:`\nabla_F K_F + F\,O_F` with
-  :math:`O = [T^\top; -T]`: one batched product and one batched multiply-add.
-
-Across the operations of one Auto-PGD iteration, products are shared:
-
-- the pullback of the retraction returns :math:`F^\top` of the gradient it writes, from
-  :math:`h \times h` products of the retraction's and its own (:func:`_pull_back_`),
-  and the Riemannian gradient of that gradient reads it instead of a product with the
-  factors (:attr:`GLTangentSpace._crosses`);
-- the conversion is the inverse of the metric's weights (:math:`K_F = W_F^{-1}`) and
-  the projection is metric-orthogonal, so the Gram matrix of the update takes the
-  gradient's row from Euclidean dot products, and only the iterates' rows from the
-  metric's (:meth:`GLTangentSpace.egrad2rgrad_gram_`); an iterate's norm is kept from
-  the Gram matrix that computed it (:attr:`GLTangentSpace._norms`);
-- :math:`F^\top \xi_F` is linear in :math:`\xi`, and Auto-PGD's next iterate is a
-  combination of the current one, the Riemannian gradient :math:`g` and the previous
-  iterate: its :math:`h \times h` products with the point are the combination of
-  theirs (:meth:`GLTangentSpace.combination`), kept from their retractions and, for
-  :math:`g`, :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F`, so that
-  the retraction takes only :math:`\xi_F^\top \xi_F` with the factors
-  (:attr:`GLTangentSpace._crosses` holds all these products);
-- where Auto-PGD derives the iterates' entries from its previous update, the gradient's
-  column alone takes no product with the metric's weights
-  (:meth:`GLTangentSpace.egrad2rgrad_column_`): 10 products with the factors per
-  iteration (the retraction 3, its pullback 5, the Riemannian gradient 2); Auto-PGD
-  derives the products where it derives the Gram entries, and computes both anew every
-  few updates (:data:`~geoopt_quotient.sharpness.apgd.MAX_DERIVED_RUN`): then 12 (the
-  retraction 4, the Gram matrix's iterate row 1).
-
-The pullback and the Riemannian gradient stay two steps, the pullback's result written
-into the cotangent's buffer (the contract of
-:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retr_vjp`). Fused, with the
-pullback's result :math:`\nabla_F = c_F E_F^\top + F A_F + \xi_F B_F` left unwritten,
-the gradient :math:`g_F = c_F (E_F^\top K_F) + F (A_F K_F + O_F) + \xi_F (B_F K_F)`
-would take 3 products instead of 5, but the Gram entries need :math:`\langle \nabla, v
-\rangle_F` for the previous iterate and for :math:`g`, and :math:`c_F^\top v_F,
-\xi_F^\top v_F` (or, through the metric, :math:`g_F^\top v_F`) are products of their
-own (for the iterate :math:`\xi` itself they are known): no fewer products in all.
-Writing :math:`c_F E_F^\top + \xi_F B_F` and folding :math:`F A_F` into the gradient's
-product with the point (the dot products corrected by :math:`\operatorname{tr}(A_F^\top
-F^\top v_F)`, from the products with the point that are kept) would save one product and
-one copy, but only with the pullback deferred into the Riemannian gradient's sweep, a
-cotangent that holds no gradient until then.
-
-The passes of one such iteration over tensors of the stack's size (``N`` entries),
-reads and writes together: the combination 4 ``N`` (three vectors read, one written,
-cache-sized blocks, :mod:`~geoopt_quotient.sharpness.apgd`); the retraction 7 (its
-:math:`\xi^\top \xi` reads :math:`\xi`, the two products that write the perturbed
-point read the point and :math:`\xi`, then it and the point); the layout's gather of
-the perturbed point into the parameters' buffer and of their gradient back, 3 each
-(int32 positions, :mod:`~geoopt_quotient.sharpness.layout`), and the gradients' copy
-into their flat buffer 2; the pullback 14 (its two products with the cotangent read it
-and :math:`\xi` or the point, its three products write a slice-sized result from the
-cotangent, the point and :math:`\xi`, copied into the cotangent); the Riemannian
-gradient 13 (two dot products with the iterates, two products, a dot product and a
-copy): 46 ``N`` (50 with the retraction's product with the point and int64 positions).
-Within a slice of :data:`CHUNK_BYTES` most of these hit the cache; the products, each
-:math:`2 N h` flops, take most of the time. The slice-sized results are written into one
-workspace of the tangent space (:meth:`GLTangentSpace._workspace`) and the products with
-the point into their joined ``(2 B, h, h)`` tensor, so that after the first iteration at
-a point none allocates memory of the vectors' size (fresh memory of that size is faulted
-in page by page where the allocator returns it to the system, as glibc's does above its
-mmap threshold, on BERT-base's stack with the whole batch one slice).
-
-Both metrics make the same products and move the same bytes on the :math:`n \times h`
-factors. The mix metric's weights :math:`W_G = S_H`, :math:`W_H = S_G` couple each
-factor to the other's Gram matrix, which costs exchanges of the factors' :math:`h
-\times h` matrices (at most four per slice of the batch:
-:func:`~geoopt_quotient.manifolds._gl_geodesic.exchanged` and :meth:`_Split.inner`'s
-``swapped``), and its signs are carried by the products' ``alpha``; the inv metric's
-projection takes more :math:`h \times h` products instead (its eigenbases, in the Gram
-matrices' precision).
-
-Results equal the reference formulas up to float rounding (the order of sums); the
-tests compare both in float64.
+The formulas, the products and passes of one iteration and why they are as they are:
+the documentation's performance page (the batched GL(h) kernels). Results equal the
+reference formulas up to float rounding (the order of sums); the tests compare both in
+float64.
 """
 
 from __future__ import annotations
@@ -103,66 +25,125 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .._checks import check_positive_int
 from . import _gl_geodesic
-from ._linalg import capped
-from ._rotary_tangent import RotaryProjection, rotary_projection
+from ._linalg import capped, safe_divide_eigensum
 from ._validation import GeodesicDomainError
 from .tangent import CachedTangentSpace
+
+__all__ = [
+    "BatchedKernels",
+    "GLTangentSpace",
+    "ProjectionKernel",
+    "SylvesterProjection",
+    "sylvester_projection",
+]
+
+
+class ProjectionKernel(Protocol):
+    r"""The horizontal projection of the Riemannian gradient at one point as a batched
+    kernel: :math:`T = \Omega^\top` of the shift :math:`(G\Omega, -H\Omega^\top)` along
+    the orbit that makes the converted gradient :math:`\nabla_F K_F` horizontal, from
+    :math:`D = H^\top \nabla_H - \nabla_G^\top G` of the Euclidean gradient
+    :math:`\nabla` (``(B, h, h)``, the points flattened to one batch dimension)."""
+
+    def transposed_omega(self, d: torch.Tensor) -> torch.Tensor:
+        """:math:`T` of each point, ``(B, h, h)``, for ``d`` (any dtype; computed in the
+        kernel's own)."""
+
+    def part(self, start: int, stop: int) -> ProjectionKernel:
+        """The kernel of the points ``start:stop``."""
+
+
+class BatchedKernels(NamedTuple):
+    """Which batched kernels compute a :class:`~geoopt_quotient.GLQuotient`'s operations
+    at a fixed point (:meth:`~geoopt_quotient.GLQuotient.batched_kernels`).
+
+    ``projection``: a function of the point's
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState` that builds the
+    :class:`ProjectionKernel` of the horizontal projection there, or ``None``: the
+    manifold's own projection (``_proju``) on the batched metric conversion.
+    ``span_geodesic``: whether the geodesic is GL(h)'s (its Christoffel term and RK4
+    integrator), so that its integration in the span of its start
+    (:mod:`~geoopt_quotient.manifolds._gl_geodesic`) applies."""
+
+    projection: Optional[Callable[[Any], ProjectionKernel]]
+    span_geodesic: bool
 
 
 class _Kernel(NamedTuple):
     r"""The point's matrices, flattened to one batch dimension: ``x`` the point
     ``(B, n + m, h)``; the others ``(B, 2, h, h)`` (rows: the :math:`G` and :math:`H`
-    factor) unless said otherwise."""
+    factor)."""
 
     x: torch.Tensor
     metric: torch.Tensor  # W_F: <u, v> = sum_F tr(W_F u_F^T v_F)
     convert: torch.Tensor  # K_F: the Riemannian gradient before projection, grad_F K_F
     inverses: torch.Tensor  # S_F^{-1}
     swapped: torch.Tensor  # S_F'^{-1}, F' the other factor
-    left: torch.Tensor  # L (B, h, h), in the projection's precision
-    right: torch.Tensor  # R
-    quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
-    outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
-    outer_right: Optional[torch.Tensor]  # P_r
-    rotary: Optional[RotaryProjection] = None  # the rotary quotient's projection, if its
+    projection: Optional[ProjectionKernel]  # None: the manifold's own projection
 
     def part(self, start: int, stop: int) -> _Kernel:
-        tensors = (None if t is None else t[start:stop] for t in self[:-1])
-        return _Kernel(*tensors, None if self.rotary is None else self.rotary.part(start, stop))
+        projection = None if self.projection is None else self.projection.part(start, stop)
+        return _Kernel(*(t[start:stop] for t in self[:-1]), projection)
 
 
 def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.stack((first, second), dim=-3)
 
 
-def _kernel(manifold, x: torch.Tensor, state, projection: bool = True) -> _Kernel:
-    """The :class:`_Kernel` of the point ``x`` (in its working dtype) and its
-    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`; without the projection's
-    matrices unless ``projection``."""
+def _kernel(x: torch.Tensor, state, metric: str, projection: Optional[ProjectionKernel]) -> _Kernel:
+    """The :class:`_Kernel` of the point ``x`` (in its working dtype), its
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState` and its ``metric``, with
+    the kernel of its horizontal ``projection``."""
     rank = x.shape[-1]
     s_g, s_h = state.grams
     s_g_inv, s_h_inv = state.inverses
     inverses = _stack(s_g_inv, s_h_inv)
     swapped = _stack(s_h_inv, s_g_inv)
-    if manifold.metric == "inv":
-        metric, convert = inverses, _stack(s_g, s_h)
+    if metric == "inv":
+        metric_weights, convert = inverses, _stack(s_g, s_h)
     else:
-        metric, convert = _stack(s_h, s_g), swapped
-    pairs = [t.reshape(-1, 2, rank, rank) for t in (metric, convert, inverses, swapped)]
-    matrices = _projection(manifold, state) if projection else (None,) * 5
-    projection = [None if t is None else t.reshape(-1, rank, rank) for t in matrices]
-    return _Kernel(x.reshape(-1, *x.shape[-2:]), *pairs, *projection)
+        metric_weights, convert = _stack(s_h, s_g), swapped
+    pairs = [t.reshape(-1, 2, rank, rank) for t in (metric_weights, convert, inverses, swapped)]
+    return _Kernel(x.reshape(-1, *x.shape[-2:]), *pairs, projection)
 
 
-def _projection(manifold, state) -> Tuple[Optional[torch.Tensor], ...]:
-    r"""``(L, R, Q, P_l, P_r)`` with :math:`T = \Omega^\top = P_l [(L D R) \odot Q] P_r`
-    (module docstring).
+class SylvesterProjection(NamedTuple):
+    r"""GL(h)'s horizontal projection at a point as :math:`T = \Omega^\top = P_l\,[(L D
+    R) \odot Q]\,P_r` (:func:`sylvester_projection`), the matrices flattened to one
+    batch dimension, ``(B, h, h)``, in the projection's precision."""
+
+    left: torch.Tensor  # L
+    right: torch.Tensor  # R
+    quotient: Optional[torch.Tensor]  # Q: elementwise factor (None: 1)
+    outer_left: Optional[torch.Tensor]  # P_l (None: the identity)
+    outer_right: Optional[torch.Tensor]  # P_r
+
+    def part(self, start: int, stop: int) -> SylvesterProjection:
+        """The matrices of the points ``start:stop``."""
+        return SylvesterProjection(*(None if t is None else t[start:stop] for t in self))
+
+    def transposed_omega(self, d: torch.Tensor) -> torch.Tensor:
+        """:math:`T` of each point for ``d`` (:class:`ProjectionKernel`)."""
+        t = torch.bmm(torch.bmm(self.left, d.to(self.left.dtype)), self.right)
+        if self.quotient is not None:
+            t = t * self.quotient
+        if self.outer_left is not None:
+            t = torch.bmm(torch.bmm(self.outer_left, t), self.outer_right)
+        return t
+
+
+def sylvester_projection(metric: str, eps: float, state) -> SylvesterProjection:
+    r"""The :class:`SylvesterProjection` of GL(h)'s horizontal projection in ``metric``
+    with relaxation ``eps`` at the point of ``state`` (its
+    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`), with the right-hand side
+    :math:`S_G D S_H` (inv) or :math:`S_G^{-1} D^\top S_H^{-1}` (mix) of the projection's
+    equation factored through :math:`D` (the documentation's performance page):
 
     inv: :math:`Y = \Omega^\top` solves :math:`A Y + Y B = S_G D S_H` in the eigenbases
     :math:`A = P_a \Lambda P_a^{-1}`, :math:`B = P_b M P_b^{-1}`:
@@ -178,23 +159,30 @@ def _projection(manifold, state) -> Tuple[Optional[torch.Tensor], ...]:
     :math:`P_r = U_G^\top`. Degenerate sums (relaxed, rank-deficient points) get
     :math:`Q = 0`, as in the reference.
     """
-    from ._linalg import _safe_divide_eigensum
+    rank = state.g.shape[-1]
+    return SylvesterProjection(
+        *(None if t is None else t.reshape(-1, rank, rank) for t in _sylvester(metric, eps, state))
+    )
 
+
+def _sylvester(metric: str, eps: float, state) -> Tuple[Optional[torch.Tensor], ...]:
+    """``(L, R, Q, P_l, P_r)`` of :func:`sylvester_projection`, in the point's batch
+    shape."""
     high = state.high
-    if manifold.metric == "inv":
+    if metric == "inv":
         s_g, s_h = state.grams_exact
         left, right = state.inv_sylvester_bases
         q = 1.0 / (left.values[..., :, None] + right.values[..., None, :])
-        if manifold.eps:
-            q = _safe_divide_eigensum(torch.ones_like(q), left.values, right.values)
+        if eps:
+            q = safe_divide_eigensum(torch.ones_like(q), left.values, right.values)
         return left.inverse @ s_g, s_h @ right.vectors, q, left.vectors, right.inverse
     s_g_inv, s_h_inv = state.inverses
-    if not manifold.eps:
+    if not eps:
         return 0.5 * s_h_inv, s_g_inv, None, None, None
     sig, u_g = torch.linalg.eigh(state.grams_exact[0])
     tau, u_h = torch.linalg.eigh(state.grams_exact[1])
-    a, b = (sig - manifold.eps) / sig, (tau - manifold.eps) / tau
-    q = _safe_divide_eigensum(torch.ones_like(u_g), b, a)
+    a, b = (sig - eps) / sig, (tau - eps) / tau
+    q = safe_divide_eigensum(torch.ones_like(u_g), b, a)
     left = u_h.mT @ s_h_inv.to(high)
     return left, s_g_inv.to(high) @ u_g, q, u_h, u_g.mT
 
@@ -211,21 +199,18 @@ class GLTangentSpace(CachedTangentSpace):
     :class:`~geoopt_quotient.GLQuotient` whose hot operations (:meth:`gram`,
     :meth:`egrad2rgrad_`, :meth:`retr_vjp`) run the batched formulas of this module
     where they apply (contiguous tensors of the point's shape and working dtype, nothing
-    for autograd to record), and the reference ones otherwise. A subclass with its own
-    horizontal projection keeps it (the metric conversion batched), except
-    :class:`~geoopt_quotient.RotaryGLQuotient`'s, batched too
-    (:mod:`~geoopt_quotient.manifolds._rotary_tangent`)."""
+    for autograd to record), and the reference ones otherwise. The horizontal
+    projection is the manifold's :class:`ProjectionKernel`
+    (:meth:`~geoopt_quotient.GLQuotient.batched_kernels`), or, where it has none, its
+    own ``_proju`` on the batched metric conversion."""
 
     own_buffer = True
+    integrates_geodesic = True
 
     def __init__(self, manifold, x: torch.Tensor, state):
         super().__init__(manifold, x, state)
-        from .gl_quotient import GLQuotient
-        from .rotary_quotient import RotaryGLQuotient
-
-        projection = type(manifold)._proju
-        self._rotary = projection is RotaryGLQuotient._proju
-        self._own_projection = projection is not GLQuotient._proju and not self._rotary
+        self._kernels: BatchedKernels = manifold.batched_kernels()
+        self._own_projection = self._kernels.projection is None
         self._split = _Split(manifold.n, manifold.m)
         self._kernel: _Kernel | None = None
         self._slices: dict = {}  # (start, stop) -> the kernel's slice, kept
@@ -250,10 +235,9 @@ class GLTangentSpace(CachedTangentSpace):
 
     def _whole(self) -> _Kernel:
         if self._kernel is None:
-            general = not (self._own_projection or self._rotary)
-            whole = _kernel(self.manifold, self.x, self.state, projection=general)
-            if self._rotary:
-                whole = whole._replace(rotary=rotary_projection(self.manifold, self.state))
+            build = self._kernels.projection
+            projection = None if build is None else build(self.state)
+            whole = _kernel(self.x, self.state, self.manifold.metric, projection)
             self._kernel = self._split.keep(whole)
         return self._kernel
 
@@ -431,7 +415,7 @@ class GLTangentSpace(CachedTangentSpace):
         """The reference's exponential map (RK4 on the geodesic equation), integrated in
         the span of the geodesic's start (:mod:`~geoopt_quotient.manifolds._gl_geodesic`)
         where that applies; the reference's checks of the integration either way."""
-        return self._expmap(self._span(u), u, self.manifold.expmap_steps)
+        return self._expmap(self.span_geodesic(u), u, self.manifold.expmap_steps)
 
     def expmaps(self, u: torch.Tensor) -> Callable[..., torch.Tensor | None]:
         """``ends(steps, checked=True)``: :meth:`expmap` of ``u`` with ``steps`` RK4 steps,
@@ -440,7 +424,7 @@ class GLTangentSpace(CachedTangentSpace):
         ``checked=False`` skips the check of the end point's speed (and the velocity it
         needs) where the span's integration applies: for a coarse end point that is only
         compared with a finer one."""
-        span = self._span(u)
+        span = self.span_geodesic(u)
 
         def ends(steps: int, checked: bool = True) -> torch.Tensor | None:
             try:
@@ -450,7 +434,11 @@ class GLTangentSpace(CachedTangentSpace):
 
         return ends
 
-    def _span(self, u: torch.Tensor) -> _gl_geodesic.SpanGeodesic | None:
+    def span_geodesic(self, u: torch.Tensor) -> _gl_geodesic.SpanGeodesic | None:
+        """The geodesic from the point along ``u`` integrated in the span of its start
+        (:class:`~geoopt_quotient.manifolds._gl_geodesic.SpanGeodesic`, factorised once
+        for any number of integrations), or ``None`` where that does not apply
+        (:func:`~geoopt_quotient.manifolds._gl_geodesic.applies`)."""
         if not _gl_geodesic.applies(self.manifold, self.x, u):
             return None
         return _gl_geodesic.SpanGeodesic(self.manifold, self.x, u)
@@ -757,22 +745,16 @@ def _riemannian_gradient(
     out: torch.Tensor,
     out_cross: torch.Tensor,
 ) -> torch.Tensor:
-    r""":math:`g_F = \nabla_F K_F + F\,O_F` (module docstring), written into ``out``
-    (like ``grad``, returned), and its :math:`F^\top g_F = (F^\top \nabla_F) K_F +
-    F^\top F\,O_F` from ``h x h`` products alone, into ``out_cross``; ``cross``:
-    :math:`F^\top \nabla_F` where known (:func:`_pull_back_`), ``grams``:
-    :math:`F^\top F`, all three ``(2 B, h, h)``."""
+    r""":math:`g_F = \nabla_F K_F + F\,O_F` with :math:`O = [T^\top; -T]`, :math:`T`
+    the kernel's projection of :math:`D = H^\top\nabla_H - \nabla_G^\top G`
+    (:class:`ProjectionKernel`), written into ``out`` (like ``grad``, returned), and its
+    :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F` from ``h x h`` products
+    alone, into ``out_cross``; ``cross``: :math:`F^\top \nabla_F` where known
+    (:func:`_pull_back_`), ``grams``: :math:`F^\top F`, all three ``(2 B, h, h)``."""
     if cross is None:
         cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
-    if kernel.rotary is not None:  # B(grad_F K_F) = D^T
-        t = kernel.rotary.omega_of_transposed(d.to(kernel.rotary.basis.dtype)).mT
-    else:
-        t = torch.bmm(torch.bmm(kernel.left, d.to(kernel.left.dtype)), kernel.right)
-        if kernel.quotient is not None:
-            t = t * kernel.quotient
-        if kernel.outer_left is not None:
-            t = torch.bmm(torch.bmm(kernel.outer_left, t), kernel.outer_right)
+    t = kernel.projection.transposed_omega(d)  # rotary: B(grad_F K_F) = D^T
     t = t.to(grad.dtype)
     o = torch.stack((t.mT, -t), dim=1)
     split.times(grad, kernel.convert, out=out)

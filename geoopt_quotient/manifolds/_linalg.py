@@ -20,6 +20,7 @@ __all__ = [
     "compute_dtype",
     "eigenbasis_spd_product",
     "gram",
+    "safe_divide_eigensum",
     "solve_sylvester_eigenbases",
     "solve_sylvester_shifted",
     "sym",
@@ -141,18 +142,18 @@ def solve_sylvester_eigenbases(
         W_{ij} = \frac{(P_a^{-1} R P_b)_{ij}}{\lambda_i + \mu_j}.
 
     Four batched :math:`h \times h` products. ``degenerate=True`` sets :math:`W_{ij} = 0`
-    where :math:`\lambda_i + \mu_j` vanishes (see :func:`_safe_divide_eigensum`);
+    where :math:`\lambda_i + \mu_j` vanishes (see :func:`safe_divide_eigensum`);
     otherwise every :math:`\lambda_i + \mu_j` must be nonzero.
     """
     w = a.inverse @ rhs @ b.vectors
     if degenerate:
-        w = _safe_divide_eigensum(w, a.values, b.values)
+        w = safe_divide_eigensum(w, a.values, b.values)
     else:
         w = w / (a.values[..., :, None] + b.values[..., None, :])
     return a.vectors @ w @ b.inverse
 
 
-def _safe_divide_eigensum(
+def safe_divide_eigensum(
     numerator: torch.Tensor, row_vals: torch.Tensor, col_vals: torch.Tensor
 ) -> torch.Tensor:
     r"""``numerator[i, j] / (row_vals[i] + col_vals[j])``, and 0 where the sum vanishes.
@@ -182,7 +183,7 @@ def solve_sylvester_shifted(
     tau, u_h = torch.linalg.eigh(s_h)
     a = (sig - eps) / sig
     b = (tau - eps) / tau
-    y = _safe_divide_eigensum(u_g.mT @ rhs @ u_h, a, b)
+    y = safe_divide_eigensum(u_g.mT @ rhs @ u_h, a, b)
     return u_g @ y @ u_h.mT
 
 

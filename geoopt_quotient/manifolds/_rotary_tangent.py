@@ -18,10 +18,11 @@ matrices (:class:`RotaryProjection`, built once per base point):
 - the non-rotary block (:math:`k = h - r > 0`) is the reference's Sylvester elimination,
   batched products of the same kept matrices.
 
-Called from :class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace` with
-:math:`B` in transposed form: for the Riemannian gradient, :math:`B(\nabla_F K_F) =
-D^\top`, :math:`D = H^\top\nabla_H - \nabla_G^\top G` (the metric's factors cancel the
-conversion's).
+Built by :meth:`~geoopt_quotient.RotaryGLQuotient.batched_kernels`
+for :class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace`, which reads it with
+:math:`B` in transposed form (:meth:`RotaryProjection.transposed_omega`): for the
+Riemannian gradient, :math:`B(\nabla_F K_F) = D^\top`, :math:`D = H^\top\nabla_H -
+\nabla_G^\top G` (the metric's factors cancel the conversion's).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class RotaryProjection(NamedTuple):
             self.basis, self.pseudo_inverse[start:stop], self.rotary_dim, *sliced
         )
 
+    def transposed_omega(self, d: torch.Tensor) -> torch.Tensor:
+        r""":math:`T = \Omega^{*\top}` (``(B, h, h)``) for the right-hand side :math:`B =
+        d^\top`, ``d`` contiguous ``(B, h, h)`` in any dtype (computed in the
+        projection's): the interface of
+        :class:`~geoopt_quotient.manifolds._gl_tangent.ProjectionKernel`."""
+        return self.omega_of_transposed(d.to(self.basis.dtype)).mT
+
     def omega_of_transposed(self, d: torch.Tensor) -> torch.Tensor:
         r""":math:`\Omega^*` (``(B, h, h)``, a new tensor) for the right-hand side
         :math:`B = d^\top`, ``d`` contiguous ``(B, h, h)`` in the projection's dtype."""
@@ -86,12 +94,13 @@ class RotaryProjection(NamedTuple):
         return omega
 
 
-def rotary_projection(manifold, state) -> RotaryProjection:
-    """The :class:`RotaryProjection` of ``manifold`` (a
-    :class:`~geoopt_quotient.RotaryGLQuotient`) at the point of ``state`` (its
-    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState`), from the reference's
-    factorised system (built once per point)."""
-    system = manifold._system(state)
+def rotary_projection(system, basis, rotary_dim: int) -> RotaryProjection:
+    """The :class:`RotaryProjection` of a :class:`~geoopt_quotient.RotaryGLQuotient` at
+    one point from the reference's factorised system there (``system``, with the
+    coefficients ``a1`` and the Schur system's eigenbasis ``schur_values``,
+    ``schur_vectors``; for ``rotary_dim`` below the rank, the Sylvester data ``left,
+    right, denom, ta1, ta2, tb1, tb2`` of the non-rotary block) and the rotary basis of
+    the Lie algebra (``basis``: ``rows``, ``cols``, ``coefs``), built once per point."""
     high, rank = system.a1.dtype, system.a1.shape[-1]
     heads = system.schur_values.shape[:-1]
 
@@ -103,19 +112,18 @@ def rotary_projection(manifold, state) -> RotaryProjection:
     ok = values > values.shape[-1] * torch.finfo(values.dtype).eps * scale
     weights = torch.where(ok, 1 / torch.where(ok, values, torch.ones_like(values)), 0.0)
     pseudo_inverse = (vectors * weights[:, None, :]) @ vectors.mT
-    basis = _basis_matrix(manifold, rank, high, values.device)
-    if rank == manifold.rotary_dim:
-        return RotaryProjection(basis, pseudo_inverse, manifold.rotary_dim)
+    matrix = _basis_matrix(basis, rank, high, values.device)
+    if rank == rotary_dim:
+        return RotaryProjection(matrix, pseudo_inverse, rotary_dim)
     sylvester = (system.left, system.right, system.denom, system.ta1, system.ta2)
     sylvester += (system.tb1, system.tb2)
-    return RotaryProjection(basis, pseudo_inverse, manifold.rotary_dim, *map(flat, sylvester))
+    return RotaryProjection(matrix, pseudo_inverse, rotary_dim, *map(flat, sylvester))
 
 
-def _basis_matrix(manifold, rank: int, dtype: torch.dtype, device) -> torch.Tensor:
-    r""":math:`E`, ``(h^2, r)``: row :math:`b h + a` (the entry :math:`(b, a)` of
-    :math:`B^\top`) of column :math:`l` is :math:`\sum_s c_{ls} [(a_{ls}, b_{ls}) = (a,
-    b)]`."""
-    basis = manifold._basis
+def _basis_matrix(basis, rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    r""":math:`E`, ``(h^2, r)``, of the rotary ``basis``: row :math:`b h + a` (the entry
+    :math:`(b, a)` of :math:`B^\top`) of column :math:`l` is :math:`\sum_s c_{ls}
+    [(a_{ls}, b_{ls}) = (a, b)]`."""
     out = torch.zeros(rank * rank, basis.rows.shape[0], dtype=torch.float64)
     columns = torch.arange(basis.rows.shape[0])
     for s in range(2):

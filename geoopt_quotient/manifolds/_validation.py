@@ -1,14 +1,22 @@
-"""The geometry's own checks: the domain of geodesics and the rank of factors."""
+"""The geometry's own checks: the domain of geodesics, the checks of their numerical
+integration (the reference's and the batched kernels' alike) and the rank of factors."""
 
 from __future__ import annotations
 
 import math
+from typing import List
 
 import torch
 
 from ..errors import GeooptQuotientError
 
-__all__ = ["GeodesicDomainError", "rank_report"]
+__all__ = [
+    "GeodesicDomainError",
+    "check_speeds",
+    "integration_error",
+    "is_finite",
+    "rank_report",
+]
 
 
 class GeodesicDomainError(GeooptQuotientError, ValueError):
@@ -58,3 +66,50 @@ def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:
             f"{ratio:.3g} <= {tol:.3g}"
         )
     return None
+
+
+#: The largest relative change of a geodesic's squared metric speed that its numerical
+#: integration may make (:func:`check_speeds`); more means it broke down.
+SPEED_TOLERANCE = 2e-2
+
+
+def check_speeds(
+    steps: int,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    failures: List[torch.Tensor],
+    *finite: torch.Tensor,
+) -> None:
+    r"""The check of a geodesic's numerical integration: raise
+    :func:`integration_error` unless every tensor of ``finite`` is finite, the squared
+    speeds ``end`` of each point are within 2% of ``start`` (:math:`|s_1 - s_0| \le
+    0.02\, |s_0| + 10^{-30}`) and every Cholesky ``info`` of ``failures`` is 0: one
+    host synchronisation.
+
+    A geodesic keeps its metric speed: a speed that changed more, or a Gram matrix on
+    the way that was not positive definite (a factor lost rank), means that the path
+    left the manifold or that the steps were too long.
+
+    Raises
+    ------
+    GeodesicDomainError
+        Where any of these fails."""
+    with torch.no_grad():
+        checks = [
+            *(is_finite(t) for t in finite),
+            ((end - start).abs() <= SPEED_TOLERANCE * start.abs() + 1e-30).all(),
+            *((info == 0).all() for info in failures),
+        ]
+        ok = bool(torch.stack(checks).all())
+    if not ok:
+        raise integration_error(steps)
+
+
+def integration_error(steps: int) -> GeodesicDomainError:
+    """The error of a geodesic integration of ``steps`` RK4 steps that broke down, with
+    what to do about it."""
+    return GeodesicDomainError(
+        f"the geodesic integration broke down ({steps} RK4 steps): it left the "
+        "manifold (a factor lost rank) or the steps are too long for this vector; "
+        "use a shorter tangent vector (e.g. a smaller rho) or more `steps`"
+    )

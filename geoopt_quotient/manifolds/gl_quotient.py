@@ -17,6 +17,7 @@ from .._checks import (
     check_nonnegative_float,
     check_positive_int,
 )
+from ._gl_tangent import BatchedKernels, GLTangentSpace, sylvester_projection
 from ._linalg import (
     Eigenbasis,
     add_product,
@@ -29,7 +30,7 @@ from ._linalg import (
     sym,
 )
 from ._random import standard_normal
-from ._validation import GeodesicDomainError, is_finite, rank_report
+from ._validation import check_speeds, integration_error, is_finite, rank_report
 from .base import QuotientManifold
 from .groups import general_linear
 
@@ -48,6 +49,11 @@ DEVICE_CHUNK_BYTES = 1 << 28
 #: and an Auto-PGD iteration's should not grow with the model's depth (the symmetry groups
 #: stack all layers into one batch). Larger batches get larger slices.
 MAX_SLICES = 1
+
+
+#: The methods of :class:`GLQuotient` whose formulas its batched kernels compute
+#: (:meth:`GLQuotient.batched_kernels`): the horizontal projection and the geodesic.
+KERNEL_FORMULAS = ("_proju", "geodesic", "_christoffel", "_christoffel_coefficients")
 
 
 class PointState:
@@ -369,6 +375,21 @@ class GLQuotient(QuotientManifold):
         handled by the batched GL(h) kernels; ``None``: never (subgroups of GL(h))."""
         return (self.metric, self.eps, self.retraction, self.expmap_steps)
 
+    def stacked(self, rows: int) -> GLQuotient:
+        """The geometry of a stack of points of this geometry's :meth:`stack_key`, each
+        factor padded with zero rows to ``rows``: :class:`GLQuotient` ``(rows, rows)``
+        with this metric, relaxation, retraction and RK4 steps (the sharpness ball's
+        stacks of attention heads, whose batched kernels then multiply both factors at
+        once)."""
+        return GLQuotient(
+            rows,
+            rows,
+            self.metric,
+            self.eps,
+            retraction=self.retraction,
+            expmap_steps=self.expmap_steps,
+        )
+
     def grams(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         r"""Relaxed Gram matrices :math:`S_G, S_H` in at least float32."""
         return PointState(self, x).grams
@@ -376,10 +397,46 @@ class GLQuotient(QuotientManifold):
     def tangent_space(self, x: torch.Tensor):
         """The tangent space at ``x``, with the point's Gram matrices computed once, and
         the operations of a sharpness iteration as batched products
-        (:class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace`)."""
-        from ._gl_tangent import GLTangentSpace
-
+        (:class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace`, with the
+        kernels of :meth:`batched_kernels`)."""
         return GLTangentSpace(self, x, PointState(self, x))
+
+    def batched_kernels(self) -> BatchedKernels:
+        """Which batched kernels compute this geometry's operations at a fixed point
+        (:meth:`tangent_space`): GL(h)'s horizontal projection
+        (:func:`~geoopt_quotient.manifolds._gl_tangent.sylvester_projection`) and the
+        integration of the geodesic in the span of its start
+        (:mod:`~geoopt_quotient.manifolds._gl_geodesic`).
+
+        A subclass whose own formulas replace those of the projection (``_proju``) or
+        of the geodesic (:meth:`geodesic`, ``_christoffel``,
+        ``_christoffel_coefficients``) says which kernels still apply by defining this
+        method too (``BatchedKernels(projection=None, span_geodesic=False)``: the
+        reference formulas, on the batched metric conversion); without, the class
+        definition raises :class:`TypeError`.
+
+        Returns
+        -------
+        BatchedKernels
+            ``projection``: a function of the point's :class:`PointState` that returns
+            the kernel of its horizontal projection (``None``: the manifold's own);
+            ``span_geodesic``: whether the span's integration applies.
+        """
+        return BatchedKernels(functools.partial(sylvester_projection, self.metric, self.eps), True)
+
+    def __init_subclass__(cls, **kwargs):
+        """Hold a subclass that redefines what the batched kernels compute
+        (:data:`KERNEL_FORMULAS`) to defining :meth:`batched_kernels` too: otherwise
+        its tangent space would compute GL(h)'s formulas in place of its own."""
+        super().__init_subclass__(**kwargs)
+        changed = [name for name in KERNEL_FORMULAS if name in vars(cls)]
+        if changed and "batched_kernels" not in vars(cls):
+            raise TypeError(
+                f"{cls.__name__} redefines {', '.join(changed)}, which GLQuotient's batched "
+                "kernels compute: define `batched_kernels` as well, returning the kernels "
+                "that still apply (BatchedKernels(projection=None, span_geodesic=False) "
+                "for the reference formulas)"
+            )
 
     def _blocks(self, st: PointState) -> Tuple[torch.Tensor, torch.Tensor]:
         r"""Right factors :math:`W_G, W_H` of the metric, :math:`\langle\eta,\zeta\rangle =
@@ -803,7 +860,7 @@ class GLQuotient(QuotientManifold):
                 pos = pos + dt / 6 * (k1p + 2 * k2p + 2 * k3p + k4p)
                 vel = vel + dt / 6 * (k1v + 2 * k2v + 2 * k3v + k4v)
         except torch.linalg.LinAlgError as error:  # the CPU's inverse of a failed factor
-            raise _integration_error(steps) from error
+            raise integration_error(steps) from error
         self._check_integration(x, u, pos, vel, steps, failures)
         return pos, vel
 
@@ -819,7 +876,7 @@ class GLQuotient(QuotientManifold):
             state = PointState(self, x, failures) if state is None else state
             start = self._inner(state, u, None, False)
             end = self._inner(PointState(self, pos, failures), vel, None, False)
-            _check_speeds(steps, start, end, failures, pos, vel)
+            check_speeds(steps, start, end, failures, pos, vel)
 
     # ------------------------------------------------------------------ sampling
     def random_tangent(
@@ -874,33 +931,3 @@ class GLQuotient(QuotientManifold):
         """Spectral condition number of a batch of matrices (a test utility)."""
         s = torch.linalg.svdvals(a)
         return s[..., 0] / s[..., -1]
-
-
-def _check_speeds(
-    steps: int,
-    start: torch.Tensor,
-    end: torch.Tensor,
-    failures: List[torch.Tensor],
-    *finite: torch.Tensor,
-) -> None:
-    r"""Raise :func:`_integration_error` unless every tensor of ``finite`` is finite, the
-    squared speeds ``end`` of each point are within 2% of ``start``
-    (:math:`|s_1 - s_0| \le 0.02\, |s_0| + 10^{-30}`) and every Cholesky ``info`` of
-    ``failures`` is 0: one host synchronisation."""
-    with torch.no_grad():
-        checks = [
-            *(is_finite(t) for t in finite),
-            ((end - start).abs() <= 2e-2 * start.abs() + 1e-30).all(),
-            *((info == 0).all() for info in failures),
-        ]
-        ok = bool(torch.stack(checks).all())
-    if not ok:
-        raise _integration_error(steps)
-
-
-def _integration_error(steps: int) -> GeodesicDomainError:
-    return GeodesicDomainError(
-        f"the geodesic integration broke down ({steps} RK4 steps): it left the "
-        "manifold (a factor lost rank) or the steps are too long for this vector; "
-        "use a shorter tangent vector (e.g. a smaller rho) or more `steps`"
-    )

@@ -8,6 +8,8 @@ from typing import NamedTuple, Tuple, Union
 import torch
 
 from .._checks import check_choice, check_positive_int
+from ._gl_tangent import BatchedKernels
+from ._rotary_tangent import RotaryProjection, rotary_projection
 from .gl_quotient import GLQuotient, PointState
 
 __all__ = ["RotaryGLQuotient"]
@@ -377,6 +379,23 @@ class RotaryGLQuotient(GLQuotient):
             z = z.flatten(-2)
             parts.append((z / flat_denom[chunk][:, None, :]) @ z.mT)
         return torch.cat(parts).reshape(*denom.shape[:-2], rows.shape[0], rows.shape[0])
+
+    def batched_kernels(self) -> BatchedKernels:
+        """GL(h)'s :meth:`~GLQuotient.batched_kernels` with the subgroup's horizontal
+        projection (:class:`~geoopt_quotient.manifolds._rotary_tangent.RotaryProjection`,
+        built from the factorised system of :meth:`_omega`) in place of GL(h)'s; the
+        geodesic is the total space's, GL(h)'s (class docstring).
+
+        Returns
+        -------
+        BatchedKernels
+            The rotary projection's kernel and ``span_geodesic=True``.
+        """
+        return BatchedKernels(self._rotary_projection, True)
+
+    def _rotary_projection(self, st: PointState) -> RotaryProjection:
+        """The batched kernel of the horizontal projection at ``st``'s point."""
+        return rotary_projection(self._system(st), self._basis, self.rotary_dim)
 
     def _proju(self, st: PointState, u: torch.Tensor) -> torch.Tensor:
         u_g, u_h = self.factors(u.to(st.dtype))

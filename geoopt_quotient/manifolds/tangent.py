@@ -29,6 +29,11 @@ class TangentSpace:
     #: counter is unchanged (:meth:`combination`): a sharpness ball then gives its
     #: vectors buffers of their own, since all views of one buffer share one counter.
     own_buffer = False
+    #: Whether :meth:`expmap` integrates the geodesic equation numerically, with the
+    #: manifold's ``expmap_steps`` RK4 steps, and the space integrates it for any number
+    #: of steps too (``expmaps(u)``, ``span_geodesic(u)``: a step-doubling error
+    #: control, :func:`~geoopt_quotient.sharpness.path_gap.path_gap`); ``False`` here.
+    integrates_geodesic = False
 
     def __init__(self, manifold: Manifold, x: torch.Tensor):
         self.manifold = manifold

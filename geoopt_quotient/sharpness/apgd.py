@@ -26,6 +26,8 @@ from ..errors import GeooptQuotientError
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.adaptive import GradientSweep
 from ..manifolds.tangent import tangent_space
+from . import buffers
+from .buffers import AutoPGDVectors
 from .functional import check_depends_on_perturbation, check_loss_value
 from .precision import AutocastState
 
@@ -121,10 +123,14 @@ def path_function(manifold: Manifold, path: str) -> Path:
         return manifold.expmap
     if path == "second_order":
         return manifold.retr
-    return _straight
+    return straight_path
 
 
-def _straight(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def straight_path(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    r"""The straight path :math:`x + u` (``path="straight"``, and ``"second_order"`` where
+    the retraction is the straight line). The evaluations recognise it by identity
+    (``path is straight_path``) and write :math:`x + \xi` into a buffer of their own
+    (:func:`explicit_path`)."""
     return x + u
 
 
@@ -145,8 +151,9 @@ def apgd_checkpoints(iters: int) -> List[int]:
     return [w for w in marks if 0 < w <= iters]
 
 
-class _Ball:
-    """The feasible set and its geometry at fixed base points.
+class TangentBall:
+    """The feasible set and its geometry at fixed base points: the ball of
+    :func:`maximize_in_ball` and :func:`average_in_ball`, made by :func:`prepare_ball`.
 
     Its vectors are in :func:`compute_dtype` of their points (float32 for a bfloat16 or
     float16 model): Auto-PGD's iterates and the paths' arithmetic keep full precision,
@@ -157,12 +164,13 @@ class _Ball:
         self.points = [g.point.detach() for g in groups]
         self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
-        #: Per group, whether its vectors get buffers of their own (:func:`_joint_buffer`)
+        #: Per group, whether its vectors get buffers of their own
+        #: (:func:`~geoopt_quotient.sharpness.buffers.joint_buffer`)
         self.apart = [space.own_buffer for space in self.spaces]
         self.rho = rho
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
-        #: last update left it (:func:`_apgd_update`); taken by the next evaluation.
+        #: last update left it (:func:`apgd_update`); taken by the next evaluation.
         self.written: Tuple[List[torch.Tensor], List[bool]] | None = None
         #: Sums a local inner product or Gram matrix over the processes that hold the
         #: other pieces of the ball (a sharded model's); ``None``: the ball is all here.
@@ -188,8 +196,8 @@ class _Ball:
         return sum(x.numel() * d.itemsize for x, d in zip(self.points, self.dtypes))
 
     def zeros(self) -> List[torch.Tensor]:
-        """The zero vector, in one :func:`_joint_buffer`."""
-        return _joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
+        """The zero vector, in one :func:`~geoopt_quotient.sharpness.buffers.joint_buffer`."""
+        return buffers.joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._reduced(sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v)))
@@ -327,7 +335,7 @@ class _Ball:
         """A buffer of the ``index``-th point's shape and dtype for a perturbed point, the
         same at every call: the straight paths write into it instead of allocating anew."""
         if self._perturbed is None:
-            self._perturbed = _joint_buffer(self.points)
+            self._perturbed = buffers.joint_buffer(self.points)
         return self._perturbed[index]
 
     def take_written(self, xi: Sequence[torch.Tensor]) -> List[bool]:
@@ -346,9 +354,17 @@ class _Ball:
         ]
 
 
-def _prepare(
+def prepare_ball(
     groups: Sequence[Union[BallGroup, Tuple[torch.Tensor, Manifold]]], rho: float, path: str
-) -> Tuple[_Ball, List[Path]]:
+) -> Tuple[TangentBall, List[Path]]:
+    """The ball of radius ``rho`` at the groups' points, and each group's path.
+
+    Checks the arguments as :func:`maximize_in_ball` documents them (``groups`` as
+    :class:`BallGroup` or ``(point, manifold)`` pairs, ``rho > 0``, ``path`` one of
+    :data:`PATHS`) and resolves each group's path: its own ``path``, else the named one
+    at the ball's tangent space (:func:`straight_path` where the retraction is the
+    straight line, so that the evaluation writes the point into a buffer).
+    """
     groups = [g if isinstance(g, BallGroup) else BallGroup(*g) for g in groups]
     if not groups:
         raise ValueError("`groups` is empty: nothing to perturb")
@@ -360,7 +376,7 @@ def _prepare(
                 f"base points must be floating-point tensors, got {g.point.dtype}; "
                 "convert the model with .float() or .double()"
             )
-    ball = _Ball(groups, float(rho))
+    ball = TangentBall(groups, float(rho))
     paths = [g.path or _space_path(space, path) for g, space in zip(groups, ball.spaces)]
     return ball, paths
 
@@ -371,11 +387,11 @@ def _space_path(space, path: str) -> Path:
         return lambda x, u: space.expmap(u)
     if path == "second_order" and not space.straight_retraction:
         return _Retraction(space)
-    return _straight
+    return straight_path
 
 
 class _Retraction:
-    """The retraction of a tangent space, as a path; :func:`_evaluate` uses the space's
+    """The retraction of a tangent space, as a path; :func:`evaluate_in_ball` uses the space's
     explicit pullback (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retr_vjp`)
     where it has one."""
 
@@ -386,12 +402,14 @@ class _Retraction:
         return self.space.retr(u)
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A new generator on ``device`` seeded with ``seed``: the random starts and samples of
+    this module and the Hessian estimators draw from it, on the model's device."""
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _evaluate(
-    ball: _Ball,
+def evaluate_in_ball(
+    ball: TangentBall,
     paths: Sequence[Path],
     objective: Objective,
     xi: Sequence[torch.Tensor],
@@ -403,9 +421,9 @@ def _evaluate(
 
     The paths run in full precision, the objective under the caller's ``autocast``. A
     straight path :math:`x + \xi` in the point's own dtype is written into the ball's
-    :meth:`~_Ball.perturbed_buffer` and differentiated there (its gradient is that of
+    :meth:`~TangentBall.perturbed_buffer` and differentiated there (its gradient is that of
     :math:`\xi`, bit for bit); so is a retraction with an explicit pullback
-    (:func:`_explicit_path`), whose pullback then maps that gradient to one with respect
+    (:func:`explicit_path`), whose pullback then maps that gradient to one with respect
     to :math:`\xi`, in place. The gradients are the leaves' ``.grad``, which autograd
     copies where it cannot hand over a buffer of its own: they belong to the caller.
 
@@ -426,7 +444,7 @@ def _evaluate(
     written = ball.take_written(xi)
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
         buffer = functools.partial(ball.perturbed_buffer, index)
-        point, pullback = _explicit_path(p, x, v, buffer, written[index])
+        point, pullback = explicit_path(p, x, v, buffer, written[index])
         if point is not None:
             leaf = point.detach().requires_grad_(grad)
             leaves.append(leaf)
@@ -455,7 +473,7 @@ def _evaluate(
     return value.detach().reshape(()), grads
 
 
-def _explicit_path(
+def explicit_path(
     path: Path,
     x: torch.Tensor,
     v: torch.Tensor,
@@ -466,11 +484,11 @@ def _explicit_path(
     there to one with respect to ``v`` (``None``: the identity), for the paths that
     have them without autograd: the straight line and explicit retractions. ``(None,
     None)`` for the others. ``written``: the straight line's point is in ``buffer()``
-    already (:meth:`_Ball.take_written`)."""
+    already (:meth:`TangentBall.take_written`)."""
     if v.dtype != x.dtype:
         return None, None
     with torch.no_grad():
-        if path is _straight:
+        if path is straight_path:
             return (buffer() if written else torch.add(x, v, out=buffer())), None
         if isinstance(path, _Retraction):
             explicit = path.space.retr_vjp(v, buffer())
@@ -618,9 +636,11 @@ def maximize_in_ball(
     With an objective that writes the gradient into a vector of the ball (the engine's
     flat layout), the loop also keeps the vectors it has freed, for the next gradients
     and iterates to be written into: with those in use, never more than it held at once
-    before, so that a run stops allocating once it has that many.
+    before, so that a run stops allocating once it has that many
+    (:class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors`; the loop itself is
+    :func:`auto_pgd`).
     Each update is one linear combination of :math:`\xi_k`, the Riemannian gradient and
-    :math:`\xi_{k-1}` (see :func:`_apgd_update`), written into a freed iterate's buffer;
+    :math:`\xi_{k-1}` (see :func:`apgd_update`), written into a freed iterate's buffer;
     the Riemannian gradient is written into the Euclidean gradient's. Kept, the best
     gradient is a reference, not a copy. When Auto-PGD restarts from an earlier best
     iterate (after halving the step), that iterate's gradient is the kept one, or is recomputed:
@@ -694,124 +714,267 @@ def _maximize(
     keep_best_gradient: bool | None = None,
     keep_initial_gradient: bool = False,
 ) -> BallMaxResult:
-    ball, paths = _prepare(groups, rho, path)
+    """:func:`maximize_in_ball` with autocast off, ``autocast`` its caller's."""
+    ball, paths = prepare_ball(groups, rho, path)
     ball.reduce_sum = getattr(objective, "reduce_sum", None)
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
     iters = check_positive_int(iters, "iters")
-    xi = _initial_vector(ball, init, seed)
-    # the vectors of the ball no longer needed (gradients, iterates a restart left), for
-    # the next updates and evaluations to write into: a model-sized buffer allocated anew
-    # is faulted in page by page, which costs several copies' worth of time. Taken before
-    # anything is allocated, so the vectors alive never outnumber the most the loop needs
-    # at once (with the kept gradient: three iterates and two gradients)
-    recycled: List[List[torch.Tensor]] = []
+    vectors = AutoPGDVectors(_initial_vector(ball, init, seed), ball.apart, keep)
+    passes = BallPasses(ball, paths, objective, autocast, vectors)
+    return auto_pgd(
+        passes,
+        iters=iters,
+        momentum=momentum,
+        check_finite=check_finite,
+        keep_initial_gradient=keep_initial_gradient,
+    )
 
-    def evaluate(xi: Sequence[torch.Tensor], grad: bool):
-        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
-        try:
-            return _evaluate(ball, paths, objective, xi, grad, autocast, recycled)
-        finally:
-            ball.pending = None  # announced for this evaluation only
 
-    def riemannian(grads: List[torch.Tensor], xi, xi_prev) -> Tuple[List[torch.Tensor], Tuple]:
-        """The Riemannian gradient, and the Gram matrix the next update reads, with the
-        vectors it is of (the update recomputes it for others, after a restart)."""
-        rgrads, gram = ball.riemannian_gradient_gram_(grads, xi, xi_prev)
-        return rgrads, (gram, xi, rgrads, xi_prev)
+#: Auto-PGD halves its step at a checkpoint where the objective rose in fewer than this
+#: fraction of the steps since the last one (:math:`\rho` of Croce & Hein, 2020).
+RISING_FRACTION = 0.75
 
-    targets = _perturbed_targets(ball, paths, objective)
-    step = 2.0 * ball.rho
-    ball.expect_gradient(xi, xi)
-    value_t, grads = evaluate(xi, grad=True)
+
+class StepRule:
+    r"""Croce & Hein's step size rule of Auto-PGD.
+
+    The step :math:`\eta` starts at :math:`2\rho` (the ball's diameter). At each checkpoint
+    :math:`w_j` (:func:`apgd_checkpoints`) it is halved when either
+
+    1. the objective rose in fewer than :data:`RISING_FRACTION` of the steps since the
+       last checkpoint, :math:`\#\{k \in [w_{j-1}, w_j) : f(\xi_{k+1}) > f(\xi_k)\}
+       < 0.75\,(w_j - w_{j-1})`, or
+    2. the step was not halved at the last checkpoint and the best value did not rise
+       since, :math:`f_{best}(w_j) \le f_{best}(w_{j-1})`;
+
+    the loop then restarts from the best iterate.
+
+    Parameters
+    ----------
+    rho : float
+        The ball's radius.
+    iters : int
+        The number of iterations :math:`N` (the checkpoints' scale).
+    value : float
+        The objective at the first iterate (the first checkpoint's best value).
+    """
+
+    def __init__(self, rho: float, iters: int, value: float):
+        self.step = 2.0 * rho
+        self.checkpoints = apgd_checkpoints(iters)
+        self.last_mark, self.increases = 0, 0
+        self.best_at_last_mark, self.halved_at_last_mark = value, True
+
+    def record(self, rose: bool) -> None:
+        """One step taken: whether the objective rose along it."""
+        self.increases += int(rose)
+
+    def halves_after(self, iteration: int, best_value: float) -> bool:
+        """Whether the step is halved after ``iteration`` iterations (1-based), which
+        halves it there; ``best_value``: the best objective so far."""
+        if iteration not in self.checkpoints:
+            return False
+        since = iteration - self.last_mark
+        too_few_increases = self.increases < RISING_FRACTION * since
+        stalled = (not self.halved_at_last_mark) and best_value <= self.best_at_last_mark
+        self.halved_at_last_mark = too_few_increases or stalled
+        if self.halved_at_last_mark:
+            self.step /= 2.0
+        self.last_mark, self.increases, self.best_at_last_mark = iteration, 0, best_value
+        return self.halved_at_last_mark
+
+
+def auto_pgd(
+    passes: BallPasses,
+    *,
+    iters: int,
+    momentum: float,
+    check_finite: bool,
+    keep_initial_gradient: bool,
+) -> BallMaxResult:
+    r"""Auto-PGD (Croce & Hein, 2020) over the ball of ``passes``, from its first iterate.
+
+    With :math:`g_k` the Riemannian gradient at :math:`\xi_k`, :math:`P` the projection
+    onto the ball (radial scaling), :math:`\eta` the step of :class:`StepRule` and
+    :math:`\alpha` the momentum (1 at the first step),
+
+    .. math::
+
+        z_{k+1} = P\Big(\xi_k + \eta \frac{g_k}{|g_k|}\Big), \qquad
+        \xi_{k+1} = P\big(\xi_k + \alpha (z_{k+1} - \xi_k)
+            + (1 - \alpha)(\xi_k - \xi_{k-1})\big)
+
+    (one linear combination, :func:`apgd_update`), for :math:`k = 0, \dots, N - 1`, with
+    the step rule of Croce & Hein (:class:`StepRule`): :math:`\eta = 2\rho` at first;
+    at each checkpoint :math:`w_j = \lceil p_j N \rceil`, :math:`p_0 = 0, p_1 = 0.22,
+    p_{j+1} = p_j + \max(p_j - p_{j-1} - 0.03, 0.06)` (:func:`apgd_checkpoints`), before
+    the last iteration, :math:`\eta` is halved when the objective rose in fewer than
+    75% (:data:`RISING_FRACTION`) of the steps since the last checkpoint, or when it was
+    not halved there and the best value has not risen since. Where it is halved, the
+    loop restarts from the best iterate (:math:`\xi_{k-1}` stays), with the gradient
+    there kept or recomputed. The last iterate is evaluated without its gradient.
+
+    Which buffer holds each vector is :class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors`'s
+    concern, and the arithmetic on the ball :class:`BallPasses`'s: neither changes a
+    value.
+
+    Parameters
+    ----------
+    passes : BallPasses
+        The ball, the objective and the vectors the loop holds, at the first iterate.
+    iters : int
+        The number of iterations :math:`N \ge 1`.
+    momentum : float
+        :math:`\alpha` after the first step.
+    check_finite : bool
+        Raise :class:`NonFiniteError` at a NaN/Inf value or gradient.
+    keep_initial_gradient : bool
+        Return a copy of the Riemannian gradient at the first iterate.
+
+    Returns
+    -------
+    BallMaxResult
+        As :func:`maximize_in_ball` returns it.
+    """
+    vectors = passes.vectors
+    value_t = passes.evaluate_iterate(grad=True)
     value = _read_finite(value_t, step=0) if check_finite else float(value_t)
-    initial = best_value = value
-    best_xi = xi_prev = xi
-    rgrads, known = riemannian(grads, xi, xi)
-    initial_gradient = [g.clone() for g in rgrads] if keep_initial_gradient else None
-    best_rgrads = rgrads if keep else None
-    history, steps, evaluations, gradients = [value], [], 1, 1
-    checkpoints = apgd_checkpoints(iters)
-    last_mark, increases = 0, 0
-    best_at_last_mark, step_halved_at_last_mark = value, True
+    passes.make_riemannian()
+    initial_gradient = [g.clone() for g in vectors.rgrads] if keep_initial_gradient else None
+    if vectors.keep_best_gradient:
+        vectors.best_rgrads = vectors.rgrads
+    rule, initial, best_value = StepRule(passes.ball.rho, iters, value), value, value
+    history, steps = [value], []
     for k in range(iters):
-        alpha = 1.0 if k == 0 else momentum
-        # written over an input the update reads each entry of before writing it (the
-        # previous iterate), else a vector freed earlier (an iterate a restart left, a
-        # gradient), else the gradient, unless the best iterate holds them
-        if _is_free(xi_prev, (xi, best_xi)):
-            out = xi_prev
-        elif recycled:  # not the gradient: no staging in combine_
-            out = recycled.pop()
-        elif rgrads is not best_rgrads:
-            out = rgrads
-        else:
-            out = _joint_buffer(xi, apart=ball.apart)
-        if out is not rgrads and rgrads is not best_rgrads:
-            recycled.append(rgrads)  # read by the update, then free
-        gram = _known_gram(known, (xi, rgrads, xi_prev))
-        known = None
-        xi_next, grad_norm = _apgd_update(
-            ball, xi, xi_prev, rgrads, step, alpha, out, gram, targets
-        )
-        # alive while the objective runs: xi, the previous xi and the best xi
-        xi_prev, xi, rgrads = xi, xi_next, None
+        grad_norm = passes.update(rule.step, alpha=1.0 if k == 0 else momentum)
         need_grad = k + 1 < iters
-        if need_grad:
-            ball.expect_gradient(xi, xi_prev)
-        new_value_t, grads = evaluate(xi, grad=need_grad)
-        evaluations, gradients = evaluations + 1, gradients + int(need_grad)
-        # the loop's one host read: the new loss, with the gradient's norm as NaN/Inf guard
+        new_value_t = passes.evaluate_iterate(grad=need_grad)
+        # the loop's one host read: the new value, with the gradient's norm as NaN/Inf guard
         new_value, norm = torch.stack((new_value_t, grad_norm.to(new_value_t))).tolist()
         if check_finite:
             _raise_if_not_finite(new_value, norm, k)
-        steps.append(step)
+        steps.append(rule.step)
         history.append(new_value)
-        increases += int(new_value > value)
+        rule.record(new_value > value)
         value = new_value
-        # ``grads`` is made Riemannian in place (the same list) at the end of the
-        # iteration, unless a restart leaves its iterate behind
         if new_value > best_value:
-            if _is_free(best_xi, (xi, xi_prev)):  # an earlier best iterate
-                recycled.append(best_xi)
-            best_value, best_xi = new_value, xi
-            if keep and need_grad:
-                if best_rgrads is not None:
-                    recycled.append(best_rgrads)
-                best_rgrads = grads
-        if k + 1 in checkpoints and need_grad:
-            since = k + 1 - last_mark
-            too_few_increases = increases < 0.75 * since
-            stalled = (not step_halved_at_last_mark) and best_value <= best_at_last_mark
-            step_halved_at_last_mark = too_few_increases or stalled
-            if step_halved_at_last_mark:
-                step /= 2.0
-                if best_xi is not xi:  # restart from the best iterate, with its gradient
-                    recycled += [xi, grads]  # the iterate left behind and its gradient
-                    xi, value, grads = best_xi, best_value, None
-                    if keep:
-                        rgrads = best_rgrads
-                    else:  # converted alone, as the kept one: the update computes the Gram
-                        # matrix, in the same arithmetic whether the gradient is kept or not
-                        rgrads = ball.riemannian_gradients_(evaluate(xi, grad=True)[1])
-                        evaluations, gradients = evaluations + 1, gradients + 1
-            last_mark, increases, best_at_last_mark = k + 1, 0, best_value
-        if grads is not None:
-            (rgrads, known), grads = riemannian(grads, xi, xi_prev), None
+            best_value = new_value
+            vectors.take_best()
+        if need_grad and rule.halves_after(k + 1, best_value):
+            if vectors.best_xi is not vectors.xi:
+                passes.restart()
+                value = best_value
+        if vectors.grads is not None:
+            passes.make_riemannian()
     return BallMaxResult(
         value=best_value,
-        xi=[v.detach() for v in best_xi],
+        xi=[v.detach() for v in vectors.best_xi],
         initial_value=initial,
         history=history,
         step_sizes=steps,
-        evaluations=evaluations,
-        gradients=gradients,
+        evaluations=passes.evaluations,
+        gradients=passes.gradients,
         initial_gradient=initial_gradient,
     )
 
 
+class BallPasses:
+    """What Auto-PGD's loop asks of the ball: evaluations of the objective at the current
+    iterate, its gradient made Riemannian, updates and restarts, on the vectors of an
+    :class:`~geoopt_quotient.sharpness.buffers.AutoPGDVectors` (which decides their
+    buffers), counting the passes.
+
+    Between a gradient made Riemannian and the next update it keeps the Gram matrix of
+    :math:`(\\xi_k, g_k, \\xi_{k-1})` that the conversion computed in the same sweep
+    (:meth:`TangentBall.riemannian_gradient_gram_`, whose iterate entries may be derived
+    from the last update's), for the update to read instead of summing it anew.
+
+    Parameters
+    ----------
+    ball : TangentBall
+        The feasible set (:func:`prepare_ball`).
+    paths : sequence of callable
+        Per group, the path from a tangent vector to the perturbed point.
+    objective : callable
+        ``objective(points) -> scalar tensor``, as :func:`maximize_in_ball` takes it.
+    autocast : AutocastState
+        The caller's autocast, under which the objective runs.
+    vectors : AutoPGDVectors
+        The loop's vectors, at the first iterate.
+    """
+
+    def __init__(
+        self,
+        ball: TangentBall,
+        paths: Sequence[Path],
+        objective: Objective,
+        autocast: AutocastState,
+        vectors: AutoPGDVectors,
+    ):
+        self.ball, self.paths, self.objective, self.autocast = ball, paths, objective, autocast
+        self.vectors = vectors
+        self.targets = _perturbed_targets(ball, paths, objective)
+        #: ``(G, xi, rgrads, xi_prev)`` of the last conversion, until the next update
+        self.known: Tuple | None = None
+        self.evaluations, self.gradients = 0, 0
+
+    def evaluate(self, xi: Sequence[torch.Tensor], grad: bool):
+        """:func:`evaluate_in_ball` at ``xi``, its gradient possibly written into a free
+        vector; ``(value, gradient or None)``."""
+        ball = self.ball
+        ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
+        try:
+            free = self.vectors.free
+            args = (ball, self.paths, self.objective, xi, grad, self.autocast, free)
+            value, grads = evaluate_in_ball(*args)
+        finally:
+            ball.pending = None  # announced for this evaluation only
+        self.evaluations, self.gradients = self.evaluations + 1, self.gradients + int(grad)
+        return value, grads
+
+    def evaluate_iterate(self, grad: bool) -> torch.Tensor:
+        """The objective at the current iterate (a 0-d tensor), its gradient (``grad``)
+        announced to the ball for the next conversion and kept in the vectors."""
+        vectors = self.vectors
+        if grad:
+            self.ball.expect_gradient(vectors.xi, vectors.xi_prev)
+        value, grads = self.evaluate(vectors.xi, grad)
+        vectors.set_gradient(grads)
+        return value
+
+    def make_riemannian(self) -> None:
+        """The last evaluation's gradient made Riemannian in place, with the Gram matrix
+        the next update reads."""
+        v = self.vectors
+        rgrads, gram = self.ball.riemannian_gradient_gram_(v.grads, v.xi, v.xi_prev)
+        self.known = (gram, v.xi, rgrads, v.xi_prev)
+        v.set_riemannian(rgrads)
+
+    def update(self, step: float, alpha: float) -> torch.Tensor:
+        """Auto-PGD's next iterate (:func:`apgd_update`) made the current one; returns the
+        norm of the gradient it stepped along (a 0-d tensor)."""
+        v = self.vectors
+        out = v.output()
+        gram, self.known = _known_gram(self.known, (v.xi, v.rgrads, v.xi_prev)), None
+        args = (self.ball, v.xi, v.xi_prev, v.rgrads, step, alpha, out, gram, self.targets)
+        xi_next, grad_norm = apgd_update(*args)
+        v.advance(xi_next)
+        return grad_norm
+
+    def restart(self) -> None:
+        """Back to the best iterate, with the gradient there: the kept one, else
+        recomputed (one more pass) and converted alone, so that the update computes the
+        Gram matrix, in the same arithmetic whether the gradient is kept or not."""
+        vectors = self.vectors
+        vectors.restart()
+        if vectors.rgrads is None:
+            grads = self.evaluate(vectors.xi, grad=True)[1]
+            vectors.rgrads = self.ball.riemannian_gradients_(grads)
+
+
 def _initial_vector(
-    ball: _Ball, init: Union[str, Sequence[torch.Tensor]], seed: int
+    ball: TangentBall, init: Union[str, Sequence[torch.Tensor]], seed: int
 ) -> List[torch.Tensor]:
     """Auto-PGD's first iterate: zero, random, or the given vector projected onto the
     feasible set, in a buffer of its own (the loop writes into freed iterates)."""
@@ -819,7 +982,7 @@ def _initial_vector(
         check_choice(init, ("zero", "random"), "init")
         if init == "zero":
             return ball.zeros()
-        return ball.project(ball.random(_generator(ball.points[0].device, seed), ball.rho))
+        return ball.project(ball.random(seeded_generator(ball.points[0].device, seed), ball.rho))
     init = list(init)
     shapes = [tuple(v.shape) for v in init]
     if shapes != [tuple(x.shape) for x in ball.points]:
@@ -830,14 +993,14 @@ def _initial_vector(
     vectors = [
         v.detach().to(dtype=d, device=x.device) for v, d, x in zip(init, ball.dtypes, ball.points)
     ]
-    out = _joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
+    out = buffers.joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
     for o, v in zip(out, ball.project(vectors)):
         o.copy_(v)
     return out
 
 
 def _perturbed_targets(
-    ball: _Ball, paths: Sequence[Path], objective: Objective
+    ball: TangentBall, paths: Sequence[Path], objective: Objective
 ) -> List[Tuple[torch.Tensor, torch.Tensor] | None] | None:
     """Per group, ``(x, buffer)`` where the update writes the perturbed point
     :math:`x + \\xi` as well, in its sweep over the new iterate (a straight path in the
@@ -854,7 +1017,9 @@ def _perturbed_targets(
     if buffer is None:
         return None
     targets = [
-        (x, buffer(i)) if path is _straight and dtype == x.dtype and not capped(x.device) else None
+        (x, buffer(i))
+        if path is straight_path and dtype == x.dtype and not capped(x.device)
+        else None
         for i, (path, x, dtype) in enumerate(zip(paths, ball.points, ball.dtypes))
     ]
     return targets if any(t is not None for t in targets) else None
@@ -867,12 +1032,8 @@ def _known_gram(known: Tuple | None, vectors: Tuple) -> torch.Tensor | None:
     return known[0]
 
 
-def _is_free(vector: List[torch.Tensor], in_use: Sequence[List[torch.Tensor]]) -> bool:
-    return all(vector is not other for other in in_use)
-
-
-def _apgd_update(
-    ball: _Ball,
+def apgd_update(
+    ball: TangentBall,
     xi: Sequence[torch.Tensor],
     xi_prev: Sequence[torch.Tensor],
     rgrads: Sequence[torch.Tensor],
@@ -884,10 +1045,10 @@ def _apgd_update(
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     r"""Auto-PGD's next iterate, written into ``out``, and the norm of the Riemannian
     gradient ``rgrads`` at ``xi``; ``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)``
-    where the caller has it (:meth:`_Ball.riemannian_gradient_gram_`); ``targets``: per
+    where the caller has it (:meth:`TangentBall.riemannian_gradient_gram_`); ``targets``: per
     group, ``(x, buffer)`` where the straight path's perturbed point :math:`x + \xi_{next}`
     is written too, in the same sweep (:func:`_perturbed_targets`; recorded in
-    :attr:`_Ball.written` for the next evaluation), or ``None``.
+    :attr:`TangentBall.written` for the next evaluation), or ``None``.
 
     With :math:`g` the Riemannian gradient, :math:`P` the radial scaling into the ball and
     :math:`\eta` the step,
@@ -900,7 +1061,7 @@ def _apgd_update(
     Both are linear combinations of :math:`\xi`, :math:`g` and :math:`\xi_{prev}`, and
     radial scaling multiplies by :math:`\min(1, \rho / |v|)`, so the whole update is
     :math:`\xi_{next} = w_1 \xi + w_2 g + w_3 \xi_{prev}` with weights from the 3 × 3
-    Gram matrix of the three vectors (:func:`_update_weights`): one read of the vectors
+    Gram matrix of the three vectors (:func:`update_weights`): one read of the vectors
     for the Gram matrix and one for the combination, instead of a pass per operation.
     ``out`` may be ``xi_prev`` itself; the other inputs are only read. Each group's
     tangent space is told the combination
@@ -913,7 +1074,7 @@ def _apgd_update(
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
         gram, ball.derived_run = ball.gram(vectors), 0
-    weights, grad_norm = _update_weights(gram, step, alpha, ball.rho)
+    weights, grad_norm = update_weights(gram, step, alpha, ball.rho)
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
     shifts = [None] * len(out) if targets is None else targets
     derived = []  # told the tensors written once all are: a write may bump another's version
@@ -934,7 +1095,7 @@ def _apgd_update(
 
 
 #: At most this many Gram matrices in a row have iterate entries derived from the
-#: previous update's (:meth:`_Ball.riemannian_gradient_gram_`); the next is summed whole.
+#: previous update's (:meth:`TangentBall.riemannian_gradient_gram_`); the next is summed whole.
 MAX_DERIVED_RUN = 8
 
 
@@ -957,10 +1118,10 @@ def _with_column(iterates: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     return torch.stack((a, g0, b, g0, g1, g2, b, g2, c)).view(3, 3)
 
 
-def _update_weights(
+def update_weights(
     gram: torch.Tensor, step: float, alpha: float, rho: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`_apgd_update` from their
+    r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`apgd_update` from their
     Gram matrix (float64), and :math:`|g|`."""
     xx, xg, gg = gram[0, 0], gram[0, 1], gram[1, 1]
     grad_norm = gg.clamp_min(0).sqrt()
@@ -995,7 +1156,7 @@ def combine_(
     r"""Auto-PGD's update kernel: ``out = w_2 v_2 + w_0 v_0 + w_1 v_1``, in this order.
 
     The one pass over the vectors that each Auto-PGD update makes
-    (:func:`_apgd_update`: :math:`\xi_{next} = w_0 \xi + w_1 g + w_2 \xi_{prev}`),
+    (:func:`apgd_update`: :math:`\xi_{next} = w_0 \xi + w_1 g + w_2 \xi_{prev}`),
     block by block on the CPU (:data:`COMBINE_BLOCK` entries), whole tensors elsewhere.
     Its order of operations fixes the rounding of every iterate, so benchmarks and tests
     that time or check the update call it directly.
@@ -1033,51 +1194,6 @@ def combine_(
             o.copy_(target)
         if shifted:
             torch.add(shifted[0], target, out=shifted[1])
-
-
-def _joint_buffer(
-    like: Sequence[torch.Tensor],
-    dtypes: Sequence[torch.dtype] | None = None,
-    zero: bool = False,
-    apart: Sequence[bool] | None = None,
-) -> List[torch.Tensor]:
-    """New tensors shaped like ``like`` (in ``dtypes``, default theirs), views of one flat
-    buffer per dtype and device, but those marked in ``apart``, each in a buffer of its
-    own: the views of one buffer share one version counter, so that a write into one of
-    them would drop what a tangent space keeps about another while its counter is
-    unchanged (:attr:`~geoopt_quotient.manifolds.tangent.TangentSpace.own_buffer`).
-
-    A vector of the ball lives for several iterations, next to per-parameter buffers that
-    come and go in every forward and backward pass. In one allocation of its own, as large
-    as the model, it stays out of the allocator's pool of small blocks, and is returned
-    whole when freed, instead of pinning that pool at its high-water mark. Each view
-    starts at a multiple of :data:`ALIGNMENT` bytes, as a tensor of its own would: a
-    weight matrix perturbed in a view that starts mid-cache-line slows the model's
-    matrix products.
-    """
-    dtypes = [t.dtype for t in like] if dtypes is None else dtypes
-    apart = [False] * len(like) if apart is None else apart
-    keys = [
-        (dtype, t.device, index if alone else -1)
-        for index, (dtype, t, alone) in enumerate(zip(dtypes, like, apart))
-    ]
-    starts, sizes = [], {}
-    for key, t in zip(keys, like):
-        step = max(ALIGNMENT // key[0].itemsize, 1)
-        start = -(-sizes.get(key, 0) // step) * step
-        starts.append(start)
-        sizes[key] = start + t.numel()
-    make = torch.zeros if zero else torch.empty
-    flat = {key: make(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    return [
-        flat[key][start : start + t.numel()].view(t.shape)
-        for key, start, t in zip(keys, starts, like)
-    ]
-
-
-#: Alignment in bytes of the views of :func:`_joint_buffer` (a cache line, and what
-#: PyTorch's CPU allocator gives each tensor).
-ALIGNMENT = 64
 
 
 def average_in_ball(
@@ -1135,13 +1251,13 @@ def average_in_ball(
     """
     autocast = AutocastState.capture()
     with autocast.disabled():
-        ball, paths = _prepare(groups, rho, path)
+        ball, paths = prepare_ball(groups, rho, path)
         samples = check_positive_int(samples, "samples")
-        generator = _generator(ball.points[0].device, seed)
+        generator = seeded_generator(ball.points[0].device, seed)
         values = []
         for _ in range(samples):
             xi = ball.random(generator, ball.rho)
-            values.append(_evaluate(ball, paths, objective, xi, False, autocast)[0])
+            values.append(evaluate_in_ball(ball, paths, objective, xi, False, autocast)[0])
     per_sample = torch.stack(values).tolist()
     for index, value in enumerate(per_sample):
         _raise_if_not_finite(value, 0.0, index)

@@ -24,7 +24,7 @@ from .._checks import check_positive_int
 from .._model_state import preserved_model_state
 from ..manifolds.tangent import tangent_space
 from ..symmetry.plan import BoundPlan, SymmetryPlan
-from .apgd import NonFiniteError, _generator, as_scalar
+from .apgd import NonFiniteError, as_scalar, seeded_generator
 from .ball import check_parameters, check_points
 from .functional import (
     RESOLUTION,
@@ -378,7 +378,7 @@ def hessian_trace(
         share = None if process_group is None else BatchShare(batches, process_group)
         local = batches if share is None else share.local
         pulls = _pullbacks(model, loss_fn, local, symmetries, metric, riemannian, autocast)
-        generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
+        generator = seeded_generator(pulls[0].points[0].device, seed)  # on the model's device
 
         def trace_of(b: int, pull: _Pullback) -> None:
             values = []
@@ -484,7 +484,7 @@ def hessian_top_eigenvalue(
         share = None if process_group is None else BatchShare(batches, process_group)
         local = batches if share is None else share.local
         pulls = _pullbacks(model, loss_fn, local, symmetries, metric, riemannian, autocast)
-        generator = _generator(pulls[0].points[0].device, seed)  # on the model's device
+        generator = seeded_generator(pulls[0].points[0].device, seed)  # on the model's device
 
         def top_of(b: int, pull: _Pullback) -> None:
             v = start_vectors(b) if start_vectors else pull.probe(generator)

@@ -28,7 +28,7 @@ With the element-wise metric, fusing the groups changes nothing but the order of
 with :math:`x = (x_1, \dots, x_k)` concatenated,
 :math:`|\xi|_x^2 = \sum_i |\xi_i|_{x_i}^2` and :math:`\gamma_x(\xi)_i = x_i + \xi_i`.
 Each parameter starts at a multiple of
-:data:`~geoopt_quotient.sharpness.apgd.ALIGNMENT` bytes, as a tensor of its own would;
+:data:`~geoopt_quotient.sharpness.buffers.ALIGNMENT` bytes, as a tensor of its own would;
 the gaps are zero in the base point, the iterates (which start at zero) and the
 gradients, and stay zero.
 """
@@ -42,10 +42,11 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
-from .apgd import ALIGNMENT, BallGroup, _explicit_path, as_scalar
+from .apgd import BallGroup, as_scalar, explicit_path
+from .buffers import ALIGNMENT
 from .functional import check_depends_on_perturbation
 
 __all__ = ["BallLayout"]
@@ -53,7 +54,7 @@ __all__ = ["BallLayout"]
 Key = Tuple[torch.dtype, torch.device]
 
 
-class _Flat:
+class FlatBuffer:
     """Parameters at aligned offsets of one flat buffer; zero-filled gaps between them."""
 
     def __init__(
@@ -148,7 +149,7 @@ class _Segment:
         block ``(block, start, stop, pieces)``, each piece ``(start, stop, chunk, chunk's
         start)`` the part of a chunk in the block (positions in the flat buffer)."""
         if step not in self._by_step:
-            self._by_step[step] = _blocks(self.start, self.size, self.chunks, step)
+            self._by_step[step] = segment_blocks(self.start, self.size, self.chunks, step)
         return self._by_step[step]
 
     def pieces(self, flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -156,7 +157,7 @@ class _Segment:
         return _pieces(flat, self.chunks, self.is_gap, self.shapes)
 
 
-def _blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
+def segment_blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
     """:meth:`_Segment.blocks`: the chunks and the blocks walked side by side."""
     out: List[Tuple] = []
     position, end = start, start + size
@@ -180,7 +181,7 @@ def _blocks(start: int, size: int, chunks: List[int], step: int) -> List[Tuple]:
 
 #: The fewest blocks of its sweep for which a gradient is converted as it arrives
 #: (:class:`_Arrival`): a smaller gradient is still in cache when swept after the pass
-#: (the sweep runs then, from :meth:`~geoopt_quotient.sharpness.apgd._Ball.gradient_sweep`'s
+#: (the sweep runs then, from :meth:`~geoopt_quotient.sharpness.apgd.TangentBall.gradient_sweep`'s
 #: record), and the arrival's views per piece and block would cost more than they save
 #: (on the tiny ViT of 18k parameters, 120 operators more per iteration).
 ARRIVAL_MIN_BLOCKS = 8
@@ -279,13 +280,13 @@ def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
 @dataclass
 class _Rest:
     """The parameters of the unfused groups in one flat buffer, and the index maps
-    between it and the concatenation of those groups' points (:func:`_index_maps`)."""
+    between it and the concatenation of those groups' points (:func:`index_maps`)."""
 
-    flat: _Flat
+    flat: FlatBuffer
     groups: List[int]  # positions among the layout's groups
     shapes: List[torch.Size]
     destination: torch.Tensor  # buffer position of each entry of the joined points
-    #: position in the joined points of each buffer entry (:func:`_index_maps`), or None
+    #: position in the joined points of each buffer entry (:func:`index_maps`), or None
     source: torch.Tensor | None = None
     _gaps: Tuple[torch.Tensor, List[torch.Tensor]] | None = None  # a buffer, its gap views
     #: The groups' perturbed points joined in one buffer, and its views in the groups'
@@ -340,7 +341,9 @@ class _Rest:
         return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
 
 
-def _index_maps(destination: torch.Tensor, flat: _Flat) -> Tuple[torch.Tensor, torch.Tensor | None]:
+def index_maps(
+    destination: torch.Tensor, flat: FlatBuffer
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """``(destination, source)`` of :class:`_Rest` from the buffer position of each
     entry of the joined points (int64), in int32 where every position fits.
 
@@ -391,19 +394,19 @@ class BallLayout:
             else:
                 fused.setdefault(key, []).append(index)
         self.plan = plan
-        stacks = _stacks(groups, rest)
+        stacks = group_stacks(groups, rest)
         self._stack_list = stacks
         self._fused_members = list(fused.values())
         self.groups: List[BallGroup] = [stack.group(groups) for stack in stacks]
-        self._fused: List[_Flat] = []
+        self._fused: List[FlatBuffer] = []
         for (dtype, device, eps), members in fused.items():
             names = [plan.groups[i].param_names[0] for i in members]
-            flat = _Flat(names, [base[n].shape for n in names], dtype, device)
+            flat = FlatBuffer(names, [base[n].shape for n in names], dtype, device)
             point = flat.filled([base[n] for n in names])
             self.groups.append(BallGroup(point, AdaptiveEuclidean(eps=eps)))
             self._fused.append(flat)
         self._rests = self._rest_buffers(plan, base, self.groups, stacks)
-        self.flats: List[_Flat] = self._fused + [r.flat for r in self._rests]
+        self.flats: List[FlatBuffer] = self._fused + [r.flat for r in self._rests]
         self.names = [n for flat in self.flats for n in flat.names]
         self._buffers: List[torch.Tensor] | None = None
         self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
@@ -432,11 +435,11 @@ class BallLayout:
                     names += [n for n in plan.groups[index].param_names if n not in names]
             padded = any(stacks[p].padded for p in positions)
             trailing = max(ALIGNMENT // dtype.itemsize, 1) if padded else 0
-            flat = _Flat(names, [base[n].shape for n in names], dtype, device, trailing)
+            flat = FlatBuffer(names, [base[n].shape for n in names], dtype, device, trailing)
             start = dict(zip(flat.names, flat.starts))
             trash = flat.size - trailing
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
-            destination, source = _index_maps(torch.cat(destinations), flat)
+            destination, source = index_maps(torch.cat(destinations), flat)
             shapes = [groups[p].point.shape for p in positions]
             out.append(_Rest(flat, positions, shapes, destination, source))
         return out
@@ -509,10 +512,10 @@ class BallLayout:
                 self._rest_points[position] = view
         return self._rest_points[index]  # type: ignore[return-value]
 
-    def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> _LayoutObjective:
+    def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> LayoutObjective:
         """The objective of :func:`~geoopt_quotient.maximize_in_ball` for ``loss(params)``
         (a function of the perturbed parameters by name, e.g. one batch's loss)."""
-        return _LayoutObjective(self, loss)
+        return LayoutObjective(self, loss)
 
     def parameters(
         self,
@@ -531,7 +534,7 @@ class BallLayout:
         into new allocations, which for a model-sized buffer cost a page fault per page.
         ``sweep(group, gradient)``: the sweep of a fused group's gradient, run as the
         backward pass writes it (:class:`_Arrival`), or ``None``
-        (:meth:`~geoopt_quotient.sharpness.apgd._Ball.gradient_sweep`)."""
+        (:meth:`~geoopt_quotient.sharpness.apgd.TangentBall.gradient_sweep`)."""
         buffers = self._perturbed_buffers()
         unfused = len(self._rest_points)
         with torch.no_grad():
@@ -543,7 +546,7 @@ class BallLayout:
         if not grad:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
             return [], dict(zip(self.names, views))
-        self._grads = self._gradient_buffers(spare)
+        self._grads = self.gradient_buffers(spare)
         leaves, views = [], []
         for position, (segments, buffer, out) in enumerate(
             zip(self._segments, buffers, self._grads)
@@ -559,7 +562,7 @@ class BallLayout:
                 views += _SegmentViews.apply(segment, out, leaf, arrival)
         return leaves, dict(zip(self.names, views))
 
-    def _gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
+    def gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
         """Where the flat gradients go: the fused groups' vectors of ``spare`` (which
         :meth:`fits`), else new buffers; the other groups' gradients are read out of
         their flat buffers at once (:meth:`point_gradients`), so those are the layout's,
@@ -614,7 +617,7 @@ class BallLayout:
         return out  # type: ignore[return-value]
 
 
-def _fits(vector: torch.Tensor, flat: _Flat) -> bool:
+def _fits(vector: torch.Tensor, flat: FlatBuffer) -> bool:
     """Whether ``vector`` can hold a flat buffer of ``flat``'s layout."""
     return _fits_shape(vector, flat.dtype, flat.device, torch.Size((flat.size,)))
 
@@ -676,17 +679,9 @@ class _Stack:
         if not self.padded:
             return groups[self.members[0]]
         first = groups[self.members[0]]
-        manifold: GLQuotient = first.manifold
         pieces = [groups[i].point for i in self.members]
         point = self._stacked(pieces, [groups[i].manifold for i in self.members], 0)
-        stacked = GLQuotient(
-            self.rows,
-            self.rows,
-            manifold.metric,
-            manifold.eps,
-            retraction=manifold.retraction,
-            expmap_steps=manifold.expmap_steps,
-        )
+        stacked = first.manifold.stacked(self.rows)
         return BallGroup(point.to(first.point.dtype), stacked)
 
     def unstacked(self, vector: torch.Tensor, plan: BoundPlan) -> List[torch.Tensor]:
@@ -729,7 +724,7 @@ class _Stack:
         return self._stacked(pieces, manifolds, trash).reshape(-1)
 
 
-def _stacks(groups: Sequence[BallGroup], indices: List[int]) -> List[_Stack]:
+def group_stacks(groups: Sequence[BallGroup], indices: List[int]) -> List[_Stack]:
     """The groups ``indices`` as stacks: those of one :func:`_stack_key` whose factors
     pad to the longest one's rows within :data:`MAX_PADDING` as one, the others alone
     (in the order of their first member)."""
@@ -769,7 +764,7 @@ def _destination(group: SymmetryGroup, start: Dict[str, int], device) -> torch.T
     return group.gather(positions).reshape(-1)
 
 
-class _LayoutObjective:
+class LayoutObjective:
     """One batch's objective on a :class:`BallLayout`: plain calls take points of the
     layout's groups; :meth:`evaluate_ball` is Auto-PGD's evaluation through the flat
     buffers."""
@@ -807,7 +802,7 @@ class _LayoutObjective:
         written = ball.take_written(xi)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
             buffer = functools.partial(layout.perturbed_buffer, index)
-            point, pullback = _explicit_path(path, x, v, buffer, written[index])
+            point, pullback = explicit_path(path, x, v, buffer, written[index])
             if point is None:
                 leaf = v.detach().requires_grad_(grad)
                 with torch.enable_grad() if grad else torch.no_grad():

@@ -59,10 +59,9 @@ import torch
 
 from ..errors import GeooptQuotientWarning
 from ..manifolds import GeodesicDomainError
-from ..manifolds._gl_tangent import GLTangentSpace
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.base import acts_per_point, has_elementwise_metric
-from .apgd import BallGroup, _prepare, _straight, as_scalar
+from .apgd import BallGroup, as_scalar, prepare_ball, straight_path
 from .precision import AutocastState
 
 __all__ = ["PATH_GAP_TOLERANCE", "PathGapWarning", "path_gap", "warn_if_path_gap"]
@@ -222,15 +221,17 @@ def _slice_gap(
     in ``buffers``; the end point a new tensor."""
     wide = torch.float64 if x.device.type != "mps" else torch.float32  # MPS has no float64
     x, v = buffers.converted("x", x, wide), buffers.converted("v", v, wide)
-    (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
+    (ball, (retract,)) = prepare_ball(
+        [BallGroup(x, group.manifold, group.path)], 1.0, "second_order"
+    )
     (space,) = ball.spaces
     same_manifold = exact.path is None and exact.manifold is group.manifold
-    if same_manifold and isinstance(space, GLTangentSpace) and retract is not _straight:
+    if same_manifold and space.integrates_geodesic and retract is not straight_path:
         return _controlled_gap(space, retract(x, v), v, buffers.like("difference", x, x.dtype))
-    (_, (geodesic,)) = _prepare([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
+    (_, (geodesic,)) = prepare_ball([BallGroup(x, exact.manifold, exact.path)], 1.0, "exact")
     end = geodesic(x, v)
     difference_sq = 0.0
-    if not (retract is _straight and geodesic is _straight):
+    if not (retract is straight_path and geodesic is straight_path):
         difference = retract(x, v) - end
         difference_sq = float(space.inner(difference, difference))
     return difference_sq, float(space.inner(v, v)), end
@@ -313,7 +314,7 @@ class _SpanEnds:
 
     def __init__(self, space, v: torch.Tensor):
         self.space, self.v = space, v
-        self.span = space._span(v)
+        self.span = space.span_geodesic(v)
         self.expmaps = space.expmaps(v) if self.span is None else None
 
     def __call__(self, steps: int, checked: bool = True) -> Any:

@@ -69,7 +69,7 @@ from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric
 from ..symmetry.plan import BoundPlan, SymmetryGroup, _WholeParameter
-from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, _explicit_path, as_scalar
+from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, as_scalar, explicit_path
 from .ball import ball_groups, check_points
 from .functional import check_depends_on_perturbation
 
@@ -643,7 +643,7 @@ class _ShardedObjective:
             zip(paths, ball.points, xi, owner._parts)
         ):
             view = flat[start : start + math.prod(shape)].view(shape)
-            point, pullback = _explicit_path(path, x, v, lambda view=view: view)
+            point, pullback = explicit_path(path, x, v, lambda view=view: view)
             if point is None:
                 leaf = v.detach().requires_grad_(grad)
                 with torch.enable_grad() if grad else torch.no_grad():

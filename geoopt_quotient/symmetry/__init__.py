@@ -21,6 +21,8 @@ from .latent import latent_attention_pairs
 from .layouts import PairSpec, head_columns, head_rows, stack_pairs
 from .lora import lora_pairs
 from .mixture_attention import mixture_of_attention_pairs
+from .norm_gains import norm_gain_pairs
+from .output_gate import gated_output_pairs
 from .plan import BoundPlan, GeodesicEqualsAdaptiveWarning, PlanError, SymmetryGroup, SymmetryPlan
 from .torch_nn import multihead_attention_pairs
 from .verify import (
@@ -51,6 +53,7 @@ __all__ = [
     "find_symmetries",
     "fused_attention_pairs",
     "fused_rows",
+    "gated_output_pairs",
     "head_columns",
     "head_rows",
     "latent_attention_pairs",
@@ -58,6 +61,7 @@ __all__ = [
     "lora_pairs",
     "mixture_of_attention_pairs",
     "multihead_attention_pairs",
+    "norm_gain_pairs",
     "probe_inputs_for",
     "prove_plan",
     "rotary_geometry",

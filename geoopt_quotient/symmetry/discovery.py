@@ -16,6 +16,8 @@ from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
 from .mixture_attention import mixture_of_attention_pairs
 from .mlp import gated_mlp_pairs
+from .norm_gains import norm_gain_pairs
+from .output_gate import gated_output_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .probe import shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
@@ -54,6 +56,13 @@ def find_symmetries(
       same projection layouts (BART, OPT, Whisper...), fused and multi-query layouts
       (GPT-BigCode ``c_attn``, MPT and DBRX ``Wqkv``, CTRL, OpenAI GPT), attention
       sinks;
+    * attention with an elementwise output gate (AFMoE, Qwen3-Next, Qwen3.5): V/O by its
+      diagonal subgroup, one GL(1) pair per head dimension of each key/value head
+      (:func:`~geoopt_quotient.symmetry.gated_output_pairs`);
+    * q/k-normalised attention whose V/O is not quotiented by GL(h) (Gemma 3n, Gemma 4,
+      Doge, and the gated ones): the gains of the q and k norms scaled by :math:`s` and
+      :math:`1/s` per rotary plane, one GL(1) pair each, kind ``"query-key"``
+      (:func:`~geoopt_quotient.symmetry.norm_gain_pairs`);
     * mixture-of-attention heads (JetMoE:
       :func:`~geoopt_quotient.symmetry.mixture_of_attention_pairs`);
     * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, LongCat...): per head
@@ -192,6 +201,8 @@ def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findi
     found.extend(latent_attention_pairs(model))
     found.extend(mixture_of_attention_pairs(model))
     found.extend(find_attention(model, skip=set(found.claimed)))
+    gated_output_pairs(model, found)  # V/O's diagonal subgroup under an output gate
+    norm_gain_pairs(model, found)  # the gains of q/k norms, where V/O's GL(h) is not had
     if "mlp" in wanted:
         found.extend(gated_mlp_pairs(model))
         found.extend(expert_pairs(model))

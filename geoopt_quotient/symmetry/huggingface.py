@@ -156,6 +156,16 @@ class Findings:
     def note(self, message: str, path: str = "") -> None:
         self._notes.setdefault(message, []).append(path)
 
+    def retract(self, path: str, marker: str) -> None:
+        """Withdraw the notes on ``path`` whose message contains ``marker`` (a later
+        detector handled what they said was left out)."""
+        for message in [m for m in self._notes if marker in m]:
+            kept = [p for p in self._notes[message] if p != path]
+            if kept:
+                self._notes[message] = kept
+            else:
+                del self._notes[message]
+
     def extend(self, other: Findings) -> None:
         self.specs.extend(other.specs)
         self.to_check.extend(other.to_check)

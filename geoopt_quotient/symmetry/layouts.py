@@ -133,6 +133,10 @@ class PairSpec:
     positive : bool
         Only positive scalings act (rank-one pairs of ReLU units:
         :class:`~geoopt_quotient.PositiveScalingQuotient`).
+    label : str
+        Which symmetry of its kind the pair is, where the kind alone does not say (e.g.
+        ``"diagonal"`` for V/O's diagonal subgroup under an output gate); shown in the
+        group's name, and specs with different labels are never stacked together.
     """
 
     kind: str
@@ -146,12 +150,14 @@ class PairSpec:
     rotary_dim: int = 0
     pairing: str = "half"
     positive: bool = False
+    label: str = ""
 
     @property
     def signature(self) -> Tuple:
         rotary = (self.rotary_dim, self.pairing) if self.rotary_dim else ()
         sign = ("positive",) if self.positive else ()
-        return (self.kind, self.n, self.m, self.head_dim, self.num_heads, *rotary, *sign)
+        named = (self.label,) if self.label else ()
+        return (self.kind, self.n, self.m, self.head_dim, self.num_heads, *rotary, *sign, *named)
 
     def manifold(self, metric: str, eps: float) -> Manifold:
         """The quotient of this pair: GL(h), or its rotary-commuting subgroup."""
@@ -208,9 +214,10 @@ def stack_pairs(
             if len(members) == 1
             else (f"{members[0].module} .. {members[-1].module} ({len(members)} modules)")
         )
+        which = f"{kind}: {members[0].label}" if members[0].label else kind
         groups.append(
             SymmetryGroup.from_layout(
-                f"{label} [{kind}]",
+                f"{label} [{which}]",
                 manifold or members[0].manifold(metric, eps),
                 params,
                 layout,
