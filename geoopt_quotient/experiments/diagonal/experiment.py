@@ -546,19 +546,7 @@ def run_diagonal(
         dict(options, setup=setup, models=models, dim=dim, seed=seed, rho=rho, rho_mix=rho_mix)
         | dict(iters=iters, measures=list(measures))
     )
-    done = {}
-    if records is not None:
-        done = {
-            (r["model"], r["scale"]): r["sharpness"]
-            for r in records.select(run=key, seed=seed)
-            if r.get("scale") in scales
-        }
-
-    def save(index: int, scale: float, values: Dict[str, float]) -> None:
-        if records is not None:
-            record = {"run": key, "seed": seed, "model": index, "scale": scale}
-            records.append(record | {"sharpness": values})
-
+    done, save = _resumed(records, key, seed, scales)
     by_scale, sharpness_seconds = measure_population(
         data,
         population.points,
@@ -574,28 +562,68 @@ def run_diagonal(
     per_model = _per_model(data, population, setup_columns)
     for name, column in by_scale[1.0].items():
         per_model[f"sharpness_{name}"] = column
+    settings = {
+        "setup": setup,
+        "models": models,
+        "dim": dim,
+        "seed": seed,
+        "rho": float(rho),
+        "rho_mix": rho_mix,
+        "rho_scales": list(scales),
+        "paths": [p for p in PATHS if p in paths],
+        "iters": iters,
+        "device": str(device),
+        "measures": {name: _DESCRIPTIONS[name] for name in measures},
+        "sharpness_on": "training set, one batch; S = max L(perturbed) - L(w)",
+        **_setup_settings(setup, options),
+        "target_loss": target_loss,
+        "max_steps": max_steps,
+        "resumed_models": len(done),  # (model, scale) records reused
+    }
+    document = {"experiment": "diagonal", "settings": settings, "data": data.describe()}
+    document.update(_diagonal_results(population, per_model, by_scale, rho, rho_mix, rho_scales))
+    document["timings"] = {
+        "train": population.seconds,
+        "sharpness": sharpness_seconds,
+        "total": time.perf_counter() - start,
+    }
+    document["versions"] = _versions()
+    return document
+
+
+def _resumed(
+    records: RecordFile | None, key: str, seed: int, scales: Sequence[float]
+) -> Tuple[Dict[Tuple[int, float], Any], Callable[[int, float, Dict[str, float]], None]]:
+    """The ``(model, scale) -> values`` already in ``records`` for the run ``key``, and the
+    function that appends a newly measured (model, scale) there."""
+    done = {}
+    if records is not None:
+        done = {
+            (r["model"], r["scale"]): r["sharpness"]
+            for r in records.select(run=key, seed=seed)
+            if r.get("scale") in scales
+        }
+
+    def save(index: int, scale: float, values: Dict[str, float]) -> None:
+        if records is not None:
+            record = {"run": key, "seed": seed, "model": index, "scale": scale}
+            records.append(record | {"sharpness": values})
+
+    return done, save
+
+
+def _diagonal_results(
+    population: TrainedPopulation,
+    per_model: Dict[str, List[Any]],
+    by_scale: Mapping[float, Mapping[str, Sequence[float]]],
+    rho: float,
+    rho_mix: float,
+    rho_scales: Sequence[float] | None,
+) -> Dict[str, Any]:
+    """The entries of :func:`run_diagonal`'s document from ``training`` to ``paper_tau``:
+    the training summary, the per-model columns and Kendall's tau at every scale."""
     test_loss = per_model["test_loss"]
     return {
-        "experiment": "diagonal",
-        "settings": {
-            "setup": setup,
-            "models": models,
-            "dim": dim,
-            "seed": seed,
-            "rho": float(rho),
-            "rho_mix": rho_mix,
-            "rho_scales": list(scales),
-            "paths": [p for p in PATHS if p in paths],
-            "iters": iters,
-            "device": str(device),
-            "measures": {name: _DESCRIPTIONS[name] for name in measures},
-            "sharpness_on": "training set, one batch; S = max L(perturbed) - L(w)",
-            **_setup_settings(setup, options),
-            "target_loss": target_loss,
-            "max_steps": max_steps,
-            "resumed_models": len(done),  # (model, scale) records reused
-        },
-        "data": data.describe(),
         "training": {
             "converged": int(population.converged.sum()),
             "max_steps_used": int(population.steps.max()),
@@ -618,12 +646,6 @@ def run_diagonal(
         if rho_scales is None
         else _tau_by_rho_records(by_scale, rho, rho_mix, test_loss),
         "paper_tau": dict(PAPER_TAU),
-        "timings": {
-            "train": population.seconds,
-            "sharpness": sharpness_seconds,
-            "total": time.perf_counter() - start,
-        },
-        "versions": _versions(),
     }
 
 

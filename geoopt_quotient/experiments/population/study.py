@@ -29,6 +29,7 @@ those.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -1049,65 +1050,21 @@ def run_population(
     world, rank = _process_grid()
     if joint is not None and format != "hf":
         raise InputError(f"models of format {format!r} cannot be measured jointly")
-    # the processes over which the models are shared out: one, when all measure each
-    shares = 1 if joint is not None else world
-    todo = [
-        c for c, n in zip(checkpoints, names) if any((n, scale) not in done for scale in scales)
-    ]
-    append_now = records is not None and shares == 1 and rank == 0
-    bar = progress_bar(
-        total=len(checkpoints),
-        initial=len(done),
-        desc="models",
-        unit="model",
-        show=progress and rank == 0,
-        dynamic_ncols=True,
+    measure = functools.partial(
+        _measure_checkpoint,
+        settings=settings,
+        data=data,
+        train_data=train_data,
+        test_data=test_data,
+        device=device,
+        format=format,
+        workers=workers,
+        joint=joint,
     )
-    with bar:
-        for round_ in _rounds(todo, shares):
-            share = rank if shares > 1 else 0
-            mine = round_[share] if share < len(round_) else None
-            record = None
-            if mine is not None:
-                name = Path(mine).name
-                # a grid's values depend on all its radii: a model measures all or none
-                missing = [(s, studies[s]) for s in scales]
-                try:
-                    record = _measure_checkpoint(
-                        mine,
-                        settings,
-                        data,
-                        train_data,
-                        test_data,
-                        device,
-                        lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
-                        format=format,
-                        workers=workers,
-                        scales=tuple(missing),
-                        on_record=records.append if append_now else None,
-                        joint=joint,
-                    )
-                except Exception as error:
-                    if hasattr(error, "add_note"):  # Python >= 3.11
-                        error.add_note(f"while measuring model {name!r}")
-                    raise
-            for finished in _gather(record, shares):
-                if finished is None:
-                    continue
-                for one in finished:
-                    done[one["checkpoint"], float(one.get("scale", 1.0))] = one
-                    if records is not None and shares > 1 and rank == 0:
-                        records.append(one)
-                bar.update(1)
-    models = []
-    for name in names:
-        model = dict(done[name, 1.0])
-        model.pop("scale", None)
-        if gaps is not None:
-            model["gap"] = float(gaps[name])
-        if rho_scales is not None:
-            model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
-        models.append(model)
+    _measure_missing(
+        checkpoints, scales, studies, done, measure, records, joint, progress and rank == 0
+    )
+    models = _model_records(names, done, gaps, scales if rho_scales is not None else None)
     gap_values = [m["gap"] for m in models]
     by_rho = {}
     if rho_scales is not None:
@@ -1127,6 +1084,85 @@ def run_population(
         "processes": world,
         **by_rho,
     }
+
+
+def _measure_missing(
+    checkpoints: Sequence[str],
+    scales: Sequence[float],
+    studies: Mapping[float, str],
+    done: Dict[Tuple[str, float], Dict[str, Any]],
+    measure: Callable[..., List[Dict[str, Any]]],
+    records: Optional[RecordFile],
+    joint: Optional[JointModels],
+    progress: bool,
+) -> None:
+    """Measure every checkpoint that lacks a record at some scale, and add its records to
+    ``done``: the models are shared out over the processes in rounds (model ``i`` of each
+    round on rank ``i``), or, with ``joint``, every process measures every model.
+
+    ``measure(checkpoint, on_measure=, scales=, on_record=)`` is
+    :func:`_measure_checkpoint` with the study's other arguments.
+    """
+    world, rank = _process_grid()
+    # the processes over which the models are shared out: one, when all measure each
+    shares = 1 if joint is not None else world
+    todo = [c for c in checkpoints if any((Path(c).name, s) not in done for s in scales)]
+    append_now = records is not None and shares == 1 and rank == 0
+    bar = progress_bar(
+        total=len(checkpoints),
+        initial=len(done),
+        desc="models",
+        unit="model",
+        show=progress,
+        dynamic_ncols=True,
+    )
+    with bar:
+        for round_ in _rounds(todo, shares):
+            share = rank if shares > 1 else 0
+            mine = round_[share] if share < len(round_) else None
+            record = None
+            if mine is not None:
+                name = Path(mine).name
+                try:
+                    record = measure(
+                        mine,
+                        on_measure=lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
+                        # a grid's values depend on all its radii: a model measures all or none
+                        scales=tuple((s, studies[s]) for s in scales),
+                        on_record=records.append if append_now else None,
+                    )
+                except Exception as error:
+                    if hasattr(error, "add_note"):  # Python >= 3.11
+                        error.add_note(f"while measuring model {name!r}")
+                    raise
+            for finished in _gather(record, shares):
+                if finished is None:
+                    continue
+                for one in finished:
+                    done[one["checkpoint"], float(one.get("scale", 1.0))] = one
+                    if records is not None and shares > 1 and rank == 0:
+                        records.append(one)
+                bar.update(1)
+
+
+def _model_records(
+    names: Sequence[str],
+    done: Mapping[Tuple[str, float], Dict[str, Any]],
+    gaps: Optional[Mapping[str, float]],
+    scales: Optional[Sequence[float]],
+) -> List[Dict[str, Any]]:
+    """Each model's record at scale 1, with its given gap and, with ``scales``, its
+    ``by_scale`` measures."""
+    models = []
+    for name in names:
+        model = dict(done[name, 1.0])
+        model.pop("scale", None)
+        if gaps is not None:
+            model["gap"] = float(gaps[name])
+        if scales is not None:
+            model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
+        models.append(model)
+    return models
 
 
 def study_summary(
