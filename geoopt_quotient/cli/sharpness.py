@@ -376,7 +376,7 @@ def _load_causal_lm(args: argparse.Namespace, device: torch.device) -> _Loaded:
     )
 
 
-def _share(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], Any]:
+def share_batches(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], Any]:
     """This process's batches (every ``world``-th from ``rank``) and the process group
     over which the sharpness functions gather the results; all batches and ``None`` for
     one process."""
@@ -426,7 +426,7 @@ def _run(
     if args.fsdp:
         share, common["process_group"] = batches, None
     else:
-        share, common["process_group"] = _share(batches, rank, world)
+        share, common["process_group"] = share_batches(batches, rank, world)
     results = _measure(model, loaded.loss_fn, share, plan, bound, metrics, radii, common)
     document = _document(args, loaded, radii, bound, results, start)
     document["processes"] = world

@@ -160,8 +160,9 @@ def mix_geodesic_path(
     return path
 
 
-def _measure_groups(rho: float, rho_mix: float) -> Dict[str, Tuple[Any, float]]:
-    """name -> (function of the point giving the BallGroup, radius)."""
+def measure_groups(rho: float, rho_mix: float) -> Dict[str, Tuple[Any, float]]:
+    """Every diagonal measure's ball at the radii ``rho`` (adaptive, inv) and ``rho_mix``
+    (mix): ``name -> (function of the point (u, v) giving its BallGroup, radius)``."""
     adaptive, inv, mix = (
         AdaptiveEuclidean(eps=0.0),
         DiagonalQuotient("inv"),
@@ -268,7 +269,7 @@ def measure_population(
         ``name -> wall time`` (all scales).
     """
     rho_mix = rho if rho_mix is None else rho_mix
-    tables = {s: _measure_groups(rho * s, rho_mix * s) for s in scales}
+    tables = {s: measure_groups(rho * s, rho_mix * s) for s in scales}
     unknown = [m for m in measures if m not in tables[scales[0]]]
     if unknown:
         raise ValueError(f"unknown measures {unknown}; expected some of {list(tables[scales[0]])}")
@@ -335,7 +336,7 @@ def _check_args(models: int, dim: int, rho: float, rho_mix: float | None, iters:
         check_positive_float(rho_mix, "rho_mix")
 
 
-def _train(
+def train_setup(
     setup: str,
     models: int,
     dim: int,
@@ -541,7 +542,9 @@ def run_diagonal(
         target_loss=target_loss,
         max_steps=max_steps,
     )
-    data, population, setup_columns = _train(setup, models, dim, seed, device, progress, options)
+    data, population, setup_columns = train_setup(
+        setup, models, dim, seed, device, progress, options
+    )
     key = fingerprint(
         dict(options, setup=setup, models=models, dim=dim, seed=seed, rho=rho, rho_mix=rho_mix)
         | dict(iters=iters, measures=list(measures))

@@ -670,7 +670,7 @@ def _load_model_soups(
     return _LoadedCheckpoint(model, batches, classification_loss(False), error_on)
 
 
-def _measure_checkpoint(
+def measure_checkpoint(
     checkpoint: str,
     settings: StudySettings,
     data: str,
@@ -916,7 +916,7 @@ def _input_digest(path: str) -> str:
     return file_digest(path)
 
 
-def _study_fingerprint(
+def study_fingerprint(
     settings: StudySettings,
     data: str,
     train_data: Optional[str],
@@ -1041,7 +1041,7 @@ def run_population(
     scales = study_scales(rho_scales)
     grid = list(scales) if len(scales) > 1 else None
     studies = {
-        scale: _study_fingerprint(
+        scale: study_fingerprint(
             scaled_settings(settings, scale), data, train_data, test_data, format, grid
         )
         for scale in scales
@@ -1051,7 +1051,7 @@ def run_population(
     if joint is not None and format != "hf":
         raise InputError(f"models of format {format!r} cannot be measured jointly")
     measure = functools.partial(
-        _measure_checkpoint,
+        measure_checkpoint,
         settings=settings,
         data=data,
         train_data=train_data,
@@ -1101,7 +1101,7 @@ def _measure_missing(
     round on rank ``i``), or, with ``joint``, every process measures every model.
 
     ``measure(checkpoint, on_measure=, scales=, on_record=)`` is
-    :func:`_measure_checkpoint` with the study's other arguments.
+    :func:`measure_checkpoint` with the study's other arguments.
     """
     world, rank = _process_grid()
     # the processes over which the models are shared out: one, when all measure each
