@@ -23,6 +23,7 @@ from ..experiments.classifiers import (
     make_batches,
 )
 from ..experiments.population.study import StudySettings
+from ..measures import Measure
 from ._fsdp import (
     all_agree,
     fsdp_info,
@@ -251,8 +252,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- the command
-#: The radius of each measure, a key of :func:`~geoopt_quotient.cli._runtime.radii_from_args`.
-_RADIUS = {"adaptive": "rho_adaptive", "geodesic_inv": "rho_inv", "geodesic_mix": "rho_mix"}
+def _radius_key(measure: str) -> str:
+    """The key of ``measure``'s radius in
+    :func:`~geoopt_quotient.cli._runtime.radii_from_args`: ``rho_`` and its ball."""
+    return f"rho_{Measure.parse(measure).ball}"
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -482,17 +485,19 @@ def _measure(
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
 
     results: Dict[str, Any] = {}
-    results["adaptive"] = adaptive_sharpness(
-        model, loss_fn, share, rho=radii["rho_adaptive"], **common
+    adaptive = Measure()
+    results[adaptive.name] = adaptive_sharpness(
+        model, loss_fn, share, rho=radii[_radius_key(adaptive.name)], **common
     )
     for metric in metrics:
         # one discovery (and proof, on the unsharded model) for every metric
         symmetries = bound if metric == metrics[0] else plan.with_metric(metric).bind(model)
-        results[f"geodesic_{metric}"] = geodesic_sharpness(
+        geodesic = Measure(metric)
+        results[geodesic.name] = geodesic_sharpness(
             model,
             loss_fn,
             share,
-            rho=radii[f"rho_{metric}"],
+            rho=radii[_radius_key(geodesic.name)],
             metric=metric,
             symmetries=symmetries,
             **common,
@@ -560,7 +565,7 @@ def _report(
             clean = sum(r.clean_losses) / len(r.clean_losses)
             print(
                 f"{name.ljust(width)}  sharpness {r.value:.6g}  "
-                f"(rho {radii[_RADIUS[name]]:g}, clean loss {clean:.6g}, {r.seconds:.1f} s)"
+                f"(rho {radii[_radius_key(name)]:g}, clean loss {clean:.6g}, {r.seconds:.1f} s)"
             )
         if args.json:
             print(f"wrote {args.json}")

@@ -74,15 +74,17 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..._checks import GEODESIC_PATHS as PATHS
-from ..._checks import MEASURES, STRAIGHT, check_positive_float
+from ..._checks import METRICS, STRAIGHT, check_positive_float
 from ..._progress import progress_bar
 from ...manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ...measures import MEASURES, Measure
 from ...sharpness.apgd import BallGroup, maximize_in_ball
 from ...sharpness.stats import kendall_tau
 from ..population.rho_grid import RhoSeries, study_scales, tau_by_rho
@@ -121,7 +123,7 @@ __all__ = [
 ]
 
 PAPER_TAU: Dict[str, float] = {"adaptive": -0.68, "inv": -0.83, "mix": -0.86}
-DIAGNOSTICS: Tuple[str, ...] = ("mix_unclamped",)
+DIAGNOSTICS: Tuple[str, ...] = (Measure("mix", clamped=False).short_name,)  # "mix_unclamped"
 #: The populations: ``phase-transition`` (initialisation scales at the l1 recovery
 #: threshold, the default) and ``step-size`` (GD and SGD step sizes, after the public
 #: notebook of Andriushchenko et al., 2023).
@@ -203,23 +205,36 @@ def measure_names(paths: Sequence[str] = PATHS) -> Tuple[str, ...]:
     unknown = [p for p in paths if p not in PATH_SUFFIX]
     if unknown or not paths:
         raise ValueError(f"`paths` must be some of {list(PATH_SUFFIX)}, got {list(paths)}")
-    names = ["adaptive"]
+    names = [Measure().short_name]
     for path in PATHS:
         if path in paths:
-            names += [f"{m}{PATH_SUFFIX[path]}" for m in ("inv", "mix")]
+            names += [_geodesic(metric, path).short_name for metric in METRICS]
     return tuple(names) + (DIAGNOSTICS if "exact" in paths else ())
+
+
+def _geodesic(metric: str, path: str) -> Measure:
+    """Geodesic sharpness in ``metric`` along ``path``: the exact geodesic, this
+    experiment's own, is the measure without a path of its own (``"inv"``)."""
+    return Measure(metric, None if path == "exact" else path)
 
 
 def measure_path(name: str) -> Tuple[str, str]:
     """``(measure, path)`` of a measure's name: ``"inv_second_order"`` ->
     ``("inv", "second_order")``, ``"adaptive"`` -> ``("adaptive", "straight")``,
-    ``"mix_unclamped"`` -> ``("mix_unclamped", "exact")``."""
-    if name == "adaptive":
+    ``"mix_unclamped"`` -> ``("mix_unclamped", "exact")``: the
+    :class:`~geoopt_quotient.Measure` of the name, its path split off.
+
+    Raises
+    ------
+    ValueError
+        For a name that is no measure's short name (:meth:`~geoopt_quotient.Measure.parse`).
+    """
+    measure = Measure.parse(name)
+    if measure.is_adaptive:
         return name, STRAIGHT
-    suffix = PATH_SUFFIX["second_order"]
-    if name.endswith(suffix):
-        return name[: -len(suffix)], "second_order"
-    return name, "exact"
+    if measure.path is None:
+        return measure.short_name, "exact"
+    return replace(measure, path=None).short_name, measure.path
 
 
 def measure_population(
@@ -425,10 +440,10 @@ def _tau_by_rho_records(
     """The ``tau_by_rho`` records of the paper's measures (not the diagnostics)."""
     series = []
     for name in next(iter(by_scale.values())):
-        measure, path = measure_path(name)
-        if measure not in MEASURES:
+        if name in DIAGNOSTICS:
             continue
-        base = rho_mix if measure == "mix" else rho
+        measure, path = measure_path(name)
+        base = rho_mix if Measure.parse(name).metric == "mix" else rho
         for scale, values in by_scale.items():
             series.append(RhoSeries(scale, base * scale, measure, path, values[name]))
     return tau_by_rho(series, target, resamples=TAU_BY_RHO_RESAMPLES)

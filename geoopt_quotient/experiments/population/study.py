@@ -40,17 +40,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from ..._checks import (
-    ABLATIONS,
-    NAMED_MEASURES,
-    PATHS,
-    STRAIGHT,
-    check_choice,
-    check_positive_float,
-    split_measure,
-)
+from ..._checks import PATHS, STRAIGHT, check_choice, check_positive_float
 from ..._progress import progress_bar
-from ...integrations.measures import measure_sharpness
+from ...integrations.measures import measure_sharpness, named_measure
+from ...measures import ABLATIONS, NAMED_MEASURES
 from ...sharpness import DEFAULT_RADII
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ..causal_lm import (
@@ -224,9 +217,7 @@ def scaled_settings(settings: StudySettings, scale: float) -> StudySettings:
 def measure_radius(settings: StudySettings, measure: str) -> float:
     """The radius of ``measure``'s ball: the adaptive one for adaptive sharpness and the
     no-norm ablations, the quotient ball of the metric otherwise."""
-    if measure == "adaptive" or measure.endswith("_no_norm"):
-        return settings.rho_adaptive
-    return getattr(settings, f"rho_{split_measure(measure)[0]}")
+    return getattr(settings, f"rho_{named_measure(measure).ball}")
 
 
 def measure_path(settings: StudySettings, measure: str) -> str:
@@ -234,9 +225,7 @@ def measure_path(settings: StudySettings, measure: str) -> str:
     :mod:`~geoopt_quotient.experiments.population.rho_grid` names it: the straight line
     for adaptive sharpness and the no-curvature ablations, the study's ``path`` for the
     geodesic measures."""
-    if measure == "adaptive" or measure.endswith("_no_curvature"):
-        return STRAIGHT
-    return settings.path
+    return STRAIGHT if named_measure(measure).straight else settings.path
 
 
 # ---------------------------------------------------------------- inputs
