@@ -47,8 +47,8 @@ from geoopt_quotient.experiments.diagonal.experiment import (
     DEFAULT_RHO,
     PAPER_TAU,
     SETUPS,
-    _train,
     measure_population,
+    train_setup,
 )
 from geoopt_quotient.experiments.diagonal.train import (
     DEFAULT_INIT_RANGE,
@@ -136,7 +136,9 @@ def worst_case(
 
 def one_setup(setup: str, models: int, dim: int, seed: int, iters: int) -> Dict[str, Any]:
     start = time.perf_counter()
-    data, population, _ = _train(setup, models, dim, seed, torch.device("cpu"), False, _options())
+    data, population, _ = train_setup(
+        setup, models, dim, seed, torch.device("cpu"), False, _options()
+    )
     points, beta0 = population.points, population.beta
     rho = DEFAULT_RHO
     scale = 1.0 / (2 * data.n_train)

@@ -5,6 +5,7 @@ every subpackage is imported on first attribute access (``gq.GLQuotient``,
 ``gq.nn.FactorizedLinear``). The library's layers, each importing only those below it:
 
 * :mod:`~geoopt_quotient.errors`: the base exception and warning of the package;
+  :mod:`~geoopt_quotient.measures`: the names of the sharpness measures;
 * :mod:`~geoopt_quotient.manifolds`: the quotient geometries (Geoopt manifolds);
 * :mod:`~geoopt_quotient.symmetry`: symmetry plans and their discovery in real models;
 * :mod:`~geoopt_quotient.sharpness`: the engine (Auto-PGD in a ball, sharpness, Hessian);
@@ -28,6 +29,7 @@ _moved.install()
 #: Top-level names, and the subpackage each is imported from on first access.
 EXPORTS: Dict[str, str] = {
     **dict.fromkeys(("GeooptQuotientError", "GeooptQuotientWarning"), "errors"),
+    "Measure": "measures",
     **dict.fromkeys(
         (
             "AdaptiveEuclidean",
@@ -86,6 +88,7 @@ SUBMODULES = (
     "experiments",
     "integrations",
     "manifolds",
+    "measures",
     "nn",
     "optim",
     "sharpness",

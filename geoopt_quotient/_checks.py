@@ -1,8 +1,9 @@
 """Argument checks, and the names they accept, shared by every layer of the package.
 
-The vocabulary is declared once here: the measures of sharpness, the metrics of the
-quotients, their retractions, and the paths along which a ball is walked. Every check
-raises an error that names the argument and says what was expected.
+The vocabulary of the geometry is declared once here: the metrics of the quotients, their
+retractions, and the paths along which a ball is walked (the measures of sharpness built
+on them are :class:`geoopt_quotient.measures.Measure`). Every check raises an error that
+names the argument and says what was expected.
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ import math
 from typing import Sequence
 
 __all__ = [
-    "ABLATIONS",
     "GEODESIC_PATHS",
-    "MEASURES",
     "METRICS",
-    "NAMED_MEASURES",
     "PATHS",
     "RETRACTIONS",
     "STRAIGHT",
@@ -23,37 +21,18 @@ __all__ = [
     "check_nonnegative_float",
     "check_positive_float",
     "check_positive_int",
-    "split_measure",
 ]
 
 #: Metrics of the quotient geometries (:class:`~geoopt_quotient.GLQuotient`, ...).
 METRICS = ("inv", "mix")
 #: Retractions of the quotient geometries.
 RETRACTIONS = ("second_order", "first_order")
-#: Sharpness measures by ball: the adaptive ball, or the geodesic ball of a metric.
-MEASURES = ("adaptive", *METRICS)
 #: Paths along geodesics (exact, or the second-order retraction).
 GEODESIC_PATHS = ("exact", "second_order")
 #: The straight path ``theta + xi`` (no geometry).
 STRAIGHT = "straight"
 #: Every path a ball can be walked along.
 PATHS = (*GEODESIC_PATHS, STRAIGHT)
-#: Sharpness measures by name: adaptive sharpness and geodesic sharpness in each metric.
-NAMED_MEASURES = ("adaptive", *(f"geodesic_{metric}" for metric in METRICS))
-#: The ablations of Appendix G of "Hide & Seek": the quotient norm or the curvature off.
-ABLATIONS = tuple(
-    f"geodesic_{metric}_no_{part}" for metric in METRICS for part in ("norm", "curvature")
-)
-
-
-def split_measure(measure: str) -> tuple:
-    """A measure's name as ``(metric, norm, curvature)``; ``metric`` is None for
-    ``"adaptive"``: ``"geodesic_mix_no_norm"`` -> ``("mix", False, True)``."""
-    check_choice(measure, (*NAMED_MEASURES, *ABLATIONS), "measure")
-    if measure == "adaptive":
-        return None, True, True
-    metric = measure.split("_")[1]
-    return metric, not measure.endswith("_no_norm"), not measure.endswith("_no_curvature")
 
 
 def check_choice(value: str, choices: Sequence[str], name: str) -> str:

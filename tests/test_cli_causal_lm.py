@@ -336,8 +336,8 @@ def test_population_dtype_is_a_setting_that_keeps_old_fingerprints(tmp_path):
 
     from geoopt_quotient.experiments.population.study import (
         StudySettings,
-        _study_fingerprint,
         file_digest,
+        study_fingerprint,
     )
     from geoopt_quotient.experiments.records import fingerprint
 
@@ -346,8 +346,8 @@ def test_population_dtype_is_a_setting_that_keeps_old_fingerprints(tmp_path):
     before = asdict(StudySettings())
     del before["dtype"]  # a study of the previous version, without the option
     old = fingerprint({"settings": before, "files": {"data": file_digest(str(data))}})
-    assert _study_fingerprint(StudySettings(), str(data), None, None) == old
-    assert _study_fingerprint(StudySettings(dtype="float32"), str(data), None, None) != old
+    assert study_fingerprint(StudySettings(), str(data), None, None) == old
+    assert study_fingerprint(StudySettings(dtype="float32"), str(data), None, None) != old
     with pytest.raises(ValueError, match="dtype"):
         StudySettings(dtype="float8")
 

@@ -278,6 +278,6 @@ def test_each_process_needs_a_batch():
     from geoopt_quotient.experiments.classifiers import InputError
 
     batches = ["b0", "b1"]
-    assert sharpness_cli._share(batches, 0, 1) == (batches, None)
+    assert sharpness_cli.share_batches(batches, 0, 1) == (batches, None)
     with pytest.raises(InputError, match="2 batches for 3 processes"):
-        sharpness_cli._share(batches, 2, 3)
+        sharpness_cli.share_batches(batches, 2, 3)

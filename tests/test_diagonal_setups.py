@@ -12,7 +12,7 @@ from geoopt_quotient.cli import main
 from geoopt_quotient.experiments.diagonal import experiment
 from geoopt_quotient.experiments.diagonal.data import make_sparse_regression
 from geoopt_quotient.experiments.diagonal.experiment import (
-    _measure_groups,
+    measure_groups,
     measure_names,
     run_diagonal,
 )
@@ -106,7 +106,7 @@ def test_default_values_are_those_of_the_library_calls(few_resamples):
     scales_t, factors_t = torch.as_tensor(scales), torch.as_tensor(factors)
     population = train_population(data, scales_t, step_sizes_for(data, scales_t, factors_t))
     assert run["per_model"]["test_loss"] == data.test_loss(population.beta).tolist()
-    table = _measure_groups(0.1, 0.1)
+    table = measure_groups(0.1, 0.1)
 
     def objective(perturbed):
         return data.train_loss(perturbed[0][0] * perturbed[0][1])

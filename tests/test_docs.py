@@ -19,6 +19,7 @@ API = DOCS / "api"
 #: Every module whose ``__all__`` is public API, documented in ``docs/api/``.
 PUBLIC_MODULES = (
     "geoopt_quotient.errors",
+    "geoopt_quotient.measures",
     "geoopt_quotient.manifolds",
     "geoopt_quotient.symmetry",
     "geoopt_quotient.sharpness",

@@ -207,7 +207,7 @@ def test_auto_pgd_with_the_explicit_retraction_follows_the_autograd_one(metric, 
     ],
 )
 def test_a_permutation_is_recognised_without_sorting(source, expected):
-    assert plan_module._is_permutation(source) is expected
+    assert plan_module.is_permutation(source) is expected
 
 
 # ---------------------------------------------------------------- strided write-back
@@ -316,11 +316,11 @@ def test_strided_copies_are_used_where_the_pieces_are_large_enough(monkeypatch):
     calls = []
     monkeypatch.setattr(plan_module, "write_back", lambda *a: calls.append(a) or {})
     assert plan._strided.entries_per_piece < strided.MIN_ENTRIES_PER_PIECE
-    assert not plan_module._fits(plan._strided, sources)
+    assert not plan_module.fits_strided(plan._strided, sources)
     plan.scatter(points, base)
     assert calls == []
     with min_entries_per_piece(0):
-        assert plan_module._fits(plan._strided, sources)
+        assert plan_module.fits_strided(plan._strided, sources)
         plan.scatter(points, base)
     assert len(calls) == 1
 

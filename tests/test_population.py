@@ -169,7 +169,7 @@ def test_population_resume_reuses_finished_models(quick, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a finished model was measured again")
 
-    monkeypatch.setattr(study_module, "_measure_checkpoint", fail)
+    monkeypatch.setattr(study_module, "measure_checkpoint", fail)
     assert main([*argv, "--resume"]) == 0
     again = json.loads((tmp_path / "population.json").read_text())
     assert again["tau"] == first["tau"]
@@ -266,13 +266,13 @@ def test_population_rho_scales_and_resume_after_a_kill(quick, tmp_path, monkeypa
     # the kill: model-00 finished, model-01 at its first scale only
     records_file.write_text("\n".join(lines[:4]) + "\n")
     calls = []
-    measure_checkpoint = study_module._measure_checkpoint
+    measure_checkpoint = study_module.measure_checkpoint
 
     def spy(checkpoint, *args, scales, **kwargs):
         calls.append((Path(checkpoint).name, [scale for scale, _ in scales]))
         return measure_checkpoint(checkpoint, *args, scales=scales, **kwargs)
 
-    monkeypatch.setattr(study_module, "_measure_checkpoint", spy)
+    monkeypatch.setattr(study_module, "measure_checkpoint", spy)
     assert main([*argv, "--rho-scales", "0.5,2", "--resume", "--quiet"]) == 0
     expected = [(f"model-0{i}", [0.5, 1.0, 2.0]) for i in range(1, 6)]
     assert calls == expected
@@ -515,7 +515,7 @@ def test_run_population_adds_the_model_to_any_error(fake_population, monkeypatch
             raise RuntimeError("out of memory")
         return [{"checkpoint": Path(directory).name, "measures": {}, "plan": {}}]
 
-    monkeypatch.setattr(study_module, "_measure_checkpoint", fail)
+    monkeypatch.setattr(study_module, "measure_checkpoint", fail)
     checkpoints = [str(root / n) for n in ("a", "b", "c")]
     with pytest.raises(RuntimeError, match="out of memory") as info:
         run_population(checkpoints, data, StudySettings(), gaps={"a": 0, "b": 1, "c": 2})

@@ -90,7 +90,7 @@ def test_training_stops_at_each_threshold_and_resumes_to_the_same_weights(tmp_pa
     assert whole[0]["step"] < whole[1]["step"]
     # killed after the third save: resumed from it, it ends where the uninterrupted run did
     saves = []
-    original = modular._save_state
+    original = modular.save_run_state
 
     def save_then_kill(*args):
         original(*args)
@@ -98,10 +98,10 @@ def test_training_stops_at_each_threshold_and_resumes_to_the_same_weights(tmp_pa
         if len(saves) == 3:
             raise _Killed
 
-    monkeypatch.setattr(modular, "_save_state", save_then_kill)
+    monkeypatch.setattr(modular, "save_run_state", save_then_kill)
     with pytest.raises(_Killed):
         train_run(RECIPE, SPEC, 0, str(tmp_path / "cut"), save_every=10)
-    monkeypatch.setattr(modular, "_save_state", original)
+    monkeypatch.setattr(modular, "save_run_state", original)
     assert (tmp_path / "cut" / "state.pt").is_file()
     resumed = train_run(RECIPE, SPEC, 0, str(tmp_path / "cut"), resume=True, save_every=10)
     for a, b in zip(whole, resumed):

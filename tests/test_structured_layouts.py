@@ -22,7 +22,7 @@ from test_modern_llms import model_for as family_model
 from geoopt_quotient import GLQuotient, PlanError, SymmetryGroup, SymmetryPlan, find_symmetries
 from geoopt_quotient.symmetry import plan as plan_module
 from geoopt_quotient.symmetry import strided, structured
-from geoopt_quotient.symmetry.plan import _StructuredGroup, _WholeParameter
+from geoopt_quotient.symmetry.plan import StructuredGroup, WholeParameterGroup
 
 F64 = torch.float64
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -56,8 +56,8 @@ def test_structured_plans_are_the_index_map_plans(source, name, monkeypatch):
     plan = find_symmetries(model, **options)
     bound = plan.bind(model)
     old_plan, old_bound = index_map_plan(model, monkeypatch, **options)
-    assert all(isinstance(g, (_StructuredGroup, _WholeParameter)) for g in bound.groups)
-    assert not any(isinstance(g, (_StructuredGroup, _WholeParameter)) for g in old_plan.groups)
+    assert all(isinstance(g, (StructuredGroup, WholeParameterGroup)) for g in bound.groups)
+    assert not any(isinstance(g, (StructuredGroup, WholeParameterGroup)) for g in old_plan.groups)
     assert bound.summary() == old_bound.summary()
     assert [g.name for g in bound.groups] == [g.name for g in old_bound.groups]
     for new, old in zip(bound.groups, old_bound.groups):
@@ -163,7 +163,7 @@ def test_probes_give_the_index_map_of_random_layouts(shapes, seed, steps):
     structure = structured.trace(layout, [torch.Size(s) for s in shapes])
     assert structure is not None and structure.shape == expected.shape
     group = SymmetryGroup.from_layout("random", GLQuotient(1, 1), params, layout)
-    assert isinstance(group, _StructuredGroup)
+    assert isinstance(group, StructuredGroup)
     assert torch.equal(group.index, expected)
     # gather and scatter are the index map's, values and gradients
     g = torch.Generator().manual_seed(seed)
@@ -211,7 +211,7 @@ def test_layouts_the_probes_cannot_follow_use_the_index_map():
     group = SymmetryGroup.from_layout(
         "flipped", GLQuotient(1, 1), {"w": (3, 4)}, lambda w: w.flip(0)[None]
     )
-    assert not isinstance(group, _StructuredGroup)
+    assert not isinstance(group, StructuredGroup)
     assert torch.equal(group.index[0], torch.arange(12, dtype=torch.int32).reshape(3, 4).flip(0))
 
 
@@ -243,8 +243,8 @@ def test_bind_at_7b_width_holds_no_index_per_entry(kv_heads):
         bound = find_symmetries(model, kinds=kinds).bind(model)
         blocks = 0
         for group in bound.groups:
-            assert isinstance(group, (_StructuredGroup, _WholeParameter)), group.name
-            if isinstance(group, _StructuredGroup):
+            assert isinstance(group, (StructuredGroup, WholeParameterGroup)), group.name
+            if isinstance(group, StructuredGroup):
                 assert "_index" not in group.__dict__
                 blocks += len(group.structure.blocks)
             else:

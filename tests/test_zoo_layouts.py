@@ -48,7 +48,9 @@ def _invariance(family: str, act: Callable[[Params, bool], Params]) -> None:
     built = _built(family)
     params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
     reference = zoo.logits_of(built.model, params, built.inputs)
-    threshold, _ = zoo._threshold(zoo.reduced_precision_ops(built.model, params, built.inputs))
+    threshold, _ = zoo.tolerance_for_ops(
+        zoo.reduced_precision_ops(built.model, params, built.inputs)
+    )
     moved = zoo.logits_of(built.model, act(dict(params), True), built.inputs)
     broken = zoo.logits_of(built.model, act(dict(params), False), built.inputs)
     assert zoo.relative_change(reference, moved) <= threshold

@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .._checks import split_measure
 from ..experiments.classifiers import Batch, InputError
 from ..experiments.population import StudySettings
+from ..measures import Measure
 
 __all__ = [
     "all_agree",
@@ -353,7 +353,7 @@ def shard_for_study(
     from ..symmetry import SymmetryVerificationError, find_symmetries
 
     rows = rows_of_batches(batches, dist.get_rank(), dist.get_world_size(), settings.batch_size)
-    metrics = dict.fromkeys(split_measure(m)[0] for m in settings.measures)
+    metrics = dict.fromkeys(Measure.parse(m).metric for m in settings.measures)
     metrics.pop(None, None)
     probe = probe_rows(batches[0][0], model)
     plans, failure = {}, None

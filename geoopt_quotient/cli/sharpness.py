@@ -23,6 +23,7 @@ from ..experiments.classifiers import (
     make_batches,
 )
 from ..experiments.population.study import StudySettings
+from ..measures import Measure
 from ._fsdp import (
     all_agree,
     fsdp_info,
@@ -143,6 +144,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_input_arguments(parser)
+    _add_measure_arguments(parser)
+    _add_batch_arguments(parser)
+    _add_run_arguments(parser)
+    parser.set_defaults(handler=run, parser=parser)
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint and its data (``--data`` or ``--text``)."""
     parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     data = parser.add_mutually_exclusive_group(required=True)
     data.add_argument(
@@ -151,6 +161,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument(
         "--text", metavar="FILE", help="UTF-8 text for a causal language model, see below"
     )
+
+
+def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """The balls (metric, radii) and the maximiser's iterations."""
     parser.add_argument(
         "--metric",
         choices=("mix", "inv", "both"),
@@ -161,6 +175,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--iters", type=int_at_least(1), default=20, help="Auto-PGD iterations per batch (20)"
     )
+
+
+def _add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the data are cut into batches, and the seeds."""
     parser.add_argument(
         "--batch-size",
         type=int_at_least(1),
@@ -198,6 +216,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--text: seed of the draw of blocks into batches (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="maximiser seed (default 0)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the command runs, and what it writes."""
     parser.add_argument(
         "--device",
         default="cpu",
@@ -227,12 +249,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     add_threads_argument(parser)
-    parser.set_defaults(handler=run, parser=parser)
 
 
 # ---------------------------------------------------------------- the command
-#: The radius of each measure, a key of :func:`~geoopt_quotient.cli._runtime.radii_from_args`.
-_RADIUS = {"adaptive": "rho_adaptive", "geodesic_inv": "rho_inv", "geodesic_mix": "rho_mix"}
+def _radius_key(measure: str) -> str:
+    """The key of ``measure``'s radius in
+    :func:`~geoopt_quotient.cli._runtime.radii_from_args`: ``rho_`` and its ball."""
+    return f"rho_{Measure.parse(measure).ball}"
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -356,7 +379,7 @@ def _load_causal_lm(args: argparse.Namespace, device: torch.device) -> _Loaded:
     )
 
 
-def _share(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], Any]:
+def share_batches(batches: List[Batch], rank: int, world: int) -> Tuple[List[Batch], Any]:
     """This process's batches (every ``world``-th from ``rank``) and the process group
     over which the sharpness functions gather the results; all batches and ``None`` for
     one process."""
@@ -379,31 +402,17 @@ def _run(
     rank: int,
     world: int,
 ) -> int:
-    import transformers
-
-    from .. import __version__
-    from ..sharpness import adaptive_sharpness, geodesic_sharpness
-    from ..symmetry import SymmetryVerificationError, find_symmetries
-
+    """The command on one process: load, find the symmetries, measure, report."""
     to_stdout = args.json == "-"
     silent = args.quiet or to_stdout or rank > 0
     start = time.perf_counter()
     loaded = (_load_causal_lm if args.text is not None else _load_classifier)(args, device)
-    model, batches, loss_fn = loaded.model, loaded.batches, loaded.loss_fn
+    model, batches = loaded.model, loaded.batches
     if args.fsdp:  # checked on every process before any communication
         batches = rows_of_batches(batches, rank, world, args.batch_size)
     metrics = ("mix", "inv") if args.metric == "both" else (args.metric,)
-    # With --fsdp the symmetries are found and checked on the model before it is sharded,
-    # on rows that every process has (rank 0's), and the processes agree on the verdict.
-    probe = probe_rows(loaded.batches[0][0], model) if args.fsdp else batches[0][0]
-    failure = None
-    try:
-        plan = find_symmetries(model, metric=metrics[0], verify=args.verify, probe_inputs=probe)
-    except SymmetryVerificationError as error:
-        failure = error
-    if failure is not None:
-        print(f"{parser.prog}: error: symmetry check failed: {failure}", file=sys.stderr)
-    if (failure is not None) if not args.fsdp else not all_agree(failure is None, device):
+    plan = _checked_plan(args, parser, loaded, batches, metrics[0], device)
+    if plan is None:
         return 1
     if args.fsdp:
         model = shard_model(model, device)
@@ -420,24 +429,96 @@ def _run(
     if args.fsdp:
         share, common["process_group"] = batches, None
     else:
-        share, common["process_group"] = _share(batches, rank, world)
+        share, common["process_group"] = share_batches(batches, rank, world)
+    results = _measure(model, loaded.loss_fn, share, plan, bound, metrics, radii, common)
+    document = _document(args, loaded, radii, bound, results, start)
+    document["processes"] = world
+    if args.fsdp:
+        document["fsdp"] = fsdp_info(model, batches, world)
+    if rank == 0:
+        _report(args, document, results, radii, silent)
+    return 0
+
+
+def _checked_plan(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    loaded: _Loaded,
+    batches: List[Batch],
+    metric: str,
+    device: torch.device,
+) -> Any:
+    """The symmetry plan of the model in ``metric`` (found and, unless ``--no-verify``,
+    checked on the first batch), or ``None`` after printing why the check failed.
+
+    With ``--fsdp`` the symmetries are found and checked on the model before it is sharded,
+    on rows that every process has (rank 0's), and the processes agree on the verdict.
+    """
+    from ..symmetry import SymmetryVerificationError, find_symmetries
+
+    model = loaded.model
+    probe = probe_rows(loaded.batches[0][0], model) if args.fsdp else batches[0][0]
+    plan, failure = None, None
+    try:
+        plan = find_symmetries(model, metric=metric, verify=args.verify, probe_inputs=probe)
+    except SymmetryVerificationError as error:
+        failure = error
+    if failure is not None:
+        print(f"{parser.prog}: error: symmetry check failed: {failure}", file=sys.stderr)
+    if (failure is not None) if not args.fsdp else not all_agree(failure is None, device):
+        return None
+    return plan
+
+
+def _measure(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor],
+    share: List[Batch],
+    plan: Any,
+    bound: Any,
+    metrics: Tuple[str, ...],
+    radii: Dict[str, float],
+    common: Dict[str, Any],
+) -> Dict[str, Any]:
+    """Adaptive sharpness, then geodesic sharpness in each of ``metrics`` (``bound`` is
+    ``plan`` bound in the first one), by measure name."""
+    from ..sharpness import adaptive_sharpness, geodesic_sharpness
+
     results: Dict[str, Any] = {}
-    results["adaptive"] = adaptive_sharpness(
-        model, loss_fn, share, rho=radii["rho_adaptive"], **common
+    adaptive = Measure()
+    results[adaptive.name] = adaptive_sharpness(
+        model, loss_fn, share, rho=radii[_radius_key(adaptive.name)], **common
     )
     for metric in metrics:
         # one discovery (and proof, on the unsharded model) for every metric
         symmetries = bound if metric == metrics[0] else plan.with_metric(metric).bind(model)
-        results[f"geodesic_{metric}"] = geodesic_sharpness(
+        geodesic = Measure(metric)
+        results[geodesic.name] = geodesic_sharpness(
             model,
             loss_fn,
             share,
-            rho=radii[f"rho_{metric}"],
+            rho=radii[_radius_key(geodesic.name)],
             metric=metric,
             symmetries=symmetries,
             **common,
         )
-    document = {
+    return results
+
+
+def _document(
+    args: argparse.Namespace,
+    loaded: _Loaded,
+    radii: Dict[str, float],
+    bound: Any,
+    results: Dict[str, Any],
+    start: float,
+) -> Dict[str, Any]:
+    """The JSON document of a run (``--json``), without the processes' entries."""
+    import transformers
+
+    from .. import __version__
+
+    return {
         "command": "sharpness",
         "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "parser")},
         "model": loaded.model_info,
@@ -462,13 +543,18 @@ def _run(
             "transformers": transformers.__version__,
         },
     }
-    document["processes"] = world
-    if args.fsdp:
-        document["fsdp"] = fsdp_info(model, batches, world)
-    if rank > 0:
-        return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    document: Dict[str, Any],
+    results: Dict[str, Any],
+    radii: Dict[str, float],
+    silent: bool,
+) -> None:
+    """Write the document (``--json``) and print one line per measure (process 0)."""
     text = json.dumps(document, indent=1)
-    if to_stdout:
+    if args.json == "-":
         sys.stdout.write(text + "\n")
     elif args.json:
         with open(args.json, "w") as handle:
@@ -479,8 +565,7 @@ def _run(
             clean = sum(r.clean_losses) / len(r.clean_losses)
             print(
                 f"{name.ljust(width)}  sharpness {r.value:.6g}  "
-                f"(rho {radii[_RADIUS[name]]:g}, clean loss {clean:.6g}, {r.seconds:.1f} s)"
+                f"(rho {radii[_radius_key(name)]:g}, clean loss {clean:.6g}, {r.seconds:.1f} s)"
             )
         if args.json:
             print(f"wrote {args.json}")
-    return 0

@@ -33,6 +33,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._architectures import is_causal_lm
 from .classifiers import (
     Batch,
     InputError,
@@ -52,26 +53,6 @@ __all__ = [
     "sample_blocks",
     "text_blocks",
 ]
-
-
-def is_causal_lm(config: Any) -> bool:
-    """Whether ``config.architectures`` names a causal language model of transformers.
-
-    Parameters
-    ----------
-    config : transformers.PretrainedConfig
-        A checkpoint's config.
-
-    Returns
-    -------
-    bool
-        Whether one of its architectures is a class of ``AutoModelForCausalLM``
-        (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM``, ...).
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    return any(name in known for name in getattr(config, "architectures", None) or ())
 
 
 def load_causal_lm(

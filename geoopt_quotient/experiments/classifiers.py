@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import GeooptQuotientError
+from ._architectures import is_causal_lm
 
 __all__ = [
     "Batch",
@@ -144,8 +145,6 @@ def _missing_weights_advice(model: torch.nn.Module, config: Any) -> str:
     """What to do about a checkpoint without some weights of ``model``'s class."""
     saved = [a for a in config.architectures or () if a != type(model).__name__]
     if saved:
-        from .causal_lm import is_causal_lm
-
         what = "a causal LM" if is_causal_lm(config) else "a different model"
         hint = (
             "measure its next-token loss on a text file instead ('geoopt-quotient "

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 from transformers import TrainerCallback
 
-from .._checks import NAMED_MEASURES
+from ..measures import NAMED_MEASURES
 from .measures import Radii
 from .monitor import SharpnessMonitor
 

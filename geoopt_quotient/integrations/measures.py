@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .._checks import ABLATIONS, NAMED_MEASURES, check_positive_float, split_measure
+from .._checks import check_choice, check_positive_float
+from ..measures import ABLATIONS, NAMED_MEASURES, Measure
 from ..sharpness import DEFAULT_RADII, SharpnessResult, adaptive_sharpness, geodesic_sharpness
 from ..sharpness.measure import discover, loss_probe
 from ..symmetry import BoundPlan, SymmetryPlan
@@ -57,8 +58,20 @@ def default_measure_radius(measure: str) -> float:
     >>> default_measure_radius("geodesic_mix_no_norm")
     0.01
     """
-    metric, norm, _ = split_measure(measure)
-    return DEFAULT_RADII["adaptive" if metric is None or not norm else metric]
+    return DEFAULT_RADII[named_measure(measure).ball]
+
+
+def named_measure(measure: str) -> Measure:
+    """The :class:`~geoopt_quotient.Measure` of a name from :data:`NAMED_MEASURES` or
+    :data:`ABLATIONS` (the names this module measures).
+
+    Raises
+    ------
+    ValueError
+        For any other name (also the short names of :class:`~geoopt_quotient.Measure`:
+        the path is :func:`measure_sharpness`'s argument here).
+    """
+    return Measure.parse(check_choice(measure, (*NAMED_MEASURES, *ABLATIONS), "measure"))
 
 
 def measure_radii(measures: Sequence[str], rho: Radii = None) -> Dict[str, Radius]:
@@ -94,7 +107,7 @@ def measure_radii(measures: Sequence[str], rho: Radii = None) -> Dict[str, Radiu
     if len(set(measures)) != len(measures):
         raise ValueError(f"`measures` lists a measure twice: {list(measures)}")
     for measure in measures:
-        split_measure(measure)
+        named_measure(measure)
     if rho is None:
         return {m: default_measure_radius(m) for m in measures}
     if not isinstance(rho, Mapping):
@@ -205,8 +218,9 @@ def measure_sharpness(
     for measure, radius in radii.items():
         if on_measure is not None:
             on_measure(measure)
-        metric, norm, curvature = split_measure(measure)
-        if metric is None:
+        named = named_measure(measure)
+        metric = named.metric
+        if named.is_adaptive:
             results[measure] = adaptive_sharpness(
                 model, loss_fn, batches, rho=radius, eps=eps, **common
             )
@@ -233,8 +247,8 @@ def measure_sharpness(
             symmetries=plans[metric],
             metric=metric,
             path=path,
-            norm=norm,
-            curvature=curvature,
+            norm=named.norm,
+            curvature=named.curvature,
             **common,
         )
     return results

@@ -23,8 +23,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from .._checks import NAMED_MEASURES, check_positive_int
+from .._checks import check_positive_int
 from .._model_state import preserved_model_state
+from ..measures import NAMED_MEASURES
 from ..sharpness import SharpnessResult
 from .measures import Radii, measure_radii, measure_sharpness
 

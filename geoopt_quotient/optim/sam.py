@@ -43,7 +43,6 @@ from ..symmetry.plan import (
     BoundPlan,
     SymmetryGroup,
     SymmetryPlan,
-    _WholeParameter,
     whole_parameter_group,
 )
 
@@ -429,7 +428,7 @@ class SAMAscent:
 
 def _is_elementwise(group: SymmetryGroup) -> bool:
     """A whole parameter in the adaptive or the Euclidean metric (element-wise weights)."""
-    return isinstance(group, _WholeParameter) and (
+    return group.is_whole_parameter and (
         has_elementwise_metric(group.manifold) or is_plain_euclidean(group.manifold)
     )
 

@@ -26,9 +26,10 @@ from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, Union
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import MEASURES, check_choice, check_positive_float, check_positive_int
+from .._checks import check_choice, check_positive_float, check_positive_int
 from .._progress import show_progress
 from ..errors import GeooptQuotientError
+from ..measures import MEASURES
 from .defaults import default_radius
 from .measure import (
     LossFn,

@@ -18,13 +18,15 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from .._checks import MEASURES, check_choice
+from .._checks import check_choice
+from ..measures import MEASURES
 
 __all__ = ["DEFAULT_RADII", "default_radius"]
 
 #: Default radius of each measure: ``"adaptive"``, geodesic ``"inv"`` and ``"mix"``
-#: (read-only). The sharpness functions, :func:`calibrate_rho` (its first radius) and the
-#: ``sharpness`` and ``population`` commands all take their defaults from here.
+#: (read-only), by ball (:attr:`~geoopt_quotient.Measure.ball`). The sharpness functions,
+#: :func:`calibrate_rho` (its first radius) and the ``sharpness`` and ``population``
+#: commands all take their defaults from here.
 DEFAULT_RADII: Mapping[str, float] = MappingProxyType(
     {"adaptive": 0.01, "inv": 0.003, "mix": 0.003}
 )

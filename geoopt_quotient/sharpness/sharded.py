@@ -68,7 +68,7 @@ from ..errors import GeooptQuotientError
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric
-from ..symmetry.plan import BoundPlan, SymmetryGroup, _WholeParameter
+from ..symmetry.plan import BoundPlan, SymmetryGroup
 from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, as_scalar, explicit_path
 from .ball import ball_groups, check_points
 from .functional import check_depends_on_perturbation
@@ -372,7 +372,7 @@ class ShardedBall:
         pieces, start = [], 0
         ordered = sorted(plan.groups, key=lambda g: g.kind == "adaptive")  # symmetric first
         for group in ordered:
-            if isinstance(group, _WholeParameter):
+            if group.is_whole_parameter:
                 shard = self.shards[position[group.param_names[0]]]
                 numel = shard.local_numel(rank)
                 model_start = int(offsets[rank, position[shard.name]])

@@ -509,15 +509,7 @@ def attention_pairs(
             path,
         )
         return found
-    heads = _int_attr(owner, HEADS_ATTRS)
-    if heads is None and q.out_features % head_dim == 0:
-        heads = q.out_features // head_dim
-    n_kv = _int_attr(owner, KV_HEADS_ATTRS)
-    groups = _int_attr(owner, ("num_key_value_groups",))
-    if n_kv is None and heads is not None and groups is not None and heads % groups == 0:
-        n_kv = heads // groups
-    if n_kv is None and k.out_features % head_dim == 0:
-        n_kv = k.out_features // head_dim
+    heads, n_kv = _head_counts(owner, q, k, head_dim)
     shapes = (
         f"q {tuple(q.weight.shape)}, k {tuple(k.weight.shape)}, v {tuple(v.weight.shape)}, "
         f"o {tuple(o.weight.shape)}"
@@ -531,7 +523,7 @@ def attention_pairs(
         return found
     known = {p.rsplit(".", 1)[-1] for p, _ in projections} | set(extra_known)
     known |= {p.rsplit(".", 2)[-2] for p, _ in projections if p.endswith(".linear")}
-    unexpected, output_breakers, head_gates = _output_children(
+    unexpected, *output_children = _output_children(
         owner, _unexpected_parameters(owner, known), heads
     )
     if unexpected:
@@ -555,6 +547,44 @@ def attention_pairs(
             path,
         )
         return found
+    _add_attention_specs(
+        found, path, owner, projections, context, (heads, n_kv, head_dim), output_children
+    )
+    return found
+
+
+def _head_counts(
+    owner: torch.nn.Module, q: torch.nn.Linear, k: torch.nn.Linear, head_dim: int
+) -> Tuple[Optional[int], Optional[int]]:
+    """``(heads, key/value heads)`` of an attention module: from its attributes
+    (:data:`HEADS_ATTRS`, :data:`KV_HEADS_ATTRS`, ``num_key_value_groups``), else from the
+    rows of ``q`` and ``k`` when they are whole heads; ``None`` where neither tells."""
+    heads = _int_attr(owner, HEADS_ATTRS)
+    if heads is None and q.out_features % head_dim == 0:
+        heads = q.out_features // head_dim
+    n_kv = _int_attr(owner, KV_HEADS_ATTRS)
+    groups = _int_attr(owner, ("num_key_value_groups",))
+    if n_kv is None and heads is not None and groups is not None and heads % groups == 0:
+        n_kv = heads // groups
+    if n_kv is None and k.out_features % head_dim == 0:
+        n_kv = k.out_features // head_dim
+    return heads, n_kv
+
+
+def _add_attention_specs(
+    found: Findings,
+    path: str,
+    owner: torch.nn.Module,
+    projections: Tuple[Tuple[str, torch.nn.Linear], ...],
+    context: _Context,
+    sizes: Tuple[int, int, int],
+    output_children: Tuple[List[str], List[str]],
+) -> None:
+    """Add the Q/K and V/O pairs of an attention module whose shapes fit ``sizes``
+    (``(heads, key/value heads, head_dim)``), with their checks; ``output_children`` are
+    the children that break V/O and the per-head output gates (:func:`_output_children`)."""
+    heads, n_kv, head_dim = sizes
+    output_breakers, head_gates = output_children
     (q_path, _), (k_path, _) = projections[:2]
     readers = (
         _rows_reader(q_path, torch.arange(heads * head_dim).reshape(heads, head_dim)),
@@ -583,7 +613,6 @@ def attention_pairs(
         head_order=order,
     )
     _add_checked(found, specs, qk_check)
-    return found
 
 
 #: What a query projection with twice the rows the output reads usually holds.

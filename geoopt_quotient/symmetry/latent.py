@@ -37,7 +37,7 @@ from typing import Dict, Optional
 import torch
 
 from .huggingface import Findings, check_locally
-from .layouts import PairSpec, child_path, head_columns
+from .layouts import PairSpec, child_path, head_columns, linear_child
 
 __all__ = ["latent_attention_pairs"]
 
@@ -68,11 +68,6 @@ LATENT_BREAKS = (
 )
 
 
-def _linear(module: torch.nn.Module, name: str) -> Optional[torch.nn.Linear]:
-    child = getattr(module, name, None)
-    return child if isinstance(child, torch.nn.Linear) else None
-
-
 def _entries(path: str, linear: torch.nn.Linear) -> Dict[str, torch.Size]:
     out = {child_path(path, "weight"): linear.weight.shape}
     if linear.bias is not None:
@@ -96,10 +91,10 @@ def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         return None
     heads, nope, rope, v_dim = sizes
-    q_name = next((n for n in QUERY_CHILDREN if _linear(module, n) is not None), "q_proj")
+    q_name = next((n for n in QUERY_CHILDREN if linear_child(module, n) is not None), "q_proj")
     gated = q_name == "q_gate_proj"  # per head: the query, then a gate of the output
-    q, kv, o = (_linear(module, n) for n in (q_name, "kv_b_proj", "o_proj"))
-    if q is None or kv is None or o is None or _linear(module, "kv_a_proj_with_mqa") is None:
+    q, kv, o = (linear_child(module, n) for n in (q_name, "kv_b_proj", "o_proj"))
+    if q is None or kv is None or o is None or linear_child(module, "kv_a_proj_with_mqa") is None:
         return None
     per_head = nope + rope + (v_dim if gated else 0)
     if (

@@ -15,7 +15,14 @@ from geoopt.manifolds.base import Manifold
 from ..manifolds import GLQuotient, PositiveScalingQuotient, RotaryGLQuotient
 from .plan import SymmetryGroup
 
-__all__ = ["PairSpec", "child_path", "head_columns", "head_rows", "stack_pairs"]
+__all__ = [
+    "PairSpec",
+    "child_path",
+    "head_columns",
+    "head_rows",
+    "linear_child",
+    "stack_pairs",
+]
 
 
 def child_path(path: str, name: str) -> str:
@@ -34,6 +41,25 @@ def child_path(path: str, name: str) -> str:
         ``"path.name"``, or ``name`` for the root.
     """
     return f"{path}.{name}" if path else name
+
+
+def linear_child(module: torch.nn.Module, name: str) -> torch.nn.Linear | None:
+    """The child ``name`` of ``module`` if it is an ``nn.Linear``, else ``None``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The parent module.
+    name : str
+        The attribute name of the child (``"q_proj"``).
+
+    Returns
+    -------
+    torch.nn.Linear or None
+        The child, or ``None`` when it is missing or of another class.
+    """
+    child = getattr(module, name, None)
+    return child if isinstance(child, torch.nn.Linear) else None
 
 
 def head_rows(

@@ -17,8 +17,8 @@ from typing import Dict
 
 import torch
 
-from .huggingface import Findings, _prefixed
-from .layouts import PairSpec
+from .huggingface import Findings
+from .layouts import PairSpec, child_path
 
 __all__ = ["lora_pairs"]
 
@@ -112,12 +112,12 @@ def _linear_adapter(
         return
     if not _check(found, where, a.weight, b.weight, eps):
         return
-    a_path, b_path = _prefixed(path, f"lora_A.{name}"), _prefixed(path, f"lora_B.{name}")
-    params: Dict[str, torch.Size] = {_prefixed(b_path, "weight"): b.weight.shape}
-    params[_prefixed(a_path, "weight")] = a.weight.shape
+    a_path, b_path = child_path(path, f"lora_A.{name}"), child_path(path, f"lora_B.{name}")
+    params: Dict[str, torch.Size] = {child_path(b_path, "weight"): b.weight.shape}
+    params[child_path(a_path, "weight")] = a.weight.shape
     with_bias = a.bias is not None and a.bias.requires_grad
     if with_bias:
-        params[_prefixed(a_path, "bias")] = a.bias.shape
+        params[child_path(a_path, "bias")] = a.bias.shape
 
     def layout(wb, wa, *bias):
         h = torch.cat((wa.mT, bias[0][None]), dim=0) if bias else wa.mT
@@ -143,8 +143,8 @@ def _embedding_adapter(
     if not _check(found, where, a, b, eps):
         return
     params = {
-        _prefixed(path, f"lora_embedding_B.{name}"): b.shape,
-        _prefixed(path, f"lora_embedding_A.{name}"): a.shape,
+        child_path(path, f"lora_embedding_B.{name}"): b.shape,
+        child_path(path, f"lora_embedding_A.{name}"): a.shape,
     }
 
     def layout(wb, wa):

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from .huggingface import Findings, _linear, _prefixed, check_locally
-from .layouts import PairSpec
+from .huggingface import Findings, check_locally
+from .layouts import PairSpec, child_path, linear_child
 
 __all__ = ["gated_mlp_pairs"]
 
@@ -49,13 +49,13 @@ def _up_and_down(module: torch.nn.Module):
     """``(up name, up, row offset, down name, down, positive)`` of an MLP, or ``None``: a
     gated MLP (any nonzero scaling) or a ReLU MLP (positive scalings only)."""
     for gate_name, up_name, down_name in GATED:
-        gate, up, down = (_linear(module, n) for n in (gate_name, up_name, down_name))
+        gate, up, down = (linear_child(module, n) for n in (gate_name, up_name, down_name))
         if gate is not None and up is not None and down is not None:
             units = down.in_features
             if gate.out_features == units == up.out_features:
                 return up_name, up, 0, down_name, down, False
             return None
-    fused, down = _linear(module, FUSED[0]), _linear(module, FUSED[1])
+    fused, down = linear_child(module, FUSED[0]), linear_child(module, FUSED[1])
     if fused is not None and down is not None:
         units = down.in_features
         return (
@@ -64,7 +64,7 @@ def _up_and_down(module: torch.nn.Module):
             else None
         )
     for up_name, down_name in PLAIN:
-        up, down = _linear(module, up_name), _linear(module, down_name)
+        up, down = linear_child(module, up_name), linear_child(module, down_name)
         if up is not None and down is not None and up.out_features == down.in_features:
             if isinstance(_activation(module), torch.nn.ReLU):
                 return up_name, up, 0, down_name, down, True
@@ -83,11 +83,11 @@ def _mlp(path: str, module: torch.nn.Module) -> Optional[PairSpec]:
         return None
     up_name, up, start, down_name, down, positive = found
     units = down.in_features
-    up_path = _prefixed(path, up_name)
-    params = {_prefixed(up_path, "weight"): up.weight.shape}
+    up_path = child_path(path, up_name)
+    params = {child_path(up_path, "weight"): up.weight.shape}
     if up.bias is not None:
-        params[_prefixed(up_path, "bias")] = up.bias.shape
-    params[_prefixed(path, f"{down_name}.weight")] = down.weight.shape
+        params[child_path(up_path, "bias")] = up.bias.shape
+    params[child_path(path, f"{down_name}.weight")] = down.weight.shape
 
     def layout(weight, *rest):
         g = weight[start : start + units].reshape(units, -1, 1)

@@ -121,7 +121,7 @@ class SymmetryGroup:
         shapes = tuple(torch.Size(s) for s in params.values())
         structure = structured.trace(layout, shapes)
         if structure is not None:
-            group = _StructuredGroup(name, manifold, names, shapes, structure, kind, count)
+            group = StructuredGroup(name, manifold, names, shapes, structure, kind, count)
             if any(structured.overlap(*r) is not None for r in group.runs()):
                 raise PlanError(f"layout of group {name!r} uses some parameter entry twice")
             return group
@@ -188,7 +188,7 @@ class SymmetryGroup:
         return replace(self, manifold=manifold)
 
 
-class _StructuredGroup(SymmetryGroup):
+class StructuredGroup(SymmetryGroup):
     """A group described by the boxes of its point
     (:class:`~geoopt_quotient.symmetry.structured.PointStructure`): it gathers and
     scatters with strided copies, and builds :attr:`index` only when asked."""
@@ -256,7 +256,7 @@ class _StructuredGroup(SymmetryGroup):
         return cached
 
     def with_manifold(self, manifold: Manifold) -> SymmetryGroup:
-        return _StructuredGroup(
+        return StructuredGroup(
             self.name,
             manifold,
             self.param_names,
@@ -287,7 +287,7 @@ def _distinct(index: torch.Tensor, bound: int) -> bool:
     return int(hit.sum()) == index.numel()
 
 
-def _is_permutation(source: torch.Tensor) -> bool:
+def is_permutation(source: torch.Tensor) -> bool:
     """Whether ``source`` holds each of ``0 .. len - 1`` once (linear time, no sort)."""
     if source.numel() and (int(source.min()) < 0 or int(source.max()) >= source.numel()):
         return False
@@ -296,7 +296,7 @@ def _is_permutation(source: torch.Tensor) -> bool:
     return bool(hit.all())
 
 
-def _fits(layout: StridedLayout, points: Sequence[torch.Tensor]) -> bool:
+def fits_strided(layout: StridedLayout, points: Sequence[torch.Tensor]) -> bool:
     """Whether ``points`` have the layout's shapes and one dtype and device, in pieces
     large enough for strided copies to pay (:data:`strided.MIN_ENTRIES_PER_PIECE`)."""
     first = points[0]
@@ -312,7 +312,7 @@ def _compact(index: torch.Tensor, bound: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _WholeParameter(SymmetryGroup):
+class WholeParameterGroup(SymmetryGroup):
     """A group that is exactly one parameter tensor (no copy on gather/scatter).
 
     Its :attr:`index`, the identity map, is a ``meta`` tensor: its shape without its
@@ -346,7 +346,7 @@ def whole_parameter_group(
     """A group holding all of one parameter, in its own shape."""
     shape = torch.Size(shape)
     index = torch.empty(shape, dtype=torch.long, device="meta")
-    return _WholeParameter(name, manifold, (name,), (shape,), index, kind, 1)
+    return WholeParameterGroup(name, manifold, (name,), (shape,), index, kind, 1)
 
 
 @dataclass
@@ -482,7 +482,7 @@ def _rest_group(
     label = name + " (rest)"
     if starts.numel() <= structured.MAX_BLOCKS:
         rest = structured.range_structure(starts, lengths)
-        return _StructuredGroup(label, manifold, (name,), (shape,), rest, "adaptive", 1)
+        return StructuredGroup(label, manifold, (name,), (shape,), rest, "adaptive", 1)
     ends = torch.cumsum(lengths, 0)
     entries = torch.arange(int(ends[-1])) + torch.repeat_interleave(
         starts - ends + lengths, lengths
@@ -582,11 +582,11 @@ class BoundPlan:
             return out
         indexed, names, shapes = partition
         for group, point in zip(self.groups, points):
-            if isinstance(group, _WholeParameter):
+            if isinstance(group, WholeParameterGroup):
                 out[group.param_names[0]] = point
         sources = [points[i] for i in indexed]
         layout = self._strided
-        if layout is not None and _fits(layout, sources):
+        if layout is not None and fits_strided(layout, sources):
             out.update(write_back(layout, sources))
         elif indexed:
             perm = self._permutation[3]
@@ -611,7 +611,7 @@ class BoundPlan:
         indexed, names, shapes = partition
         sources = [self.groups[i].shape for i in indexed]
         groups = [self.groups[i] for i in indexed]
-        if all(isinstance(g, _StructuredGroup) for g in groups):
+        if all(isinstance(g, StructuredGroup) for g in groups):
             pieces = structured.strided_pieces(
                 [(g.structure, g.param_names) for g in groups], names, shapes
             )
@@ -625,7 +625,7 @@ class BoundPlan:
     def _indexed(self) -> Tuple[List[int], Dict[str, torch.Size]]:
         """Positions of the groups other than whole parameters, and their parameters'
         shapes by name (in order of first appearance)."""
-        indexed = [i for i, g in enumerate(self.groups) if not isinstance(g, _WholeParameter)]
+        indexed = [i for i, g in enumerate(self.groups) if not isinstance(g, WholeParameterGroup)]
         shapes: Dict[str, torch.Size] = {}
         for i in indexed:
             for name, shape in zip(self.groups[i].param_names, self.groups[i].param_shapes):
@@ -638,7 +638,7 @@ class BoundPlan:
         whole parameters cover each entry of their parameters once; else ``None``.
         Decided on the groups' runs of entries, without an index map."""
         indexed, shapes = self._indexed()
-        if not all(isinstance(self.groups[i], _StructuredGroup) for i in indexed):
+        if not all(isinstance(self.groups[i], StructuredGroup) for i in indexed):
             permutation = self._permutation
             return None if permutation is None else permutation[:3]
         runs: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in shapes}
@@ -674,7 +674,7 @@ class BoundPlan:
             which = torch.searchsorted(local, flat, right=True) - 1
             sources.append(flat - local[which] + start[which])
         source = torch.cat(sources) if sources else torch.zeros(0, dtype=torch.long)
-        if source.numel() != total or not _is_permutation(source):
+        if source.numel() != total or not is_permutation(source):
             return None
         perm = torch.empty_like(source)
         perm[source] = torch.arange(total)

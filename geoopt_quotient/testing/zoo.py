@@ -628,7 +628,11 @@ def _json_float(value: Optional[float]) -> Any:
     return str(value)
 
 
-def _threshold(ops: Mapping[str, int]) -> tuple:
+def tolerance_for_ops(ops: Mapping[str, int]) -> tuple:
+    """``(rtol, why)``: the relative change of the logits below which a group counts as
+    exact, for a float64 model whose forward pass computes from its weights in float32 in
+    the operators ``ops`` (:func:`reduced_precision_ops`): :data:`EXACT_RTOL` when there
+    are none, :data:`FLOAT32_RTOL` otherwise, and the reason, for the zoo's report."""
     if not ops:
         return EXACT_RTOL, "float64 throughout"
     names = ", ".join(sorted(ops, key=lambda k: -ops[k])[:4])
@@ -722,7 +726,7 @@ def check_model(
     params = {n: p.detach() for n, p in model.named_parameters()}
     reference = logits_of(model, params, inputs)
     ops = reduced_precision_ops(model, params, inputs)
-    threshold, why = _threshold(ops)
+    threshold, why = tolerance_for_ops(ops)
     generator = torch.Generator().manual_seed(seed)
     elements = [
         draw_group_element(g, generator, torch.float64, max_condition)

@@ -115,6 +115,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_population_arguments(parser)
+    _add_measure_arguments(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default cpu)")
+    add_threads_argument(parser)
+    add_output_arguments(
+        parser,
+        "diagonal-out",
+        "diagonal",
+        " (models are retrained, deterministically; only sharpness already measured is skipped)",
+    )
+    parser.set_defaults(handler=run, parser=parser, needs=("matplotlib",))
+
+
+def _add_population_arguments(parser: argparse.ArgumentParser) -> None:
+    """The populations trained: setup, size, dimension, seeds."""
     parser.add_argument(
         "--setup",
         choices=SETUPS,
@@ -137,6 +152,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="K",
         help="number of populations, seeds SEED..SEED+K-1 (default 1)",
     )
+
+
+def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """The balls and their maximiser (radii, paths, scales, iterations) and the training
+    budget."""
     parser.add_argument(
         "--rho",
         type=positive_float,
@@ -180,15 +200,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_STEPS,
         help=f"gradient-descent step budget per model (default {DEFAULT_MAX_STEPS})",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default cpu)")
-    add_threads_argument(parser)
-    add_output_arguments(
-        parser,
-        "diagonal-out",
-        "diagonal",
-        " (models are retrained, deterministically; only sharpness already measured is skipped)",
-    )
-    parser.set_defaults(handler=run, parser=parser, needs=("matplotlib",))
 
 
 def figure_title(settings: Dict[str, Any]) -> str:

@@ -74,15 +74,17 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..._checks import GEODESIC_PATHS as PATHS
-from ..._checks import MEASURES, STRAIGHT, check_positive_float
+from ..._checks import METRICS, STRAIGHT, check_positive_float
 from ..._progress import progress_bar
 from ...manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ...measures import MEASURES, Measure
 from ...sharpness.apgd import BallGroup, maximize_in_ball
 from ...sharpness.stats import kendall_tau
 from ..population.rho_grid import RhoSeries, study_scales, tau_by_rho
@@ -121,7 +123,7 @@ __all__ = [
 ]
 
 PAPER_TAU: Dict[str, float] = {"adaptive": -0.68, "inv": -0.83, "mix": -0.86}
-DIAGNOSTICS: Tuple[str, ...] = ("mix_unclamped",)
+DIAGNOSTICS: Tuple[str, ...] = (Measure("mix", clamped=False).short_name,)  # "mix_unclamped"
 #: The populations: ``phase-transition`` (initialisation scales at the l1 recovery
 #: threshold, the default) and ``step-size`` (GD and SGD step sizes, after the public
 #: notebook of Andriushchenko et al., 2023).
@@ -160,8 +162,9 @@ def mix_geodesic_path(
     return path
 
 
-def _measure_groups(rho: float, rho_mix: float) -> Dict[str, Tuple[Any, float]]:
-    """name -> (function of the point giving the BallGroup, radius)."""
+def measure_groups(rho: float, rho_mix: float) -> Dict[str, Tuple[Any, float]]:
+    """Every diagonal measure's ball at the radii ``rho`` (adaptive, inv) and ``rho_mix``
+    (mix): ``name -> (function of the point (u, v) giving its BallGroup, radius)``."""
     adaptive, inv, mix = (
         AdaptiveEuclidean(eps=0.0),
         DiagonalQuotient("inv"),
@@ -202,23 +205,36 @@ def measure_names(paths: Sequence[str] = PATHS) -> Tuple[str, ...]:
     unknown = [p for p in paths if p not in PATH_SUFFIX]
     if unknown or not paths:
         raise ValueError(f"`paths` must be some of {list(PATH_SUFFIX)}, got {list(paths)}")
-    names = ["adaptive"]
+    names = [Measure().short_name]
     for path in PATHS:
         if path in paths:
-            names += [f"{m}{PATH_SUFFIX[path]}" for m in ("inv", "mix")]
+            names += [_geodesic(metric, path).short_name for metric in METRICS]
     return tuple(names) + (DIAGNOSTICS if "exact" in paths else ())
+
+
+def _geodesic(metric: str, path: str) -> Measure:
+    """Geodesic sharpness in ``metric`` along ``path``: the exact geodesic, this
+    experiment's own, is the measure without a path of its own (``"inv"``)."""
+    return Measure(metric, None if path == "exact" else path)
 
 
 def measure_path(name: str) -> Tuple[str, str]:
     """``(measure, path)`` of a measure's name: ``"inv_second_order"`` ->
     ``("inv", "second_order")``, ``"adaptive"`` -> ``("adaptive", "straight")``,
-    ``"mix_unclamped"`` -> ``("mix_unclamped", "exact")``."""
-    if name == "adaptive":
+    ``"mix_unclamped"`` -> ``("mix_unclamped", "exact")``: the
+    :class:`~geoopt_quotient.Measure` of the name, its path split off.
+
+    Raises
+    ------
+    ValueError
+        For a name that is no measure's short name (:meth:`~geoopt_quotient.Measure.parse`).
+    """
+    measure = Measure.parse(name)
+    if measure.is_adaptive:
         return name, STRAIGHT
-    suffix = PATH_SUFFIX["second_order"]
-    if name.endswith(suffix):
-        return name[: -len(suffix)], "second_order"
-    return name, "exact"
+    if measure.path is None:
+        return measure.short_name, "exact"
+    return replace(measure, path=None).short_name, measure.path
 
 
 def measure_population(
@@ -268,7 +284,7 @@ def measure_population(
         ``name -> wall time`` (all scales).
     """
     rho_mix = rho if rho_mix is None else rho_mix
-    tables = {s: _measure_groups(rho * s, rho_mix * s) for s in scales}
+    tables = {s: measure_groups(rho * s, rho_mix * s) for s in scales}
     unknown = [m for m in measures if m not in tables[scales[0]]]
     if unknown:
         raise ValueError(f"unknown measures {unknown}; expected some of {list(tables[scales[0]])}")
@@ -335,7 +351,7 @@ def _check_args(models: int, dim: int, rho: float, rho_mix: float | None, iters:
         check_positive_float(rho_mix, "rho_mix")
 
 
-def _train(
+def train_setup(
     setup: str,
     models: int,
     dim: int,
@@ -424,10 +440,10 @@ def _tau_by_rho_records(
     """The ``tau_by_rho`` records of the paper's measures (not the diagnostics)."""
     series = []
     for name in next(iter(by_scale.values())):
-        measure, path = measure_path(name)
-        if measure not in MEASURES:
+        if name in DIAGNOSTICS:
             continue
-        base = rho_mix if measure == "mix" else rho
+        measure, path = measure_path(name)
+        base = rho_mix if Measure.parse(name).metric == "mix" else rho
         for scale, values in by_scale.items():
             series.append(RhoSeries(scale, base * scale, measure, path, values[name]))
     return tau_by_rho(series, target, resamples=TAU_BY_RHO_RESAMPLES)
@@ -541,24 +557,14 @@ def run_diagonal(
         target_loss=target_loss,
         max_steps=max_steps,
     )
-    data, population, setup_columns = _train(setup, models, dim, seed, device, progress, options)
+    data, population, setup_columns = train_setup(
+        setup, models, dim, seed, device, progress, options
+    )
     key = fingerprint(
         dict(options, setup=setup, models=models, dim=dim, seed=seed, rho=rho, rho_mix=rho_mix)
         | dict(iters=iters, measures=list(measures))
     )
-    done = {}
-    if records is not None:
-        done = {
-            (r["model"], r["scale"]): r["sharpness"]
-            for r in records.select(run=key, seed=seed)
-            if r.get("scale") in scales
-        }
-
-    def save(index: int, scale: float, values: Dict[str, float]) -> None:
-        if records is not None:
-            record = {"run": key, "seed": seed, "model": index, "scale": scale}
-            records.append(record | {"sharpness": values})
-
+    done, save = _resumed(records, key, seed, scales)
     by_scale, sharpness_seconds = measure_population(
         data,
         population.points,
@@ -574,28 +580,68 @@ def run_diagonal(
     per_model = _per_model(data, population, setup_columns)
     for name, column in by_scale[1.0].items():
         per_model[f"sharpness_{name}"] = column
+    settings = {
+        "setup": setup,
+        "models": models,
+        "dim": dim,
+        "seed": seed,
+        "rho": float(rho),
+        "rho_mix": rho_mix,
+        "rho_scales": list(scales),
+        "paths": [p for p in PATHS if p in paths],
+        "iters": iters,
+        "device": str(device),
+        "measures": {name: _DESCRIPTIONS[name] for name in measures},
+        "sharpness_on": "training set, one batch; S = max L(perturbed) - L(w)",
+        **_setup_settings(setup, options),
+        "target_loss": target_loss,
+        "max_steps": max_steps,
+        "resumed_models": len(done),  # (model, scale) records reused
+    }
+    document = {"experiment": "diagonal", "settings": settings, "data": data.describe()}
+    document.update(_diagonal_results(population, per_model, by_scale, rho, rho_mix, rho_scales))
+    document["timings"] = {
+        "train": population.seconds,
+        "sharpness": sharpness_seconds,
+        "total": time.perf_counter() - start,
+    }
+    document["versions"] = _versions()
+    return document
+
+
+def _resumed(
+    records: RecordFile | None, key: str, seed: int, scales: Sequence[float]
+) -> Tuple[Dict[Tuple[int, float], Any], Callable[[int, float, Dict[str, float]], None]]:
+    """The ``(model, scale) -> values`` already in ``records`` for the run ``key``, and the
+    function that appends a newly measured (model, scale) there."""
+    done = {}
+    if records is not None:
+        done = {
+            (r["model"], r["scale"]): r["sharpness"]
+            for r in records.select(run=key, seed=seed)
+            if r.get("scale") in scales
+        }
+
+    def save(index: int, scale: float, values: Dict[str, float]) -> None:
+        if records is not None:
+            record = {"run": key, "seed": seed, "model": index, "scale": scale}
+            records.append(record | {"sharpness": values})
+
+    return done, save
+
+
+def _diagonal_results(
+    population: TrainedPopulation,
+    per_model: Dict[str, List[Any]],
+    by_scale: Mapping[float, Mapping[str, Sequence[float]]],
+    rho: float,
+    rho_mix: float,
+    rho_scales: Sequence[float] | None,
+) -> Dict[str, Any]:
+    """The entries of :func:`run_diagonal`'s document from ``training`` to ``paper_tau``:
+    the training summary, the per-model columns and Kendall's tau at every scale."""
     test_loss = per_model["test_loss"]
     return {
-        "experiment": "diagonal",
-        "settings": {
-            "setup": setup,
-            "models": models,
-            "dim": dim,
-            "seed": seed,
-            "rho": float(rho),
-            "rho_mix": rho_mix,
-            "rho_scales": list(scales),
-            "paths": [p for p in PATHS if p in paths],
-            "iters": iters,
-            "device": str(device),
-            "measures": {name: _DESCRIPTIONS[name] for name in measures},
-            "sharpness_on": "training set, one batch; S = max L(perturbed) - L(w)",
-            **_setup_settings(setup, options),
-            "target_loss": target_loss,
-            "max_steps": max_steps,
-            "resumed_models": len(done),  # (model, scale) records reused
-        },
-        "data": data.describe(),
         "training": {
             "converged": int(population.converged.sum()),
             "max_steps_used": int(population.steps.max()),
@@ -618,12 +664,6 @@ def run_diagonal(
         if rho_scales is None
         else _tau_by_rho_records(by_scale, rho, rho_mix, test_loss),
         "paper_tau": dict(PAPER_TAU),
-        "timings": {
-            "train": population.seconds,
-            "sharpness": sharpness_seconds,
-            "total": time.perf_counter() - start,
-        },
-        "versions": _versions(),
     }
 
 

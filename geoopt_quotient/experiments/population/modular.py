@@ -356,7 +356,7 @@ def _load_state(
     return _RunState(saved["step"], saved["seconds"], json.loads(saved["reached"]))
 
 
-def _save_state(
+def save_run_state(
     directory: Path,
     key: str,
     model: torch.nn.Module,
@@ -462,7 +462,7 @@ def train_run(
         state.step += 1
         if state.step % save_every == 0:
             state.seconds = time.perf_counter() - start
-            _save_state(root, key, model, optimizer, state)
+            save_run_state(root, key, model, optimizer, state)
     state.seconds = time.perf_counter() - start
     summary = {"key": key, "steps": state.step, "seconds": state.seconds, "reached": state.reached}
     (root / "run.json").write_text(json.dumps(summary, indent=1) + "\n")

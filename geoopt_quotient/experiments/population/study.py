@@ -29,6 +29,7 @@ those.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -39,17 +40,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from ..._checks import (
-    ABLATIONS,
-    NAMED_MEASURES,
-    PATHS,
-    STRAIGHT,
-    check_choice,
-    check_positive_float,
-    split_measure,
-)
+from ..._checks import PATHS, STRAIGHT, check_choice, check_positive_float
 from ..._progress import progress_bar
-from ...integrations.measures import measure_sharpness
+from ...integrations.measures import measure_sharpness, named_measure
+from ...measures import ABLATIONS, NAMED_MEASURES
 from ...sharpness import DEFAULT_RADII
 from ...sharpness.stats import kendall_tau, kendall_tau_bootstrap
 from ..causal_lm import (
@@ -223,9 +217,7 @@ def scaled_settings(settings: StudySettings, scale: float) -> StudySettings:
 def measure_radius(settings: StudySettings, measure: str) -> float:
     """The radius of ``measure``'s ball: the adaptive one for adaptive sharpness and the
     no-norm ablations, the quotient ball of the metric otherwise."""
-    if measure == "adaptive" or measure.endswith("_no_norm"):
-        return settings.rho_adaptive
-    return getattr(settings, f"rho_{split_measure(measure)[0]}")
+    return getattr(settings, f"rho_{named_measure(measure).ball}")
 
 
 def measure_path(settings: StudySettings, measure: str) -> str:
@@ -233,9 +225,7 @@ def measure_path(settings: StudySettings, measure: str) -> str:
     :mod:`~geoopt_quotient.experiments.population.rho_grid` names it: the straight line
     for adaptive sharpness and the no-curvature ablations, the study's ``path`` for the
     geodesic measures."""
-    if measure == "adaptive" or measure.endswith("_no_curvature"):
-        return STRAIGHT
-    return settings.path
+    return STRAIGHT if named_measure(measure).straight else settings.path
 
 
 # ---------------------------------------------------------------- inputs
@@ -669,7 +659,7 @@ def _load_model_soups(
     return _LoadedCheckpoint(model, batches, classification_loss(False), error_on)
 
 
-def _measure_checkpoint(
+def measure_checkpoint(
     checkpoint: str,
     settings: StudySettings,
     data: str,
@@ -915,7 +905,7 @@ def _input_digest(path: str) -> str:
     return file_digest(path)
 
 
-def _study_fingerprint(
+def study_fingerprint(
     settings: StudySettings,
     data: str,
     train_data: Optional[str],
@@ -1040,7 +1030,7 @@ def run_population(
     scales = study_scales(rho_scales)
     grid = list(scales) if len(scales) > 1 else None
     studies = {
-        scale: _study_fingerprint(
+        scale: study_fingerprint(
             scaled_settings(settings, scale), data, train_data, test_data, format, grid
         )
         for scale in scales
@@ -1049,65 +1039,21 @@ def run_population(
     world, rank = _process_grid()
     if joint is not None and format != "hf":
         raise InputError(f"models of format {format!r} cannot be measured jointly")
-    # the processes over which the models are shared out: one, when all measure each
-    shares = 1 if joint is not None else world
-    todo = [
-        c for c, n in zip(checkpoints, names) if any((n, scale) not in done for scale in scales)
-    ]
-    append_now = records is not None and shares == 1 and rank == 0
-    bar = progress_bar(
-        total=len(checkpoints),
-        initial=len(done),
-        desc="models",
-        unit="model",
-        show=progress and rank == 0,
-        dynamic_ncols=True,
+    measure = functools.partial(
+        measure_checkpoint,
+        settings=settings,
+        data=data,
+        train_data=train_data,
+        test_data=test_data,
+        device=device,
+        format=format,
+        workers=workers,
+        joint=joint,
     )
-    with bar:
-        for round_ in _rounds(todo, shares):
-            share = rank if shares > 1 else 0
-            mine = round_[share] if share < len(round_) else None
-            record = None
-            if mine is not None:
-                name = Path(mine).name
-                # a grid's values depend on all its radii: a model measures all or none
-                missing = [(s, studies[s]) for s in scales]
-                try:
-                    record = _measure_checkpoint(
-                        mine,
-                        settings,
-                        data,
-                        train_data,
-                        test_data,
-                        device,
-                        lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
-                        format=format,
-                        workers=workers,
-                        scales=tuple(missing),
-                        on_record=records.append if append_now else None,
-                        joint=joint,
-                    )
-                except Exception as error:
-                    if hasattr(error, "add_note"):  # Python >= 3.11
-                        error.add_note(f"while measuring model {name!r}")
-                    raise
-            for finished in _gather(record, shares):
-                if finished is None:
-                    continue
-                for one in finished:
-                    done[one["checkpoint"], float(one.get("scale", 1.0))] = one
-                    if records is not None and shares > 1 and rank == 0:
-                        records.append(one)
-                bar.update(1)
-    models = []
-    for name in names:
-        model = dict(done[name, 1.0])
-        model.pop("scale", None)
-        if gaps is not None:
-            model["gap"] = float(gaps[name])
-        if rho_scales is not None:
-            model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
-        models.append(model)
+    _measure_missing(
+        checkpoints, scales, studies, done, measure, records, joint, progress and rank == 0
+    )
+    models = _model_records(names, done, gaps, scales if rho_scales is not None else None)
     gap_values = [m["gap"] for m in models]
     by_rho = {}
     if rho_scales is not None:
@@ -1127,6 +1073,85 @@ def run_population(
         "processes": world,
         **by_rho,
     }
+
+
+def _measure_missing(
+    checkpoints: Sequence[str],
+    scales: Sequence[float],
+    studies: Mapping[float, str],
+    done: Dict[Tuple[str, float], Dict[str, Any]],
+    measure: Callable[..., List[Dict[str, Any]]],
+    records: Optional[RecordFile],
+    joint: Optional[JointModels],
+    progress: bool,
+) -> None:
+    """Measure every checkpoint that lacks a record at some scale, and add its records to
+    ``done``: the models are shared out over the processes in rounds (model ``i`` of each
+    round on rank ``i``), or, with ``joint``, every process measures every model.
+
+    ``measure(checkpoint, on_measure=, scales=, on_record=)`` is
+    :func:`measure_checkpoint` with the study's other arguments.
+    """
+    world, rank = _process_grid()
+    # the processes over which the models are shared out: one, when all measure each
+    shares = 1 if joint is not None else world
+    todo = [c for c in checkpoints if any((Path(c).name, s) not in done for s in scales)]
+    append_now = records is not None and shares == 1 and rank == 0
+    bar = progress_bar(
+        total=len(checkpoints),
+        initial=len(done),
+        desc="models",
+        unit="model",
+        show=progress,
+        dynamic_ncols=True,
+    )
+    with bar:
+        for round_ in _rounds(todo, shares):
+            share = rank if shares > 1 else 0
+            mine = round_[share] if share < len(round_) else None
+            record = None
+            if mine is not None:
+                name = Path(mine).name
+                try:
+                    record = measure(
+                        mine,
+                        on_measure=lambda m, name=name: bar.set_postfix_str(f"{name}: {m}"),
+                        # a grid's values depend on all its radii: a model measures all or none
+                        scales=tuple((s, studies[s]) for s in scales),
+                        on_record=records.append if append_now else None,
+                    )
+                except Exception as error:
+                    if hasattr(error, "add_note"):  # Python >= 3.11
+                        error.add_note(f"while measuring model {name!r}")
+                    raise
+            for finished in _gather(record, shares):
+                if finished is None:
+                    continue
+                for one in finished:
+                    done[one["checkpoint"], float(one.get("scale", 1.0))] = one
+                    if records is not None and shares > 1 and rank == 0:
+                        records.append(one)
+                bar.update(1)
+
+
+def _model_records(
+    names: Sequence[str],
+    done: Mapping[Tuple[str, float], Dict[str, Any]],
+    gaps: Optional[Mapping[str, float]],
+    scales: Optional[Sequence[float]],
+) -> List[Dict[str, Any]]:
+    """Each model's record at scale 1, with its given gap and, with ``scales``, its
+    ``by_scale`` measures."""
+    models = []
+    for name in names:
+        model = dict(done[name, 1.0])
+        model.pop("scale", None)
+        if gaps is not None:
+            model["gap"] = float(gaps[name])
+        if scales is not None:
+            model["by_scale"] = {f"{s:g}": done[name, s]["measures"] for s in scales}
+        models.append(model)
+    return models
 
 
 def study_summary(
