@@ -121,7 +121,9 @@ def _change(family: str, act: Callable[[Params], Params]) -> float:
     built = _built(family)
     params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
     reference = zoo.logits_of(built.model, params, built.inputs)
-    threshold, _ = zoo.tolerance_for_ops(zoo.reduced_precision_ops(built.model, params, built.inputs))
+    threshold, _ = zoo.tolerance_for_ops(
+        zoo.reduced_precision_ops(built.model, params, built.inputs)
+    )
     moved = zoo.logits_of(built.model, act(dict(params)), built.inputs)
     return zoo.relative_change(reference, moved) / threshold
 

@@ -130,8 +130,8 @@ def test_the_span_coordinates_come_from_a_cholesky_factor_whatever_the_span_rank
         u = 0.2 * u / manifold.norm(x, u, keepdim=True)
     elif kind == "zero_at_a_point":
         u[1] = 0
-    spans = _gl_geodesic._spans(manifold, x.reshape(-1, 16, 3), u.reshape(-1, 16, 3))
-    grams = _gl_geodesic._stacked([_gl_geodesic._span_gram(*s) for s in spans], 4)
+    spans = _gl_geodesic.factor_spans(manifold, x.reshape(-1, 16, 3), u.reshape(-1, 16, 3))
+    grams = _gl_geodesic.stacked_factors([_gl_geodesic.span_gram(*s) for s in spans], 4)
     singular = bool(torch.linalg.cholesky_ex(grams)[1].any())
     assert singular == (kind not in ("full", "relaxed"))  # the negative: the plain one fails
     monkeypatch.setattr(torch.linalg, "qr", None)  # no Householder factorisation

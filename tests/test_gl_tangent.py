@@ -139,7 +139,7 @@ def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
 
 def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(monkeypatch):
     calls = []
-    for name in ("_riemannian_gradient", "_retract"):
+    for name in ("riemannian_gradient_batch", "retract_batch"):
         original = getattr(_gl_tangent, name)
         monkeypatch.setattr(
             _gl_tangent, name, lambda *a, o=original, n=name: calls.append(n) or o(*a)
@@ -153,7 +153,7 @@ def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(m
     assert calls == []
     space.retr_vjp(u, torch.empty_like(x))
     space.egrad2rgrad_(torch.randn_like(x))
-    assert calls == ["_retract", "_riemannian_gradient"]
+    assert calls == ["retract_batch", "riemannian_gradient_batch"]
     rotary = gq.RotaryGLQuotient(4, 5, rotary_dim=2, metric="inv")
     x = rotary.random(2, 9, 2, dtype=torch.float64)
     space = rotary.tangent_space(x)
@@ -161,7 +161,7 @@ def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(m
     expected = rotary.egrad2rgrad(x, c)
     assert torch.allclose(space.egrad2rgrad_(c.clone()), expected, rtol=0, atol=1e-12)
     # the rotary projection is batched too (its own matrices, _rotary_tangent)
-    assert calls == ["_retract", "_riemannian_gradient", "_riemannian_gradient"]
+    assert calls == ["retract_batch", "riemannian_gradient_batch", "riemannian_gradient_batch"]
     assert isinstance(space._whole().projection, _rotary_tangent.RotaryProjection)
     generic = gq.GLQuotient(4, 5, "inv").egrad2rgrad(x, c)  # the negative: GL(h)'s differs
     assert not torch.allclose(expected, generic, rtol=0, atol=1e-6)
@@ -202,8 +202,10 @@ def test_the_pullback_knows_the_point_products_of_its_result(
     # the negative: E instead of E^T in the first term
     kernel = fast._whole()
     flat_u = u.reshape(kernel.x.shape)
-    e, k = _gl_tangent._retract(kernel, split, flat_u, torch.empty_like(kernel.x), metric == "mix")
-    wrong = _gl_tangent._pull_back_(
+    e, k = _gl_tangent.retract_batch(
+        kernel, split, flat_u, torch.empty_like(kernel.x), metric == "mix"
+    )
+    wrong = _gl_tangent.pull_back_(
         kernel,
         split,
         flat_u,
@@ -213,7 +215,7 @@ def test_the_pullback_knows_the_point_products_of_its_result(
         fast._point_grams(),
         metric == "mix",
     )
-    right = _gl_tangent._pull_back_(
+    right = _gl_tangent.pull_back_(
         kernel,
         split,
         flat_u,

@@ -126,15 +126,15 @@ class SpanGeodesic:
         flat = (-1, rows, rank)
         self.x, self.u = x.reshape(flat), u.reshape(flat)
         count = self.x.shape[0]
-        self.spans = _spans(manifold, self.x, self.u)
-        grams = _stacked([_span_gram(*span) for span in self.spans], count)
+        self.spans = factor_spans(manifold, self.x, self.u)
+        grams = stacked_factors([span_gram(*span) for span in self.spans], count)
         self.lower = _cholesky_coordinates(grams, max(f.shape[-2] for f, _ in self.spans))
         #: the spans' orthonormal frames where the Cholesky factorisation fails
         self.frames: List[torch.Tensor] | None = None
         if self.lower is None:  # Householder: the spans' orthonormal frames
             factors = [torch.linalg.qr(torch.cat(span, -1)) for span in self.spans]
             self.frames = [frame for frame, _ in factors]
-            self.start = _stacked([r.mT for _, r in factors], count)
+            self.start = stacked_factors([r.mT for _, r in factors], count)
         else:  # M_0^T = L - Pi
             self.start = self.lower.clone()
             self.start.diagonal(dim1=-2, dim2=-1).masked_fill_(
@@ -329,7 +329,9 @@ class SpanGeodesic:
         return moved.baddbmm_(span[1], coefficients[:, rank:]).add_(span[index])
 
 
-def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def factor_spans(
+    manifold, x: torch.Tensor, u: torch.Tensor
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     r"""The halves :math:`(F_0, \xi_{F,0})` of the span :math:`[F_0, \xi_{F,0}]` of both
     factors of each point (views): one batch ``(2 B, n, h)`` each (the factors
     :math:`G, H` of each point in turn) where both have :math:`n` rows, else one pair
@@ -340,7 +342,7 @@ def _spans(manifold, x: torch.Tensor, u: torch.Tensor) -> List[Tuple[torch.Tenso
     return list(zip(manifold.factors(x), manifold.factors(u)))
 
 
-def _span_gram(f: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def span_gram(f: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     r"""The Gram matrix of the span :math:`[F, \xi]`, :math:`\begin{pmatrix} F^\top F &
     F^\top \xi \\ \xi^\top F & \xi^\top \xi \end{pmatrix}`, from three products of
     its halves (the span is not formed)."""
@@ -349,8 +351,8 @@ def _span_gram(f: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat((top, torch.cat((cross.mT, torch.bmm(v.mT, v)), -1)), -2)
 
 
-def _stacked(matrices: List[torch.Tensor], count: int) -> torch.Tensor:
-    """The ``(2 B, ...)`` batch of both factors' matrices (a list as :func:`_spans`)."""
+def stacked_factors(matrices: List[torch.Tensor], count: int) -> torch.Tensor:
+    """The ``(2 B, ...)`` batch of both factors' matrices (a list as :func:`factor_spans`)."""
     if len(matrices) == 1:
         return matrices[0]
     return torch.stack(matrices, 1).view(2 * count, *matrices[0].shape[1:])

@@ -302,7 +302,7 @@ class GLTangentSpace(CachedTangentSpace):
             stop = start + piece.shape[0]
             known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
             rgrad = self._workspace(piece)
-            _riemannian_gradient(
+            riemannian_gradient_batch(
                 kernel, self._split, piece, known, grams, rgrad, _rows(crosses, start, stop)
             )
             piece.copy_(rgrad)
@@ -392,7 +392,7 @@ class GLTangentSpace(CachedTangentSpace):
                 products = self._split.times(pieces[i + 1], kernel.metric, out=work).view(-1)
                 dots += [torch.dot(products, f) for f in flats]
             dots += [torch.dot(euclidean, f) for f in flats]
-            rgrad = _riemannian_gradient(
+            rgrad = riemannian_gradient_batch(
                 kernel, self._split, pieces[0], known, grams, work, _rows(crosses, start, stop)
             )
             dots.append(torch.dot(euclidean, rgrad.view(-1)))
@@ -452,7 +452,7 @@ class GLTangentSpace(CachedTangentSpace):
     # ------------------------------------------------------------------ retraction
     def retr(self, u: torch.Tensor) -> torch.Tensor:
         r"""The second-order retraction :math:`F + \xi_F E_F - \tfrac12 F Y_F`
-        (:func:`_retract`) into a new tensor, a slice of the batch at a time, where the
+        (:func:`retract_batch`) into a new tensor, a slice of the batch at a time, where the
         batched formulas apply (the path gap's retraction): the same point as
         :meth:`retr_vjp`'s, without the reference's temporaries of the vectors' size;
         the reference otherwise."""
@@ -467,12 +467,12 @@ class GLTangentSpace(CachedTangentSpace):
     ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         r"""The second-order retraction written into ``out`` a slice of the batch at a
         time (``cross``: :math:`F^\top u_F` where known); each slice's ``(E, K)``
-        (:func:`_retract`), for the pullback."""
+        (:func:`retract_batch`), for the pullback."""
         mix = self.manifold.metric == "mix"
         start, saved = 0, []
         for kernel, (u_, o_) in self._parts(u, out):
             stop = start + u_.shape[0]
-            saved.append(_retract(kernel, self._split, u_, o_, mix, _rows(cross, start, stop)))
+            saved.append(retract_batch(kernel, self._split, u_, o_, mix, _rows(cross, start, stop)))
             start = stop
         return saved
 
@@ -496,7 +496,7 @@ class GLTangentSpace(CachedTangentSpace):
             for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c), saved):
                 stop = start + u_.shape[0]
                 s, out = _rows(grams, start, stop), _rows(crosses, start, stop)
-                _pull_back_(kernel, split, u_, c_, e, k, s, mix, self._workspace(u_), out)
+                pull_back_(kernel, split, u_, c_, e, k, s, mix, self._workspace(u_), out)
                 start = stop
             self._crosses.put(c, crosses)
             return c
@@ -736,7 +736,7 @@ class _Split:
             torch.baddbmm(b, p, w, out=o)
 
 
-def _riemannian_gradient(
+def riemannian_gradient_batch(
     kernel: _Kernel,
     split: _Split,
     grad: torch.Tensor,
@@ -750,7 +750,7 @@ def _riemannian_gradient(
     (:class:`ProjectionKernel`), written into ``out`` (like ``grad``, returned), and its
     :math:`F^\top g_F = (F^\top \nabla_F) K_F + F^\top F\,O_F` from ``h x h`` products
     alone, into ``out_cross``; ``cross``: :math:`F^\top \nabla_F` where known
-    (:func:`_pull_back_`), ``grams``: :math:`F^\top F`, all three ``(2 B, h, h)``."""
+    (:func:`pull_back_`), ``grams``: :math:`F^\top F`, all three ``(2 B, h, h)``."""
     if cross is None:
         cross = split.inner(kernel.x, grad)  # (G^T grad_G, H^T grad_H) of each point
     d = cross[1::2] - cross[0::2].mT
@@ -776,7 +776,7 @@ def _coefficients(
     :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
     F^\top \xi_F`, computed unless given. ``Y'`` is :math:`Y` up to its sign (mix:
     :math:`-Y`), which the retraction's product carries in its ``alpha``
-    (:func:`_retract`), as the pullback does: the mix metric's iteration then makes no
+    (:func:`retract_batch`), as the pullback does: the mix metric's iteration then makes no
     operation beyond the inv metric's but the exchanges of the factors' :math:`h \times
     h` matrices."""
     if k is None:
@@ -787,14 +787,14 @@ def _coefficients(
     if mix:
         swapped = split.flat(kernel.swapped)
         e = torch.baddbmm(eye, m, swapped, alpha=-0.5)
-        y = torch.bmm(b, swapped)  # -Y: _retract carries the sign
+        y = torch.bmm(b, swapped)  # -Y: retract_batch carries the sign
     else:
         inverses = split.flat(kernel.inverses)
         e, y = torch.baddbmm(eye, inverses, m, alpha=0.5), torch.bmm(inverses, b)
     return e, y, k
 
 
-def _retract(
+def retract_batch(
     kernel: _Kernel,
     split: _Split,
     u: torch.Tensor,
@@ -811,7 +811,7 @@ def _retract(
     return e, k
 
 
-def _pull_back_(
+def pull_back_(
     kernel: _Kernel,
     split: _Split,
     u: torch.Tensor,
@@ -838,7 +838,7 @@ def _pull_back_(
 
     Returns :math:`F^\top` of the result (written into ``out`` if given), which the
     Riemannian gradient reads next
-    (:func:`_riemannian_gradient`), from :math:`h \times h` products alone: with
+    (:func:`riemannian_gradient_batch`), from :math:`h \times h` products alone: with
     ``k`` :math:`= F^\top \xi_F` (:func:`_coefficients`) and
     ``grams`` :math:`= F^\top F`, it is :math:`\bar Y_F E_F^\top - \tfrac12 F^\top F
     (\bar M_F + \bar M_F^\top) - \tfrac12 F^\top \xi_F (\bar B_F + \bar B_F^\top)`.
