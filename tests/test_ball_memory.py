@@ -113,3 +113,16 @@ def test_parameters_that_share_a_storage_keep_it():
     assert id(dense.weight) in shared
     assert dense.bias_alias.data_ptr() == dense.bias.data_ptr()
     ball.close()
+
+
+def test_joined_points_and_flat_gradient_share_one_buffer():
+    """The unfused groups' staging: one buffer, as large as the larger of its two uses."""
+    ball = open_ball(tiny_bert(), "inv")
+    layout = ball.layout
+    (rest,) = layout._rests
+    points = rest.perturbed_points()
+    gradient = layout.gradient_buffers(None)[-1]
+    assert points[0].data_ptr() == gradient.data_ptr() == rest.scratch().data_ptr()
+    joined = sum(p.numel() for p in points)
+    assert rest.scratch().numel() == max(joined, rest.flat.size)
+    ball.close()

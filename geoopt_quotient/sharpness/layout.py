@@ -293,26 +293,44 @@ class _Rest:
     #: The groups' perturbed points joined in one buffer, and its views in the groups'
     #: shapes (:meth:`perturbed_points`)
     _joined: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
+    #: The buffer of :meth:`perturbed_points` and :meth:`gradient_buffer` (:meth:`scratch`)
+    _scratch: torch.Tensor | None = None
+
+    def scratch(self) -> torch.Tensor:
+        """One buffer for the joined perturbed points and the flat gradient, whose uses
+        never overlap: the points are read once, when :meth:`write` gathers them into the
+        flat buffer the model reads, before the forward pass (the retractions' pullbacks
+        keep what they need of them, :func:`~.apgd.explicit_path`); the gradient is
+        written by the backward pass and read into the groups' shapes (:meth:`read`)
+        before the next update writes points there again."""
+        if self._scratch is None:
+            size = max(sum(s.numel() for s in self.shapes), self.flat.size)
+            self._scratch = torch.empty(size, dtype=self.flat.dtype, device=self.flat.device)
+        return self._scratch
 
     def perturbed_points(self) -> List[torch.Tensor]:
         """Buffers for the groups' perturbed points (contiguous, of the groups' shapes and
         the flat buffer's dtype), the same at every call: views of one buffer, their
         concatenation, so that points written there are joined already. A new joined
         buffer per evaluation, as large as the groups, would be faulted in page by page
-        (glibc maps a block above its mmap threshold, at most 32 MiB, afresh each time)."""
+        (glibc maps a block above its mmap threshold, at most 32 MiB, afresh each time).
+        They share their memory with :meth:`gradient_buffer` (:meth:`scratch`)."""
         if self._joined is None:
             sizes = [s.numel() for s in self.shapes]
-            flat = self.flat
-            joined = torch.empty(sum(sizes), dtype=flat.dtype, device=flat.device)
+            joined = self.scratch()[: sum(sizes)]
             views = [part.view(shape) for part, shape in zip(joined.split(sizes), self.shapes)]
             self._joined = (joined, views)
         return self._joined[1]
 
+    def gradient_buffer(self) -> torch.Tensor:
+        """Where the flat buffer's gradient is written (:meth:`BallLayout.gradient_buffers`),
+        in the memory of :meth:`perturbed_points` (:meth:`scratch`)."""
+        return self.scratch()[: self.flat.size]
+
     def staging_bytes(self) -> int:
-        """Memory of :meth:`perturbed_points` and of the flat gradient the layout reads
-        the groups' gradients from (:meth:`BallLayout.gradient_buffers`)."""
-        joined = sum(s.numel() for s in self.shapes) + self.flat.size
-        return joined * self.flat.dtype.itemsize
+        """Memory of :meth:`scratch`: the joined perturbed points, and the flat gradient
+        the layout reads the groups' gradients from."""
+        return max(sum(s.numel() for s in self.shapes), self.flat.size) * self.flat.dtype.itemsize
 
     def index_bytes(self) -> int:
         """Memory of the index maps (:func:`index_maps`)."""
@@ -493,9 +511,10 @@ class BallLayout:
         entries of the parameters that :meth:`share_base` made its views) and the
         symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
-        current gradient, and the best iterate's if kept; ``staging``: the unfused
-        groups' perturbed points, joined before they are written into their flat buffer,
-        and that buffer's gradient, before it is read into the groups' shapes;
+        current gradient, and the best iterate's if kept; ``staging``: one buffer for the
+        unfused groups' perturbed points, joined before they are written into their flat
+        buffer, and for that buffer's gradient, before it is read into the groups' shapes
+        (:meth:`_Rest.scratch`);
         ``index``: the maps between the unfused groups' entries and their flat buffer
         (an integer per entry, :func:`index_maps`); ``total``: their sum. The model's own
         parameters and the pass's activations are not counted.
@@ -638,7 +657,7 @@ class BallLayout:
         else:
             out = list(spare[unfused:])
         if len(self._rest_grads) != len(self._rests):
-            self._rest_grads = [rest.flat.empty() for rest in self._rests]
+            self._rest_grads = [rest.gradient_buffer() for rest in self._rests]
         return out + self._rest_grads
 
     def fits(self, vector: Sequence[torch.Tensor]) -> bool:
