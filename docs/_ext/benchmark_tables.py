@@ -946,7 +946,7 @@ def cpu_memory(results: Results) -> Table:
 def cpu_ball_memory(results: Results) -> Table:
     doc = results.json("cpu/ball_memory.json").data
     rows = []
-    parts = ("base", "perturbed", "iterates", "gradients", "total")
+    parts = ("base", "perturbed", "iterates", "gradients", "staging", "index", "total")
     for measure in ("adaptive", "inv", "mix"):
         kept = dig(doc, "measures", measure, "kept") or {}
         rows.append([measure, *(fmt(kept.get(part), ".1f", " B") for part in parts)])
@@ -957,7 +957,8 @@ def cpu_ball_memory(results: Results) -> Table:
         "python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json",
         [
             f"Model: {model}. Bytes per trainable parameter held by the worst case's ball "
-            "(best gradient kept); the model's own parameters and the pass are not counted."
+            "(best gradient kept; without it, 4 B less); the model's own parameters (which "
+            "hold the fused groups' base point) and the pass are not counted."
         ],
     )
 

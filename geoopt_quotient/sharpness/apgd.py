@@ -47,9 +47,9 @@ Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 
 
 #: ``keep_best_gradient=None`` keeps the best gradient up to this size (1 GiB, about 268M
-#: float32 entries: BERT-base, ViT-B, GPT-2 medium): one more vector of the ball (28
-#: instead of 24 bytes per float32 parameter), against one forward and backward pass
-#: saved per Auto-PGD restart (about one in four iterations).
+#: float32 entries: BERT-base, ViT-B, GPT-2 medium): one more vector of the ball (4 bytes
+#: per float32 parameter: 24 instead of 20 for adaptive sharpness), against one forward and
+#: backward pass saved per Auto-PGD restart (about one in four iterations).
 KEEP_GRADIENT_MAX_BYTES = 1 << 30
 
 
