@@ -12,7 +12,7 @@ import gc
 
 import pytest
 import torch
-import transformers
+from test_ball_norm import tiny_bert as bert_and_batch
 
 import geoopt_quotient as gq
 from geoopt_quotient.sharpness.ball import LocalBall
@@ -21,15 +21,7 @@ from geoopt_quotient.sharpness.measure import resolve_plan
 
 def tiny_bert() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=48,
-        num_labels=3,
-    )
-    return transformers.BertForSequenceClassification(config).eval()
+    return bert_and_batch(torch.float32)[0]
 
 
 def loss_fn(model, batch):
