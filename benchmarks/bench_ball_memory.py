@@ -3,8 +3,9 @@
 Builds the worst case's flat layout (``geoopt_quotient.sharpness.layout.BallLayout``) for a
 BERT-base-size classifier (random weights from its config; nothing is downloaded) and
 reports :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`: the base
-points, the perturbed parameters' flat buffers, the three iterates and the gradients (the
-best iterate's kept or not), in bytes per trainable parameter, and the kept gradient's size
+points beside the model's own parameters, the perturbed parameters' flat buffers, the three
+iterates, the gradients (the best iterate's kept or not), the unfused groups' staging
+buffers and index maps, in bytes per trainable parameter, and the kept gradient's size
 against ``KEEP_GRADIENT_MAX_BYTES``. No timing: the figures are exact.
 
     python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json
@@ -32,14 +33,19 @@ MEASURES = ("adaptive", "inv", "mix")
 
 
 def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
-    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it."""
+    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it:
+    the model's fused parameters views of its base point (:meth:`BallLayout.share_base`)
+    until :meth:`BallLayout.release`."""
     if measure == "adaptive":
         plan = SymmetryPlan().bind(model)
     else:
         plan = resolve_plan(model, None, measure)
     base = trainable_parameters(model)
     points = [p.detach() for p in plan.gather(base)]
-    return BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
+    layout = BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
+    del base, points
+    layout.share_base(model)
+    return layout
 
 
 def main(argv=None) -> Dict[str, Any]:
@@ -58,6 +64,7 @@ def main(argv=None) -> Dict[str, Any]:
             "vector_mib": layout.vector_bytes() / 2**20,
             "gradient_kept_by_default": layout.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES,
         }
+        layout.release()
         kept = rows[measure]["kept"]
         print(
             f"{measure:9s} bytes/parameter: "

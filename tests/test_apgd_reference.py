@@ -17,8 +17,10 @@ import torch
 from geoopt_quotient import AdaptiveEuclidean, maximize_in_ball
 from geoopt_quotient.sharpness.apgd import apgd_checkpoints
 
-#: 2**20 float64 epsilons (2e-10): rounding, not a different algorithm
-TOLERANCE = 2**20 * torch.finfo(torch.float64).eps
+#: 2**22 float64 epsilons (9e-10): rounding, not a different algorithm; the library's ball
+#: is smaller than the reference's by its margin for rounding (``NormError``, a few 1e-15
+#: of rho here), which the objective's steepness grows along the run
+TOLERANCE = 2**22 * torch.finfo(torch.float64).eps
 
 
 def checkpoints(iters: int) -> list:

@@ -225,26 +225,59 @@ def inv_layout(model) -> layout_module.BallLayout:
     return layout_module.BallLayout(plan, base, groups)
 
 
-def test_the_stacked_points_are_written_into_the_flat_buffer_by_a_gather():
-    """The layout writes the stacked points into the parameters' flat buffer with a
-    gather over int32 positions, the entries and the zero gaps those of the index copy
-    (the padding rows of the value-output stack go to no parameter); the negative: a
-    parameter entry written twice leaves the index copy."""
+def entry_positions(layout, rest) -> torch.Tensor:
+    """The flat buffer position of each entry of the rest's joined points (the padding:
+    the trailing gap), as the layout's index maps would hold them."""
+    start = dict(zip(rest.flat.names, rest.flat.starts))
+    trailing = rest.flat.chunks[-1] if rest.flat.is_gap[-1] else 0
+    trash = rest.flat.size - trailing
+    stacks = [layout._stack_list[p] for p in rest.groups]
+    return torch.cat([s.destination(layout.plan, start, trash, "cpu") for s in stacks])
+
+
+def test_the_stacked_points_are_written_into_the_flat_buffer_by_strided_blocks():
+    """The layout writes the stacked points into the parameters' flat buffer with a few
+    strided copies (a block of rows of one parameter, over the layers and heads), with
+    no index per entry, the entries and the zero gaps those of the index copy (the
+    padding rows of the value-output stack go to no parameter); the gradient is read
+    back alike, the padding zero. The negatives: positions in no regular layout are no
+    blocks, and a parameter entry written twice leaves the index copy."""
     model, _ = tiny_bert()
     layout = inv_layout(model)
     (rest,) = layout._rests
-    assert rest.source is not None and rest.source.dtype == rest.destination.dtype == torch.int32
+    assert rest.blocks is not None and rest.destination is None and rest.source is None
+    assert rest.index_bytes() == 0
+    blocks, padding = rest.blocks
+    assert len(blocks) <= 8 and any(padding)  # weight and bias rows of 2 factors, 2 members
     points = [torch.randn_like(layout.groups[p].point) for p in rest.groups]
     gathered = torch.full((rest.flat.size,), float("nan"), dtype=torch.float64)
     rest.write(points, gathered)
+    positions = entry_positions(layout, rest)
     copied = torch.zeros(rest.flat.size, dtype=torch.float64)
     joined = torch.cat([p.reshape(-1) for p in points])
-    copied.index_copy_(0, rest.destination.long(), joined)
+    copied.index_copy_(0, positions, joined)
     trash = rest.flat.size - rest.flat.chunks[-1]  # where the padding goes: a gap
-    assert rest.flat.is_gap[-1] and bool((rest.destination == trash).any())
+    assert rest.flat.is_gap[-1] and bool((positions == trash).any())
     copied[trash:] = 0
     assert torch.equal(gathered, copied)
-    twice = rest.destination.long().clone()
+    grad = torch.randn(rest.flat.size, dtype=torch.float64)
+    torch._foreach_zero_(rest.flat.pieces(grad)[1])
+    out = [torch.full_like(p, float("nan")) for p in points]
+    read = rest.read(grad, out)
+    expected = grad.index_select(0, positions)
+    assert torch.equal(torch.cat([r.reshape(-1) for r in read]), expected)
+    shuffled = positions.clone()
+    shuffled[[0, 1]] = shuffled[[1, 0]]
+    shapes = [layout.groups[p].point.shape for p in rest.groups]
+    batches = [
+        layout._stack_list[p].batch_shapes(layout.plan, layout.groups[p]) for p in rest.groups
+    ]
+    sizes = [math.prod(s) for s in shapes]
+    assert layout_module.strided_blocks(positions.split(sizes), shapes, batches, rest.flat, trash)
+    assert not layout_module.strided_blocks(
+        shuffled.split(sizes), shapes, batches, rest.flat, trash
+    )
+    twice = positions.clone()
     twice[1] = twice[0]  # the second entry of the first parameter is no longer written
     destination, source = layout_module.index_maps(twice, rest.flat)
     assert source is None and destination.dtype == torch.int32
@@ -275,7 +308,7 @@ def test_several_groups_perturbed_points_are_joined_where_they_are_written():
         assert max((entries for _, entries, _ in fresh.records), default=0) < smallest
         expected = torch.zeros(rest.flat.size, dtype=torch.float64)
         joined = torch.cat([p.reshape(-1) for p in points])
-        expected.index_copy_(0, rest.destination.long(), joined)
+        expected.index_copy_(0, entry_positions(layout, rest), joined)
         for written, reference in zip(rest.flat.pieces(out)[0], rest.flat.pieces(expected)[0]):
             assert torch.equal(written, reference)
     assert layout.perturbed_buffer(rest.groups[0]) is buffers[0]

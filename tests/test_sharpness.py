@@ -157,7 +157,7 @@ def gram_update(ball, xi, xi_prev, rgrads, step, alpha, gram=None):
     """The same update as one combination, out of place, in the engine's arithmetic
     (``gram``: the Gram matrix of ``(xi, rgrads, xi_prev)`` where known)."""
     gram = ball.gram((xi, rgrads, xi_prev)) if gram is None else gram
-    weights, _ = update_weights(gram, step, alpha, ball.rho)
+    weights, _ = update_weights(gram, step, alpha, ball.rho, ball.norm_error)
     wa, wb, wc = weights.unbind()
     return [
         (c * wc.to(c.dtype)).addcmul(a, wa.to(a.dtype)).addcmul(g, wb.to(g.dtype))

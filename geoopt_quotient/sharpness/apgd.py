@@ -24,7 +24,7 @@ from geoopt.manifolds.base import Manifold
 from .._checks import PATHS, check_choice, check_positive_float, check_positive_int
 from ..errors import GeooptQuotientError
 from ..manifolds._linalg import block_length, capped, compute_dtype
-from ..manifolds.adaptive import GradientSweep
+from ..manifolds.adaptive import GRAM_BLOCK, GradientSweep
 from ..manifolds.tangent import tangent_space
 from . import buffers
 from .buffers import AutoPGDVectors
@@ -47,9 +47,9 @@ Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 
 
 #: ``keep_best_gradient=None`` keeps the best gradient up to this size (1 GiB, about 268M
-#: float32 entries: BERT-base, ViT-B, GPT-2 medium): one more vector of the ball (28
-#: instead of 24 bytes per float32 parameter), against one forward and backward pass
-#: saved per Auto-PGD restart (about one in four iterations).
+#: float32 entries: BERT-base, ViT-B, GPT-2 medium): one more vector of the ball (4 bytes
+#: per float32 parameter: 24 instead of 20 for adaptive sharpness), against one forward and
+#: backward pass saved per Auto-PGD restart (about one in four iterations).
 KEEP_GRADIENT_MAX_BYTES = 1 << 30
 
 
@@ -168,6 +168,9 @@ class TangentBall:
         #: (:func:`~geoopt_quotient.sharpness.buffers.joint_buffer`)
         self.apart = [space.own_buffer for space in self.spaces]
         self.rho = rho
+        #: The rounding of norms computed from Gram matrices and of combinations, which
+        #: radial scaling leaves room for (:class:`NormError`)
+        self.norm_error = NormError.of(self.dtypes, max(x.numel() for x in self.points))
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
         #: last update left it (:func:`apgd_update`); taken by the next evaluation.
@@ -213,12 +216,16 @@ class TangentBall:
         return self.clip([space.proju(a) for space, a in zip(self.spaces, u)])
 
     def clip(self, horizontal: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Radial scaling into the ball, for vectors already horizontal.
+        r"""Radial scaling into the ball, for vectors already horizontal: by
+        :math:`\min(1, \rho / \bar n)` with :math:`\bar n` the computed norm's bound on
+        the norm of the scaled vector as it is rounded (:meth:`NormError.bound`), so that
+        the result lies in the ball when its norm is recomputed from its entries.
 
         Auto-PGD's iterates are linear combinations of horizontal vectors at the fixed
         base point, so they stay horizontal and need only this part of the projection.
         """
-        scale = (self.rho / self.norm(horizontal).clamp_min(1e-300)).clamp(max=1.0)
+        norm = self.norm(horizontal).to(torch.float64)
+        scale = _clip_scale(self.norm_error.bound(norm * norm, norm), self.rho)
         return [h * scale.to(h.dtype) for h in horizontal]
 
     def gram(self, vectors: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -1074,7 +1081,7 @@ def apgd_update(
     vectors = (xi, rgrads, xi_prev)
     if gram is None:
         gram, ball.derived_run = ball.gram(vectors), 0
-    weights, grad_norm = update_weights(gram, step, alpha, ball.rho)
+    weights, grad_norm = update_weights(gram, step, alpha, ball.rho, ball.norm_error)
     per_dtype: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, ...]] = {}
     shifts = [None] * len(out) if targets is None else targets
     derived = []  # told the tensors written once all are: a write may bump another's version
@@ -1119,10 +1126,17 @@ def _with_column(iterates: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
 
 
 def update_weights(
-    gram: torch.Tensor, step: float, alpha: float, rho: float
+    gram: torch.Tensor, step: float, alpha: float, rho: float, error: NormError
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""The weights of :math:`(\xi, g, \xi_{prev})` in :func:`apgd_update` from their
-    Gram matrix (float64), and :math:`|g|`."""
+    Gram matrix (float64), and :math:`|g|`.
+
+    The last radial scaling divides by the bound :meth:`NormError.bound` of the norm of
+    the combination as :func:`combine_` rounds it, not by its Gram-based norm
+    :math:`\sqrt{w^\top G w}`: the rounding of :math:`G` and of the combination could
+    otherwise put the iterate outside the ball by a few parts in :math:`10^6` (float32).
+    The intermediate :math:`z` is never evaluated and is scaled by its Gram-based norm.
+    """
     xx, xg, gg = gram[0, 0], gram[0, 1], gram[1, 1]
     grad_norm = gg.clamp_min(0).sqrt()
     length = torch.where(grad_norm > 0, step / grad_norm.clamp_min(1e-300), 0.0)
@@ -1131,13 +1145,81 @@ def update_weights(
     weights = torch.stack(
         (2 * (1 - alpha) + alpha * z_scale, alpha * z_scale * length, -(1 - alpha) + 0 * z_scale)
     )
-    out_norm = (weights @ gram @ weights).clamp_min(0).sqrt()
-    return weights * _clip_scale(out_norm, rho), grad_norm
+    spread = weights.abs() @ gram.diagonal().clamp_min(0).sqrt()
+    bound = error.bound(weights @ gram @ weights, spread)
+    return weights * _clip_scale(bound, rho), grad_norm
 
 
 def _clip_scale(norm: torch.Tensor, rho: float) -> torch.Tensor:
     r""":math:`\min(1, \rho / |v|)`, the radial scaling into the ball."""
     return (rho / norm.clamp_min(1e-300)).clamp(max=1.0)
+
+
+#: :math:`\lambda` of the probabilistic rounding error bound of :class:`NormError`: it
+#: fails with probability at most :math:`2 m e^{-\lambda^2 (1 - u)^2 / 2}` per Gram entry,
+#: under :math:`10^{-8}` for sums of up to :math:`m = 2^{18}` terms.
+ROUNDING_LAMBDA = 8.0
+
+
+@dataclass(frozen=True)
+class NormError:
+    r"""Relative rounding errors of the ball's norms, which radial scaling leaves room for.
+
+    A combination :math:`o = \sum_j w_j v_j` of vectors of the ball is scaled into the
+    ball by its norm :math:`\sqrt{w^\top \hat G w}` computed from the Gram matrix
+    :math:`\hat G` of the :math:`v_j` (:func:`update_weights`), and :func:`combine_`
+    writes it with rounding. With :math:`s = \sum_j |w_j| \sqrt{\hat G_{jj}}` and
+    :math:`u` the unit roundoff of the vectors' dtype:
+
+    - the Gram entries are sums of :math:`m` products in the vectors' dtype (at most
+      :data:`~geoopt_quotient.manifolds.adaptive.GRAM_BLOCK` per block, the blocks
+      added in float64); by Cauchy–Schwarz and the probabilistic bound of Higham & Mary
+      (2019, Theorem 3.1), :math:`|\hat G_{ij} - G_{ij}| \le \delta_G \sqrt{G_{ii}
+      G_{jj}}` with :math:`\delta_G = \lambda \sqrt m\, u` (:data:`ROUNDING_LAMBDA`;
+      the worst-case :math:`m u` would shrink a float32 ball by a percent), so
+      :math:`|w^\top G w - w^\top \hat G w| \le \delta_G s^2`;
+    - each entry of :math:`o` is rounded at most four times (the weights to the dtype,
+      the products and the sums), so the written vector differs from :math:`o` by at
+      most :math:`\delta_c \sum_j |w_j| |v_j|` entry by entry,
+      :math:`\delta_c = \gamma_4 = 4u / (1 - 4u)`, and in a metric diagonal in the
+      entries by at most :math:`\delta_c s` in norm (a quotient's metric multiplies
+      this by its condition number's square root; the margin of the first term covers
+      it in practice, as the tests check).
+
+    Hence the written vector's norm is at most
+    :math:`\bar n = \sqrt{w^\top \hat G w + \delta_G s^2} + \delta_c s`, and scaling
+    the weights by :math:`\min(1, \rho / \bar n)` scales :math:`\bar n` to at most
+    :math:`\rho`. A norm recomputed from the vector's entries in its dtype is rounded
+    by about :math:`\log_2(n)\, u` (pairwise sums), well inside the margin. In
+    float32 the ball shrinks by at most about :math:`\delta_G / 2 + \delta_c`
+    (:math:`1.2 \cdot 10^{-4}` of :math:`\rho` for :math:`m = 2^{18}`), in float64 by
+    :math:`2 \cdot 10^{-13}`.
+
+    Attributes
+    ----------
+    gram : float
+        :math:`\delta_G`.
+    combination : float
+        :math:`\delta_c`.
+    """
+
+    gram: float
+    combination: float
+
+    @staticmethod
+    def of(dtypes: Sequence[torch.dtype], entries: int) -> NormError:
+        """The errors for vectors in ``dtypes`` (the least precise counts) whose largest
+        group has ``entries`` entries."""
+        u = max(torch.finfo(d).eps for d in dtypes) / 2
+        m = max(1, min(entries, GRAM_BLOCK))
+        return NormError(ROUNDING_LAMBDA * math.sqrt(m) * u, 4 * u / (1 - 4 * u))
+
+    def bound(self, squared: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+        r""":math:`\bar n` from the Gram-based squared norm :math:`w^\top \hat G w` and
+        :math:`s` (0-d float64 tensors)."""
+        return (squared + self.gram * spread * spread).clamp_min(0).sqrt() + (
+            self.combination * spread
+        )
 
 
 #: Entries per block of :func:`combine_` on the CPU: the block of the output stays in

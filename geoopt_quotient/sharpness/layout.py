@@ -9,19 +9,22 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
 - every parameter that is a whole :class:`~geoopt_quotient.AdaptiveEuclidean` group on
   the ball's own path lives in one flat buffer per ``(dtype, device, eps)``: one ball
   group, whose perturbed point :math:`x + \xi` is written into the buffer the model
-  reads, as views;
+  reads, as views; its base point is the model's own parameters, made views of it
+  while the ball is open (:meth:`BallLayout.share_base`), not a copy beside them;
 - every other parameter (those of the symmetry groups, stacked over the layers by
   discovery, and any other group) lives in one flat buffer per ``(dtype, device)``,
-  written from the groups' perturbed points with one index copy; the
+  written from the groups' perturbed points with a few strided copies (a block of rows
+  of one parameter over the layers and heads, :func:`strided_blocks`: no index per
+  entry), or one index copy where the layout is not that regular; the
   :class:`~geoopt_quotient.GLQuotient` groups of one geometry are stacked into one batch
   whose two factors have equal rows (:class:`_Stack`), so that the geometry's operations
   are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
-  one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment),
-  read back into the groups' shapes with one index gather; the fused adaptive buffer's
-  gradient is written block by block instead, each block converted to the Riemannian
-  gradient with its Gram entries as soon as it is complete, while in cache
-  (:class:`_Arrival`, on the CPU): per Auto-PGD iteration the gradient is written once
+  one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment), read
+  back into the groups' shapes with the same blocks (or one index gather); the fused
+  adaptive buffer's gradient is written block by block instead, each block converted
+  to the Riemannian gradient with its Gram entries as soon as it is complete, while in
+  cache (:class:`_Arrival`, on the CPU): per Auto-PGD iteration the gradient is written once
   and not read again before the update.
 
 With the element-wise metric, fusing the groups changes nothing but the order of sums:
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -277,41 +281,109 @@ def _fusible(group: SymmetryGroup, ball_group: BallGroup) -> Tuple | None:
     return point.dtype, point.device, manifold.eps
 
 
+#: ``(offset, shape, strides)`` of a strided view of a 1-d tensor
+View = Tuple[int, Tuple[int, ...], Tuple[int, ...]]
+
+
+def _strided(flat: torch.Tensor, view: View) -> torch.Tensor:
+    """The strided view ``view`` of the contiguous tensor ``flat`` (read as 1-d)."""
+    offset, shape, strides = view
+    return flat.as_strided(shape, strides, flat.storage_offset() + offset)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Entries of group ``group``'s point (a strided view of it, ``point``) and the
+    entries of the flat buffer they are (a strided view of the same shape, ``flat``):
+    rows of a factor over a stack's batch, say, all the parameter entries of a block of
+    rows or columns of weight matrices laid out alike in every layer."""
+
+    group: int  # position among the rest's groups
+    point: View
+    flat: View
+
+
 @dataclass
 class _Rest:
-    """The parameters of the unfused groups in one flat buffer, and the index maps
-    between it and the concatenation of those groups' points (:func:`index_maps`)."""
+    """The parameters of the unfused groups in one flat buffer, and the maps between it
+    and the groups' points: a few strided blocks (:func:`strided_blocks`) where the
+    entries are laid out regularly, else index maps over the concatenation of those
+    groups' points (:func:`index_maps`)."""
 
     flat: FlatBuffer
     groups: List[int]  # positions among the layout's groups
     shapes: List[torch.Size]
-    destination: torch.Tensor  # buffer position of each entry of the joined points
+    #: buffer position of each entry of the joined points, or None (``blocks``)
+    destination: torch.Tensor | None
     #: position in the joined points of each buffer entry (:func:`index_maps`), or None
     source: torch.Tensor | None = None
+    #: With no index maps: the blocks that cover every parameter entry once, and per
+    #: group the views of its padding (entries of no parameter, kept zero)
+    blocks: Tuple[List[_Block], List[List[View]]] | None = None
     _gaps: Tuple[torch.Tensor, List[torch.Tensor]] | None = None  # a buffer, its gap views
     #: The groups' perturbed points joined in one buffer, and its views in the groups'
     #: shapes (:meth:`perturbed_points`)
     _joined: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
+    #: The buffer of :meth:`perturbed_points` and :meth:`gradient_buffer` (:meth:`scratch`)
+    _scratch: torch.Tensor | None = None
+    #: ``(out, its blocks' views, those of perturbed_points)`` of :meth:`_write_views`
+    _written: Tuple | None = None
+    #: ``(gradient, its blocks' views)`` of :meth:`read`
+    _read_from: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
+
+    def scratch(self) -> torch.Tensor:
+        """One buffer for the joined perturbed points and the flat gradient, whose uses
+        never overlap: the points are read once, when :meth:`write` gathers them into the
+        flat buffer the model reads, before the forward pass (the retractions' pullbacks
+        keep what they need of them, :func:`~.apgd.explicit_path`); the gradient is
+        written by the backward pass and read into the groups' shapes (:meth:`read`)
+        before the next update writes points there again."""
+        if self._scratch is None:
+            size = max(sum(s.numel() for s in self.shapes), self.flat.size)
+            self._scratch = torch.empty(size, dtype=self.flat.dtype, device=self.flat.device)
+        return self._scratch
 
     def perturbed_points(self) -> List[torch.Tensor]:
         """Buffers for the groups' perturbed points (contiguous, of the groups' shapes and
         the flat buffer's dtype), the same at every call: views of one buffer, their
         concatenation, so that points written there are joined already. A new joined
         buffer per evaluation, as large as the groups, would be faulted in page by page
-        (glibc maps a block above its mmap threshold, at most 32 MiB, afresh each time)."""
+        (glibc maps a block above its mmap threshold, at most 32 MiB, afresh each time).
+        They share their memory with :meth:`gradient_buffer` (:meth:`scratch`)."""
         if self._joined is None:
             sizes = [s.numel() for s in self.shapes]
-            flat = self.flat
-            joined = torch.empty(sum(sizes), dtype=flat.dtype, device=flat.device)
+            joined = self.scratch()[: sum(sizes)]
             views = [part.view(shape) for part, shape in zip(joined.split(sizes), self.shapes)]
             self._joined = (joined, views)
         return self._joined[1]
+
+    def gradient_buffer(self) -> torch.Tensor:
+        """Where the flat buffer's gradient is written (:meth:`BallLayout.gradient_buffers`),
+        in the memory of :meth:`perturbed_points` (:meth:`scratch`)."""
+        return self.scratch()[: self.flat.size]
+
+    def staging_bytes(self) -> int:
+        """Memory of :meth:`scratch`: the joined perturbed points, and the flat gradient
+        the layout reads the groups' gradients from."""
+        return max(sum(s.numel() for s in self.shapes), self.flat.size) * self.flat.dtype.itemsize
+
+    def index_bytes(self) -> int:
+        """Memory of the index maps (:func:`index_maps`; none with :attr:`blocks`)."""
+        maps = [m for m in (self.destination, self.source) if m is not None]
+        return sum(m.numel() * m.element_size() for m in maps)
 
     def write(self, points: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """The points written into the flat buffer ``out``: one gather where every
         entry of a parameter comes from one entry of the points (its gaps then zeroed),
         else one index copy; the points of several groups first joined in
-        :meth:`perturbed_points`, where those written there already are."""
+        :meth:`perturbed_points`, where those written there already are. With
+        :attr:`blocks`: one strided copy per block, then the gaps zeroed."""
+        if self.blocks is not None:
+            points = [p.to(out.dtype).contiguous() for p in points]
+            targets, sources = self._write_views(points, out)
+            torch._foreach_copy_(targets, sources)
+            self._zero_gaps(out)
+            return
         if len(points) == 1:
             joined = points[0].reshape(-1).to(out.dtype)
         else:
@@ -323,6 +395,30 @@ class _Rest:
             out.index_copy_(0, self.destination, joined)
             return
         torch.index_select(joined, 0, self.source, out=out)
+        self._zero_gaps(out)
+
+    def _write_views(
+        self, points: Sequence[torch.Tensor], out: torch.Tensor
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The blocks' views of ``out`` and of ``points``: made once where the points are
+        in :meth:`perturbed_points` (as the explicit paths write them) and ``out`` is the
+        same buffer, else anew (views of other points are not kept: they would keep the
+        points alive)."""
+        blocks = self.blocks[0] if self.blocks is not None else []
+        joined = self._joined[1] if self._joined is not None else []
+        in_place = len(joined) == len(points) and all(
+            p.data_ptr() == j.data_ptr() and p.shape == j.shape for p, j in zip(points, joined)
+        )
+        if in_place and self._written is not None and self._written[0] is out:
+            return self._written[1], self._written[2]
+        flats = [p.view(-1) for p in (joined if in_place else points)]
+        targets = [_strided(out, block.flat) for block in blocks]
+        sources = [_strided(flats[block.group], block.point) for block in blocks]
+        if in_place:
+            self._written = (out, targets, sources)
+        return targets, sources
+
+    def _zero_gaps(self, out: torch.Tensor) -> None:
         if self._gaps is None or self._gaps[0] is not out:
             self._gaps = (out, self.flat.pieces(out)[1])
         _zero(self._gaps[1])
@@ -332,6 +428,17 @@ class _Rest:
     ) -> List[torch.Tensor]:
         """The groups' parts of the flat ``grad``, written into ``out`` (contiguous
         tensors of the groups' shapes and ``grad``'s dtype), else into new tensors."""
+        if self.blocks is not None:
+            blocks, padding = self.blocks
+            if out is None:
+                out = [grad.new_empty(shape) for shape in self.shapes]
+            if self._read_from is None or self._read_from[0] is not grad:
+                self._read_from = (grad, [_strided(grad, block.flat) for block in blocks])
+            flats = [o.view(-1) for o in out]
+            targets = [_strided(flats[block.group], block.point) for block in blocks]
+            torch._foreach_copy_(targets, self._read_from[1])
+            _zero([_strided(flats[j], view) for j, views in enumerate(padding) for view in views])
+            return list(out)
         sizes = [s.numel() for s in self.shapes]
         if out is not None:  # checked by BallLayout.fits
             for o, destination in zip(out, self.destination.split(sizes)):
@@ -363,6 +470,109 @@ def index_maps(
     source = torch.zeros(flat.size, dtype=torch.int64, device=destination.device)
     source[destination] = torch.arange(destination.numel(), device=destination.device)
     return destination.to(index_dtype), source.to(index_dtype)
+
+
+def _affine(positions: torch.Tensor) -> Tuple[int, Tuple[int, ...]] | None:
+    """``(offset, strides)`` with ``positions[i] = offset + sum_k i_k strides_k`` (non-
+    negative strides), else ``None``."""
+    if positions.numel() == 0:
+        return None
+    offset = int(positions.reshape(-1)[0])
+    strides, expected = [], torch.full_like(positions, offset)
+    for dim, size in enumerate(positions.shape):
+        index = [0] * positions.dim()
+        index[dim] = min(1, size - 1)
+        stride = int(positions[tuple(index)]) - offset if size > 1 else 0
+        if stride < 0:
+            return None
+        steps = torch.arange(size, device=positions.device) * stride
+        expected += steps.view([-1 if d == dim else 1 for d in range(positions.dim())])
+        strides.append(stride)
+    return (offset, tuple(strides)) if torch.equal(positions, expected) else None
+
+
+def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def strided_blocks(
+    destinations: Sequence[torch.Tensor],
+    shapes: Sequence[torch.Size],
+    batches: Sequence[List[Tuple[int, ...]]],
+    flat: FlatBuffer,
+    trash: int,
+) -> Tuple[List[_Block], List[List[View]]] | None:
+    """The :attr:`_Rest.blocks` of groups whose entries go to the flat buffer positions
+    ``destinations`` (one flattened tensor per group, of the group's ``shapes``; the
+    padding to ``trash``), or ``None`` where they are not a few strided blocks.
+
+    Each group's point is read as ``(batch, rows, columns)``, its batch split into its
+    members' ``batches`` (their leading dimensions, e.g. layers and heads). In each
+    member, a run of consecutive rows whose entries belong to one parameter is one block
+    where its positions are affine in (member's batch, row, column), as the rows of a
+    factor are where every layer's parameters are laid out alike: then the write into
+    the flat buffer and the read of the gradient are one strided copy per block, with
+    no index per entry, and as many copies whatever the depth. Rows all of whose
+    positions are ``trash`` are padding (zeroed in the gradient)."""
+    starts = torch.tensor(flat.starts, dtype=torch.int64)
+    blocks: List[_Block] = []
+    padding: List[List[View]] = []
+    for group, (destination, shape, members) in enumerate(zip(destinations, shapes, batches)):
+        if len(shape) < 2:
+            return None
+        rows, width = shape[-2], shape[-1]
+        cube, first, pads = destination.view(-1, rows, width), 0, []
+        for leading in members:
+            count = math.prod(leading)
+            part = cube[first : first + count].view(*leading, rows, width)
+            strides = _contiguous_strides(part.shape)
+            base = first * rows * width
+            runs = _row_runs(part, starts, trash)
+            if runs is None:
+                return None
+            for begin, end, is_padding in runs:
+                extent = (*leading, end - begin, width)
+                if is_padding:
+                    pads.append((base + begin * width, extent, strides))
+                    continue
+                affine = _affine(part[..., begin:end, :])
+                if affine is None:
+                    return None
+                view = (base + begin * width, extent, strides)
+                blocks.append(_Block(group, view, (affine[0], extent, affine[1])))
+            first += count
+        if first != cube.shape[0]:
+            return None
+        padding.append(pads)
+    return blocks, padding
+
+
+def _row_runs(
+    part: torch.Tensor, starts: torch.Tensor, trash: int
+) -> List[Tuple[int, int, bool]] | None:
+    """Runs ``(begin, end, padding)`` of consecutive rows of ``part`` (positions shaped
+    ``(..., rows, columns)``) whose entries all belong to one parameter (the one whose
+    start precedes the row's first entry), or are all ``trash``; ``None`` where a row
+    mixes padding and entries."""
+    rows = part.shape[-2]
+    by_row = part.movedim(-2, 0).reshape(rows, -1)
+    is_trash = by_row == trash
+    if not bool((is_trash.all(1) | ~is_trash.any(1)).all()):
+        return None
+    owner = torch.searchsorted(starts, by_row[:, 0].contiguous(), right=True).tolist()
+    padding_rows = is_trash.all(1).tolist()
+    runs: List[Tuple[int, int, bool]] = []
+    for row in range(rows):
+        key = (padding_rows[row], -1 if padding_rows[row] else owner[row])
+        if runs and runs[-1][2] == key:
+            runs[-1] = (runs[-1][0], row + 1, key)
+        else:
+            runs.append((row, row + 1, key))
+    return [(begin, end, key[0]) for begin, end, key in runs]
 
 
 class BallLayout:
@@ -413,6 +623,9 @@ class BallLayout:
         self._grads: List[torch.Tensor] = []
         self._rest_grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
+        #: The model's parameters that are views of the fused base points (share_base)
+        self._shared: List[torch.nn.Parameter] = []
+        self._release: weakref.finalize | None = None
 
     @staticmethod
     def _rest_buffers(
@@ -441,7 +654,13 @@ class BallLayout:
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
             destination, source = index_maps(torch.cat(destinations), flat)
             shapes = [groups[p].point.shape for p in positions]
-            out.append(_Rest(flat, positions, shapes, destination, source))
+            blocks = None
+            if source is not None:  # every parameter entry written once: blocks may do
+                batches = [stacks[p].batch_shapes(plan, groups[p]) for p in positions]
+                blocks = strided_blocks(destinations, shapes, batches, flat, trash)
+            if blocks is not None:
+                destination = source = None
+            out.append(_Rest(flat, positions, shapes, destination, source, blocks))
         return out
 
     def plan_vectors(self, vectors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -474,22 +693,73 @@ class BallLayout:
     def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
         """The ball's memory per trainable model parameter during Auto-PGD, by part.
 
-        ``base``: the fused groups' base point (a copy of their parameters) and the
+        ``base``: the fused groups' base point (a copy of their parameters, but the
+        entries of the parameters that :meth:`share_base` made its views) and the
         symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
-        current gradient, and the best iterate's if kept; ``total``: their sum. The model's
-        own parameters and the pass's activations are not counted.
+        current gradient, and the best iterate's if kept; ``staging``: one buffer for the
+        unfused groups' perturbed points, joined before they are written into their flat
+        buffer, and for that buffer's gradient, before it is read into the groups' shapes
+        (:meth:`_Rest.scratch`);
+        ``index``: the maps between the unfused groups' entries and their flat buffer
+        (an integer per entry, :func:`index_maps`); ``total``: their sum. The model's own
+        parameters and the pass's activations are not counted.
         """
         parameters = sum(math.prod(s) for f in self.flats for s in f.shapes)
         vector = self.vector_bytes()
         parts = {
-            "base": sum(g.point.numel() * g.point.element_size() for g in self.groups),
+            "base": self.base_bytes(),
             "perturbed": self.buffer_bytes(),
             "iterates": 3 * vector,
             "gradients": (2 if keep_best_gradient else 1) * vector,
+            "staging": sum(rest.staging_bytes() for rest in self._rests),
+            "index": sum(rest.index_bytes() for rest in self._rests),
         }
         parts["total"] = sum(parts.values())
         return {part: size / parameters for part, size in parts.items()}
+
+    def base_bytes(self) -> int:
+        """Memory of the groups' base points beside the model's own parameters: all of
+        them, but the parameters' entries that are views of the fused base points
+        (:meth:`share_base`)."""
+        points = sum(g.point.numel() * g.point.element_size() for g in self.groups)
+        return points - sum(p.numel() * p.element_size() for p in self._shared)
+
+    def share_base(self, model: torch.nn.Module) -> None:
+        r"""Make ``model``'s parameters of the fused groups views of the fused base
+        points, so that the base point is no copy beside them: each parameter's own
+        storage is then free (where nothing else holds it). The values are the same
+        bits, and the base point is never written (the perturbed points go to the flat
+        buffers the loss reads), so the model computes as before.
+
+        Only a parameter that owns its storage alone is made a view (contiguous, the
+        whole of a storage no other parameter or buffer of the model uses: a view of
+        a larger buffer would free nothing, and one shared with another tensor of the
+        model would lose the tie). Each gets a storage of its own back, a copy of its
+        values, at :meth:`release` (or when the layout is collected).
+        """
+        parameters = dict(model.named_parameters())
+        owners: Dict[int, int] = {}
+        for tensor in [*parameters.values(), *model.buffers()]:
+            key = tensor.untyped_storage().data_ptr()
+            owners[key] = owners.get(key, 0) + 1
+        unfused = len(self._rest_points)
+        shared = []
+        for flat, group in zip(self._fused, self.groups[unfused:]):
+            views, _ = flat.pieces(group.point)
+            for name, view in zip(flat.names, views):
+                param = parameters.get(name)
+                if param is not None and _owns_storage(param, owners) and _same(param, view):
+                    param.data = view
+                    shared.append(param)
+        self._shared = shared
+        self._release = weakref.finalize(self, _own_storage, shared, self.groups[unfused:])
+
+    def release(self) -> None:
+        """Give the parameters that :meth:`share_base` made views storages of their own
+        again (copies of their values); nothing where it made none."""
+        if self._release is not None:
+            self._release()
 
     def _perturbed_buffers(self) -> List[torch.Tensor]:
         if self._buffers is None:
@@ -573,7 +843,7 @@ class BallLayout:
         else:
             out = list(spare[unfused:])
         if len(self._rest_grads) != len(self._rests):
-            self._rest_grads = [rest.flat.empty() for rest in self._rests]
+            self._rest_grads = [rest.gradient_buffer() for rest in self._rests]
         return out + self._rest_grads
 
     def fits(self, vector: Sequence[torch.Tensor]) -> bool:
@@ -615,6 +885,33 @@ class BallLayout:
             for position, g in zip(rest.groups, rest.read(grad, targets)):
                 out[position] = g
         return out  # type: ignore[return-value]
+
+
+def _owns_storage(param: torch.Tensor, owners: Dict[int, int]) -> bool:
+    """Whether ``param`` is the whole of a storage that no other of the counted
+    tensors uses (``owners``: tensors per storage address)."""
+    storage = param.untyped_storage()
+    return (
+        param.is_contiguous()
+        and param.storage_offset() == 0
+        and storage.nbytes() == param.numel() * param.element_size()
+        and owners.get(storage.data_ptr(), 0) == 1
+    )
+
+
+def _same(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``view`` (a copy of ``param``'s values) can stand for ``param``: its
+    shape, dtype and device."""
+    return param.shape == view.shape and param.dtype == view.dtype and param.device == view.device
+
+
+def _own_storage(parameters: List[torch.nn.Parameter], points: List[BallGroup]) -> None:
+    """Each parameter that is still a view of one of the ``points`` given a copy of its
+    own (:meth:`BallLayout.release`)."""
+    storages = {g.point.untyped_storage().data_ptr() for g in points}
+    for param in parameters:
+        if param.untyped_storage().data_ptr() in storages:
+            param.data = param.data.clone()
 
 
 def _fits(vector: torch.Tensor, flat: FlatBuffer) -> bool:
@@ -710,6 +1007,13 @@ class _Stack:
             part[:, :n] = piece[:, :n]
             part[:, self.rows : self.rows + m] = piece[:, n:]
         return out
+
+    def batch_shapes(self, plan: BoundPlan, group: BallGroup) -> List[Tuple[int, ...]]:
+        """The members' batch shapes (their points' leading dimensions), in the order of
+        the stack's batch; the group's own for a single group."""
+        if not self.padded:
+            return [tuple(group.point.shape[:-2])]
+        return [tuple(plan.groups[i].shape[:-2]) for i in self.members]
 
     def destination(
         self, plan: BoundPlan, start: Dict[str, int], trash: int, device

@@ -465,8 +465,8 @@ class ShardedBall:
         perturbation; ``gradients``: the current gradient, and the best iterate's if
         kept; ``index``: the maps of the exchange; ``total``: their sum. Comparable with
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter` of one
-        process, which holds no ``saved`` entries and no ``index`` part (its index maps
-        belong to the plan).
+        process, which holds no ``saved`` entries (its ``index`` part: the index maps of
+        unfused groups not laid out in strided blocks).
         """
         vector = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
         item = self.base.element_size()

@@ -1,0 +1,148 @@
+"""Every perturbation Auto-PGD evaluates lies in the ball, its norm recomputed from its entries.
+
+The updates scale each iterate by a norm computed from a Gram matrix, and write it with
+rounding; :class:`~geoopt_quotient.sharpness.apgd.NormError` leaves room for both. Here
+every evaluated perturbation (the first iterate, the updates, the restarts) and the one
+reported are recorded, and their norms recomputed directly, in the vectors' dtype and in
+float64 from the same entries: none may exceed the radius, and the margin must stay
+small (the ball is reached).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import geoopt_quotient as gq
+from geoopt_quotient.sharpness.apgd import BallGroup, NormError
+from geoopt_quotient.sharpness.ball import LocalBall
+from geoopt_quotient.sharpness.measure import resolve_plan
+
+DTYPES = [torch.float32, torch.float64]
+
+
+class Recording:
+    """An objective with the layout's evaluation, recording each evaluated perturbation."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def perturbed_buffer(self, index):
+        return self.inner.perturbed_buffer(index)
+
+    def evaluate_ball(self, ball, paths, xi, grad, autocast, recycled=None):
+        self.seen.append([v.detach().clone() for v in xi])
+        return self.inner.evaluate_ball(ball, paths, xi, grad, autocast, recycled)
+
+
+def norms(groups, xi):
+    """``|xi|_x`` recomputed from the entries: in their dtype, and in float64."""
+    own = sum(g.manifold.inner(g.point, v, v).sum() for g, v in zip(groups, xi))
+    wide = sum(
+        g.manifold.inner(g.point.double(), v.double(), v.double()).sum() for g, v in zip(groups, xi)
+    )
+    return float(own.clamp_min(0).sqrt()), float(wide.clamp_min(0).sqrt())
+
+
+def assert_in_ball(groups, evaluated, reported, rho, dtype):
+    """No evaluated or reported perturbation outside the ball; the largest one on its
+    sphere but for the margin (which is below 1e-3 of the radius)."""
+    largest = 0.0
+    for xi in [*evaluated, reported]:
+        own, wide = norms(groups, xi)
+        assert own <= rho and wide <= rho, (own / rho - 1, wide / rho - 1)
+        largest = max(largest, wide)
+    error = NormError.of([dtype], max(g.point.numel() for g in groups))
+    assert largest >= rho * (1 - 2 * (error.gram + error.combination)), largest / rho
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16), rho=st.floats(1e-3, 10.0), init=st.sampled_from(["zero", "random"])
+)
+def test_linear_model_iterates_stay_in_the_ball(dtype, seed, rho, init):
+    """A linear objective over the adaptive ball: the iterates sit on its sphere."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(3000, generator=generator, dtype=dtype)
+    g = torch.randn(3000, generator=generator, dtype=dtype)
+    seen = []
+
+    def path(x, u):
+        seen.append([u.detach().clone()])
+        return x + u
+
+    groups = [BallGroup(w, gq.AdaptiveEuclidean(), path)]
+    result = gq.maximize_in_ball(
+        groups, lambda points: (points[0] * g).sum(), rho=rho, iters=6, init=init, seed=seed
+    )
+    assert len(seen) == result.evaluations
+    assert_in_ball(groups, seen, result.xi, rho, dtype)
+
+
+def tiny_bert(dtype):
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=3,
+        initializer_range=0.2,
+    )
+    model = transformers.BertForSequenceClassification(config).to(dtype).eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": torch.tensor([0, 2])}
+
+
+def tiny_llama(dtype):
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        initializer_range=0.2,
+    )
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+RADII = {"adaptive": 0.2, "inv": 0.05, "mix": 0.01}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("measure", list(RADII))
+@pytest.mark.parametrize("build", [tiny_bert, tiny_llama])
+def test_model_iterates_stay_in_the_ball(build, measure, dtype):
+    """The engine's layout (fused adaptive buffers, stacked quotient groups): every
+    evaluated perturbation, over seeds and both starts, in the ball."""
+    for seed, init in ((0, "zero"), (1, "random"), (2, "random")):
+        torch.manual_seed(seed)
+        model, batch = build(dtype)
+        if measure == "adaptive":
+            plan = gq.SymmetryPlan().bind(model)
+        else:
+            plan = resolve_plan(model, None, measure)
+        ball = LocalBall(
+            model,
+            plan,
+            lambda m, b: m(**b).loss,
+            kind="worst",
+            path="second_order",
+            norm=True,
+            keep_best_gradient=seed == 1,
+        )
+        objective = Recording(ball.objective(batch))
+        result = gq.maximize_in_ball(
+            ball.groups, objective, rho=RADII[measure], iters=6, seed=seed, init=init
+        )
+        assert len(objective.seen) == result.evaluations
+        assert_in_ball(ball.groups, objective.seen, result.xi, RADII[measure], dtype)
