@@ -118,3 +118,29 @@ def test_joined_points_and_flat_gradient_share_one_buffer():
     joined = sum(p.numel() for p in points)
     assert rest.scratch().numel() == max(joined, rest.flat.size)
     ball.close()
+
+
+def test_parameters_own_their_storage_after_a_call_that_raises():
+    """The ball gives the storages back on exit from the engine, also when the loss raises
+    (not only when the layout is collected)."""
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def failing(model, batch):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("boom")
+        return loss_fn(model, batch)
+
+    gc.disable()
+    try:
+        gq.adaptive_sharpness(model, failing, [BATCH], rho=0.1, iters=3, progress=False)
+    except RuntimeError as error:  # its traceback holds the engine's frames, the ball's too
+        assert "boom" in str(error)
+        assert all(owns_storage(p) for p in model.parameters())
+    else:
+        pytest.fail("the loss's error was not raised")
+    finally:
+        gc.enable()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
