@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -10,7 +11,13 @@ import torch
 
 from .._checks import METRICS, check_choice, check_nonnegative_float
 from .experts import expert_pairs
-from .huggingface import Findings, collapse_paths, find_attention
+from .huggingface import (
+    Findings,
+    check_locally,
+    collapse_paths,
+    deferred_replays,
+    find_attention,
+)
 from .latent import latent_attention_pairs
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
@@ -19,7 +26,15 @@ from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
 from .probe import shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
-from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan, without_autocast
+from .verify import (
+    REPORT,
+    PlanProof,
+    SymmetryNotProvenWarning,
+    failure_message,
+    prove_at_once,
+    prove_plan,
+    without_autocast,
+)
 
 __all__ = ["find_symmetries"]
 
@@ -158,27 +173,57 @@ def find_symmetries(
 
 def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted) -> SymmetryPlan:
     """The body of :func:`find_symmetries`, its arguments checked."""
-    with shared_records():  # one recorded probe forward for every detector
-        found = _found(model, wanted, eps)
-    specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
-    extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
-    notes = found.rendered_notes()
-    pair_groups = stack_pairs(specs, metric, eps)
-    if verify:
-        unproven = _unprovable(model)
-        if unproven is None:
-            kept, extra, proven = _proven(model, specs, pair_groups, extra, probe_inputs)
-            notes += proven
-            if len(kept) < len(specs):  # stacked again without the members that broke
-                pair_groups = stack_pairs(kept, metric, eps)
-        else:
-            notes.append(unproven)
+    unproven = _unprovable(model) if verify else None
+    proving = verify and unproven is None
+    with shared_records():  # one recorded probe forward for the detectors and the replays
+        with deferred_replays() if proving else contextlib.nullcontext():
+            found = _found(model, wanted, eps)
+        specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
+        extra = (
+            manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
+        )
+        pair_groups = stack_pairs(specs, metric, eps)
+        proof_notes = [unproven] if unproven else []
+        if proving:
+            pair_groups, extra, proof_notes = _proven_plan(
+                model, found, specs, pair_groups, extra, probe_inputs, metric, eps
+            )
+    notes = found.rendered_notes() + proof_notes
     groups = pair_groups + extra
     if not any(g.kind in (*ATTENTION_KINDS, "lora") for g in groups):
         notes.append(attention_reason(model, notes))  # (adapters: the base is not trained)
     if not groups:
         notes.insert(0, NO_SYMMETRY)
     return SymmetryPlan(groups, notes=notes)
+
+
+def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
+    """``(pair groups, extra groups, notes)`` of the plan proven on the model.
+
+    The pairs discovery flagged for a replay on their modules (``found.to_check``: V/O
+    pairs, whose values may pass through a norm, and the like) are replayed only where
+    the plan does not hold as a whole (:func:`prove_at_once`): the replays then drop, with
+    a note that says why, the pairs their modules break, and what is left is proven and
+    bisected as usual.
+    """
+    if found.to_check:
+        proof = _proof_at_once(model, pair_groups + extra, probe_inputs)
+        if proof is not None:
+            found.to_check = []
+            return pair_groups, extra, proof.notes()
+        check_locally(model, found)  # drops (with a note) the pairs their modules break
+        kept = {id(s) for s in found.specs}
+        specs = [s for s in specs if id(s) in kept]
+        pair_groups = stack_pairs(specs, metric, eps)
+    kept_specs, extra, notes = _proven(model, specs, pair_groups, extra, probe_inputs)
+    if len(kept_specs) < len(specs):  # stacked again without the members that broke
+        pair_groups = stack_pairs(kept_specs, metric, eps)
+    return pair_groups, extra, notes
+
+
+def _proof_at_once(model, groups: List[SymmetryGroup], probe_inputs: Any) -> Optional[PlanProof]:
+    """The proof of ``groups`` if they hold together (two forward passes), else ``None``."""
+    return prove_at_once(model, SymmetryPlan(groups), probe_inputs) if groups else None
 
 
 def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findings:

@@ -24,6 +24,7 @@ fit these patterns are reported in notes, never guessed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -1246,15 +1247,33 @@ def find_attention(model: torch.nn.Module, skip: Set[str] = frozenset()) -> Find
     return check_locally(model, found)
 
 
+#: Depth of :func:`deferred_replays` scopes.
+_DEFERRED = [0]
+
+
+@contextlib.contextmanager
+def deferred_replays() -> Iterator[None]:
+    """Within this scope :func:`check_locally` replays nothing and leaves ``to_check`` to
+    the caller: discovery proves the plan on the model first, and replays the pairs only
+    where the proof fails (to say what broke them), since a model-level proof that holds
+    settles every pair at once."""
+    _DEFERRED[0] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED[0] -= 1
+
+
 def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     """Replay the module of each spec in ``found.to_check`` with a random element of its
     group acting on its parameters; drop the specs whose module output moves, with a note.
 
     Runs only where the model's probe forward was recorded
     (:func:`~geoopt_quotient.symmetry.probe.recorded_forward`); elsewhere the specs are
-    kept and a note says they were not replayed.
+    kept and a note says they were not replayed. Within :func:`deferred_replays` it
+    returns ``found`` as it is.
     """
-    if not found.to_check:
+    if not found.to_check or _DEFERRED[0]:
         return found
     record, why_not = recorded_forward(model)
     if record is None:

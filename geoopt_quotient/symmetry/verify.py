@@ -59,6 +59,7 @@ __all__ = [
     "SymmetryVerificationError",
     "WeightPrecision",
     "probe_inputs_for",
+    "prove_at_once",
     "prove_plan",
     "verify_plan",
 ]
@@ -729,6 +730,43 @@ def prove_plan(
     PlanProof
         Per group: holds or not (and which members break it), and its control.
     """
+    proof = _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise=True)
+    assert proof is not None  # localised proofs always report
+    return proof
+
+
+def prove_at_once(
+    model: torch.nn.Module,
+    plan: SymmetryPlan | BoundPlan,
+    probe_inputs: Any = None,
+    *,
+    seed: int = 0,
+    max_condition: float = 4.0,
+    rtol: Optional[float] = None,
+) -> Optional[PlanProof]:
+    """:func:`prove_plan` when every group holds, in two forward passes; ``None`` when
+    the outputs refute the plan, with nothing localised (no bisection).
+
+    The reference pass and the pass with every group acted on are those of
+    :func:`prove_plan` (same seed, same elements): where every group holds, the two
+    return the same proof. A caller that can explain a failure more cheaply than by
+    bisection (discovery replays the pairs it flagged on their modules) tries this first.
+
+    Parameters
+    ----------
+    model, plan, probe_inputs, seed, max_condition, rtol
+        As for :func:`prove_plan`.
+
+    Returns
+    -------
+    PlanProof or None
+        The proof, every group holding; ``None`` if some group does not.
+    """
+    return _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise=False)
+
+
+def _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise) -> Optional[PlanProof]:
+    """The body of :func:`prove_plan` (``localise=False``: :func:`prove_at_once`)."""
     bound = plan if isinstance(plan, BoundPlan) else plan.bind(model)
     probe = as_probe(default_probe(model) if probe_inputs is None else probe_inputs)
     prover = _Prover(model, bound, probe, seed)
@@ -747,10 +785,12 @@ def prove_plan(
                 "arguments, a tuple, a tensor or a function of the model), or verify=False"
             ) from error
         with torch.no_grad():
-            return _prove(prover, reference, precision, grads, max_condition, rtol)
+            return _prove(prover, reference, precision, grads, max_condition, rtol, localise)
 
 
-def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProof:
+def _prove(
+    prover, reference, precision, grads, max_condition, rtol, localise
+) -> Optional[PlanProof]:
     scale = _scale(reference)
     rtol = default_rtol(precision, prover.dtype) if rtol is None else rtol
     tol = rtol * max(scale, 1e-30)
@@ -768,6 +808,8 @@ def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProo
 
     checked = [i for i, a in enumerate(elements) if a is not None]
     largest = change(only(checked)) if checked else 0.0
+    if largest > tol and not localise:
+        return None
     failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
     checks = []
     for i, (group, a) in enumerate(zip(prover.groups, elements)):
