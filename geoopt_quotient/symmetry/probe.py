@@ -366,25 +366,38 @@ def _planes(maps: torch.Tensor, tol: float) -> Optional[Tuple[List[Tuple[int, in
     are not rotations of disjoint planes (and the identity elsewhere)."""
     r = maps.shape[-1]
     eye = torch.eye(r, dtype=maps.dtype)
-    off = (maps - eye * maps).abs().amax(dim=0) > tol  # couplings i <- j
+    off = ((maps - eye * maps).abs().amax(dim=0) > tol).tolist()  # couplings i <- j
+    scaled = ((maps.diagonal(dim1=-2, dim2=-1) - 1).abs().amax(dim=0) > tol).tolist()
     planes, fixed = [], []
     for j in range(r):
-        partners = off[:, j].nonzero().flatten().tolist()
+        partners = [i for i in range(r) if off[i][j]]
         if not partners:
-            if (maps[:, j, j] - 1).abs().max() > tol:
+            if scaled[j]:
                 return None  # scaled, not rotated
             fixed.append(j)
             continue
-        if len(partners) != 1 or off[j].nonzero().flatten().tolist() != partners:
+        if len(partners) != 1 or [i for i in range(r) if off[j][i]] != partners:
             return None
-        i = partners[0]
-        if j < i:
-            block = maps[:, [j, i]][:, :, [j, i]]
-            c, s = block[:, 0, 0], block[:, 1, 0]
-            if (block[:, 1, 1] - c).abs().max() > tol or (block[:, 0, 1] + s).abs().max() > tol:
-                return None
-            planes.append((j, i))
+        if j < partners[0]:
+            planes.append((j, partners[0]))
+    if planes:  # each plane's block is [[c, -s], [s, c]] at every position
+        first, second = [j for j, _ in planes], [i for _, i in planes]
+        c, s = maps[:, first, first], maps[:, second, first]
+        if (maps[:, second, second] - c).abs().max() > tol:
+            return None
+        if (maps[:, first, second] + s).abs().max() > tol:
+            return None
     return planes, fixed
+
+
+def _cached_planes(
+    record: ForwardRecord, maps: torch.Tensor, tol: float
+) -> Optional[Tuple[List[Tuple[int, int]], List[int]]]:
+    """:func:`_planes`, read once per map (every layer of a model shares its rotary maps)."""
+    key = ("rotary planes", id(maps), tol)  # the maps stay alive in the record's cache
+    if key not in record.replays:
+        record.replays[key] = _planes(maps, tol)
+    return record.replays[key]
 
 
 def rotary_planes(
@@ -430,7 +443,9 @@ def rotary_planes(
                 if offset is None:
                     continue
                 maps = _cached_maps(record, call, slot, slots)
-                found = None if maps is None else _planes(maps, _tolerance(data.dtype))
+                found = (
+                    None if maps is None else _cached_planes(record, maps, _tolerance(data.dtype))
+                )
                 if found is None:
                     return RotaryReading(
                         True, reason=f"{call.function.__name__} does not rotate disjoint planes"

@@ -652,12 +652,11 @@ class _Prover:
             return float("inf")
         only = [element if i == index else None for i in range(len(self.groups))]
         moved = self.acted(only, first_factor_only=True)
+        own = self.groups[index].param_names  # the only weights the element moves
+        steps = {n: moved[n].double() - self.params[n].double() for n in own}
         change = 0.0
         for grad in grads:
-            dot = sum(
-                float((g.double() * (moved[n].double() - self.params[n].double())).sum())
-                for n, g in grad.items()
-            )
+            dot = sum(float((g.double() * steps[n]).sum()) for n, g in grad.items() if n in steps)
             change = max(change, abs(dot))
         return change
 
