@@ -24,11 +24,12 @@ from .lora import lora_pairs
 from .mixture_attention import mixture_of_attention_pairs
 from .mlp import gated_mlp_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
-from .probe import shared_records, why_not_runnable
+from .probe import recorded_forward, shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
 from .verify import (
     REPORT,
     PlanProof,
+    ReferencePass,
     SymmetryNotProvenWarning,
     failure_message,
     prove_at_once,
@@ -175,7 +176,10 @@ def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted
     """The body of :func:`find_symmetries`, its arguments checked."""
     unproven = _unprovable(model) if verify else None
     proving = verify and unproven is None
-    with shared_records():  # one recorded probe forward for the detectors and the replays
+    # one recorded probe forward for the detectors, the replays and (on the default probe
+    # inputs) the proof, whose reference pass it is
+    sharing = proving and probe_inputs is None
+    with shared_records(reference=sharing):
         with deferred_replays() if proving else contextlib.nullcontext():
             found = _found(model, wanted, eps)
         specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
@@ -204,10 +208,15 @@ def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, 
     pairs, whose values may pass through a norm, and the like) are replayed only where
     the plan does not hold as a whole (:func:`prove_at_once`): the replays then drop, with
     a note that says why, the pairs their modules break, and what is left is proven and
-    bisected as usual.
+    bisected as usual. Without ``probe_inputs`` the recorded probe forward is the first
+    proof's reference pass (a later proof runs its own, on the same inputs).
     """
+    reference = _shared_reference(model) if probe_inputs is None else None
+    first = dict(probe_inputs=probe_inputs) if reference is None else dict(reference=reference)
+    if reference is not None:
+        probe_inputs = reference.inputs
     if found.to_check:
-        proof = _proof_at_once(model, pair_groups + extra, probe_inputs)
+        proof = _proof_at_once(model, pair_groups + extra, first)
         if proof is not None:
             found.to_check = []
             return pair_groups, extra, proof.notes()
@@ -215,15 +224,23 @@ def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, 
         kept = {id(s) for s in found.specs}
         specs = [s for s in specs if id(s) in kept]
         pair_groups = stack_pairs(specs, metric, eps)
-    kept_specs, extra, notes = _proven(model, specs, pair_groups, extra, probe_inputs)
+        first = dict(probe_inputs=probe_inputs)
+    kept_specs, extra, notes = _proven(model, specs, pair_groups, extra, first)
     if len(kept_specs) < len(specs):  # stacked again without the members that broke
         pair_groups = stack_pairs(kept_specs, metric, eps)
     return pair_groups, extra, notes
 
 
-def _proof_at_once(model, groups: List[SymmetryGroup], probe_inputs: Any) -> Optional[PlanProof]:
-    """The proof of ``groups`` if they hold together (two forward passes), else ``None``."""
-    return prove_at_once(model, SymmetryPlan(groups), probe_inputs) if groups else None
+def _proof_at_once(model, groups: List[SymmetryGroup], probe: Dict) -> Optional[PlanProof]:
+    """The proof of ``groups`` if they hold together (two forward passes), else ``None``;
+    ``probe``: ``probe_inputs=`` or ``reference=`` of :func:`prove_at_once`."""
+    return prove_at_once(model, SymmetryPlan(groups), **probe) if groups else None
+
+
+def _shared_reference(model: torch.nn.Module) -> Optional[ReferencePass]:
+    """The reference pass the recorded probe forward made (:func:`shared_records`), if any."""
+    record, _ = recorded_forward(model)
+    return getattr(record, "reference", None)
 
 
 def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findings:
@@ -305,14 +322,15 @@ def _proven(
     specs: List[PairSpec],
     pair_groups: List[SymmetryGroup],
     extra: List[SymmetryGroup],
-    probe_inputs: Any,
+    probe: Dict[str, Any],
 ) -> Tuple[List[PairSpec], List[SymmetryGroup], List[str]]:
-    """The specs and extra groups that hold on the model, and the notes of the proof;
-    each group (or stacked member) the outputs refute is dropped with a warning."""
+    """The specs and extra groups that hold on the model, and the notes of the proof
+    (``probe``: ``probe_inputs=`` or ``reference=`` of :func:`prove_plan`); each group
+    (or stacked member) the outputs refute is dropped with a warning."""
     plan = SymmetryPlan(pair_groups + extra)
     if not plan.groups:
         return specs, extra, []
-    proof = prove_plan(model, plan, probe_inputs)
+    proof = prove_plan(model, plan, **probe)
     members = _members(specs, pair_groups)
     dropped_specs, dropped_groups, notes = set(), set(), []
     for check in proof.failed:

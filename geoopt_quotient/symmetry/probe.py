@@ -76,17 +76,30 @@ class ForwardRecord:
     rotary_calls: Dict[str, List[RotaryCall]] = field(default_factory=dict)
     children_run: Dict[str, List[str]] = field(default_factory=dict)
     replays: Dict[Tuple, Any] = field(default_factory=dict)
+    #: the pass as the proof's reference pass
+    #: (:class:`~geoopt_quotient.symmetry.verify.ReferencePass`), where it was made as one
+    reference: Any = None
 
 
-#: Records shared within :func:`shared_records` (one dict per active scope, by model id).
-_SCOPES: List[Dict[int, Tuple[torch.nn.Module, Tuple[Optional[ForwardRecord], str]]]] = []
+#: Records shared within :func:`shared_records` (one dict per active scope, by model id),
+#: with whether the scope's records are made as the proof's reference pass.
+_SCOPES: List[
+    Tuple[Dict[int, Tuple[torch.nn.Module, Tuple[Optional[ForwardRecord], str]]], bool]
+] = []
 
 
 @contextlib.contextmanager
-def shared_records() -> Iterator[None]:
+def shared_records(reference: bool = False) -> Iterator[None]:
     """Within this scope each model is run and recorded once, and the record is shared by
-    every detector that asks (one discovery); outside it nothing is kept between calls."""
-    _SCOPES.append({})
+    every detector that asks (one discovery); outside it nothing is kept between calls.
+
+    With ``reference`` the record is made on the proof's default probe inputs
+    (:func:`~geoopt_quotient.symmetry.verify.default_probe`, positions spread as
+    usual) in a pass that also serves as the proof's reference pass
+    (``record.reference``, :func:`~geoopt_quotient.symmetry.verify.reference_pass`):
+    gradients tracked to every floating weight, the outputs kept.
+    """
+    _SCOPES.append(({}, reference))
     try:
         yield
     finally:
@@ -224,9 +237,9 @@ def recorded_forward(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], s
     ``(None, reason)``; shared within :func:`shared_records`."""
     if not _SCOPES:
         return _record(model)
-    scope = _SCOPES[-1]
+    scope, reference = _SCOPES[-1]
     if id(model) not in scope:
-        scope[id(model)] = (model, _record(model))  # the model pins its id in the scope
+        scope[id(model)] = (model, _record(model, reference))  # the model pins its id
     return scope[id(model)][1]
 
 
@@ -241,15 +254,17 @@ def why_not_runnable(model: torch.nn.Module) -> str:
     return ""
 
 
-def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
+def _record(model: torch.nn.Module, reference: bool = False) -> Tuple[Optional[ForwardRecord], str]:
     why_not = why_not_runnable(model)
     if why_not:
         return None, why_not
+    shared = _reference_inputs(model) if reference else None
     try:
-        inputs = _probe_inputs(model)
+        inputs = _probe_inputs(model) if shared is None else shared
     except Exception as error:
         return None, f"no probe inputs could be built ({error})"
     from .._model_state import preserved_model_state
+    from .verify import reference_pass
 
     errors = []
     for attempt in (_spread_positions(model, inputs), inputs):
@@ -257,13 +272,28 @@ def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
             continue
         record = ForwardRecord()
         try:
-            with preserved_model_state(model), torch.no_grad(), _recording(model, record):
-                model(**attempt)
+            with preserved_model_state(model), _recording(model, record):
+                if shared is not None:
+                    record.reference = reference_pass(model, attempt)
+                else:
+                    with torch.no_grad():
+                        model(**attempt)
         except Exception as error:
             errors.append(f"{type(error).__name__}: {error}")
             continue
         return record, ""
     return None, f"its forward failed on the probe inputs ({errors[-1][:200]})"
+
+
+def _reference_inputs(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """The proof's default probe inputs where they are keyword inputs, else ``None``."""
+    from .verify import default_probe
+
+    try:
+        inputs = default_probe(model, guess=False)
+    except Exception:  # the probe's own inputs decide (and say why)
+        return None
+    return dict(inputs) if isinstance(inputs, dict) else None
 
 
 # ---------------------------------------------------------------- rotary planes

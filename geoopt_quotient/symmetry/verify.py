@@ -55,12 +55,14 @@ __all__ = [
     "GroupCheck",
     "PlanProof",
     "ProbeError",
+    "ReferencePass",
     "SymmetryNotProvenWarning",
     "SymmetryVerificationError",
     "WeightPrecision",
     "probe_inputs_for",
     "prove_at_once",
     "prove_plan",
+    "reference_pass",
     "verify_plan",
 ]
 
@@ -357,37 +359,67 @@ class WeightPrecision(TorchDispatchMode):
     below : dict of str to int
         Operator name -> how often it produced a weight-dependent result of lower precision
         than the roots.
+
+    :meth:`lowest_from` reads the lowest precision of the results that depend on some of
+    the roots only (one pass at every weight serves the proof of any plan).
     """
 
     def __init__(self, roots: Sequence[torch.Tensor]):
         super().__init__()
-        self.tainted = WeakIdKeyDictionary()
-        for root in roots:
-            self.tainted[root] = True
+        self.tainted = WeakIdKeyDictionary()  # tensor -> bit mask of the roots it depends on
+        self.bits = WeakIdKeyDictionary()
+        for k, root in enumerate(roots):
+            self.tainted[root] = self.tainted.get(root, 0) | 1 << k
+            self.bits[root] = self.tainted[root]
         floating = [r.dtype for r in roots if r.is_floating_point()]
         self.own = max(floating, key=_eps) if floating else None
         self.lowest: Optional[torch.dtype] = None
         self.below: Dict[str, int] = {}
+        self.depends: Dict[torch.dtype, int] = {}  # dtype -> roots some result depends on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = tree_flatten((args, kwargs))[0]
-        if any(isinstance(t, torch.Tensor) and t in self.tainted for t in inputs):
+        mask = 0
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                mask |= self.tainted.get(t, 0)
+        if mask:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self.tainted[t] = True
-                    self._record(t.dtype, str(func.overloadpacket))
+                    self.tainted[t] = self.tainted.get(t, 0) | mask
+                    self._record(t.dtype, str(func.overloadpacket), mask)
         return out
 
-    def _record(self, dtype: torch.dtype, name: str) -> None:
+    def _record(self, dtype: torch.dtype, name: str, mask: int) -> None:
         if dtype.is_complex:
             dtype = dtype.to_real()
         if not dtype.is_floating_point:
             return
+        self.depends[dtype] = self.depends.get(dtype, 0) | mask
         if self.lowest is None or _eps(dtype) > _eps(self.lowest):
             self.lowest = dtype
         if self.own is not None and _eps(dtype) > _eps(self.own):
             self.below[name] = self.below.get(name, 0) + 1
+
+    def lowest_from(self, roots: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+        """The lowest precision among the results that depend on some of ``roots`` (a
+        subset of the roots the mode was made with), ``None`` if none does.
+
+        Parameters
+        ----------
+        roots : sequence of torch.Tensor
+            Some of the roots.
+
+        Returns
+        -------
+        torch.dtype or None
+            As :attr:`lowest`, for these roots alone.
+        """
+        wanted = 0
+        for root in roots:
+            wanted |= self.bits.get(root, 0)
+        seen = [dtype for dtype, mask in self.depends.items() if mask & wanted]
+        return max(seen, key=_eps) if seen else None
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -541,12 +573,74 @@ class PlanProof:
         return notes
 
 
+@dataclass
+class ReferencePass:
+    """A forward pass of the model at its weights, kept to serve as a proof's reference
+    pass (:func:`reference_pass`): discovery records its rotary probe on this pass, so
+    that the two are one forward pass.
+
+    Attributes
+    ----------
+    inputs : dict
+        The keyword inputs the model ran on (the proof's probe inputs).
+    params : dict of str to torch.Tensor
+        The weights the pass used, by name: detached leaves, the floating ones requiring
+        gradients, so that the proof can differentiate with respect to any group's.
+    outputs : Any
+        The model's outputs, with their autograd graph.
+    precision : WeightPrecision or None
+        The precision of each weight-dependent operation (read for a float64 model only,
+        where it sets the tolerance).
+    """
+
+    inputs: Dict[str, Any]
+    params: Dict[str, torch.Tensor]
+    outputs: Any
+    precision: Optional[WeightPrecision] = None
+
+
+def reference_pass(model: torch.nn.Module, inputs: Mapping[str, Any]) -> ReferencePass:
+    """Run ``model(**inputs)`` at its weights as a proof's reference pass: every floating
+    weight a leaf that requires gradients, and, for a float64 model, the precision of each
+    operation read (:class:`WeightPrecision`, rooted at every weight).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (not mutated; run as it is: the caller sets eval mode).
+    inputs : mapping
+        Keyword inputs, e.g. :func:`probe_inputs_for`'s.
+
+    Returns
+    -------
+    ReferencePass
+        The pass, for ``prove_plan(..., reference=)``.
+    """
+    params = {
+        n: p.detach().requires_grad_(p.is_floating_point()) for n, p in model.named_parameters()
+    }
+    floating = [p.dtype for p in params.values() if p.is_floating_point()]
+    dtype = floating[0] if floating else torch.float32
+    precision = WeightPrecision(list(params.values())) if dtype == torch.float64 else None
+    with torch.enable_grad(), precision or contextlib.nullcontext():
+        outputs = functional_call(model, params, (), dict(inputs), strict=False)
+    return ReferencePass(dict(inputs), params, outputs, precision)
+
+
 class _Prover:
     """The state of one proof: the model's weights, the probe, the drawn elements and the
     reference outputs; every forward pass goes through :meth:`outputs` and is counted."""
 
-    def __init__(self, model: torch.nn.Module, bound: BoundPlan, probe: Probe, seed: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        bound: BoundPlan,
+        probe: Probe,
+        seed: int,
+        shared: Optional[ReferencePass] = None,
+    ):
         self.module = _Probed(model, probe)
+        self.shared = shared
         self.bound = bound
         self.groups = bound.symmetric_groups
         self.params = {n: p.detach() for n, p in model.named_parameters()}
@@ -555,7 +649,7 @@ class _Prover:
         self.compute = _compute_dtype(self.dtype)
         self.generator = torch.Generator().manual_seed(seed)
         self.projections = torch.Generator().manual_seed(seed + 1)
-        self.forward_calls = 0
+        self.forward_calls = 0 if shared is None else 1  # the shared pass is the reference
 
     def outputs(self, params: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
         self.forward_calls += 1
@@ -594,6 +688,8 @@ class _Prover:
         """The outputs at the weights, the lowest precision they were computed in, and the
         gradients of three random projections of them with respect to the groups' weights."""
         names = {n for g in self.groups for n in g.param_names}
+        if self.shared is not None:
+            return self._shared_reference(sorted(names))
         params = {
             n: p.detach().requires_grad_(p.is_floating_point()) if n in names else p
             for n, p in self.params.items()
@@ -609,6 +705,17 @@ class _Prover:
         lowest = precision.lowest or self.dtype
         reference = [t.detach().to(torch.float64) for t in leaves]
         return reference, lowest, self._projected_gradients(leaves, roots, sorted(names))
+
+    def _shared_reference(self, names: List[str]):
+        """:meth:`reference` read from the shared pass (every weight a leaf there)."""
+        roots = [self.shared.params[n] for n in names]
+        leaves = _float_leaves(self.shared.outputs)
+        if not leaves:
+            raise ProbeError("the model's outputs on the probe inputs contain no floating tensor")
+        read = self.shared.precision
+        lowest = (read.lowest_from(roots) if read is not None else None) or self.dtype
+        reference = [t.detach().to(torch.float64) for t in leaves]
+        return reference, lowest, self._projected_gradients(leaves, roots, names)
 
     def _projected_gradients(self, leaves, roots, names) -> List[Dict[str, torch.Tensor]]:
         """Gradients of three random projections of the outputs, in one batched backward
@@ -702,6 +809,7 @@ def prove_plan(
     seed: int = 0,
     max_condition: float = 4.0,
     rtol: Optional[float] = None,
+    reference: Optional[ReferencePass] = None,
 ) -> PlanProof:
     """Check every symmetric group of ``plan`` on the model's outputs, without raising.
 
@@ -723,13 +831,17 @@ def prove_plan(
     rtol : float, optional
         Tolerance relative to the largest output magnitude (default
         :func:`default_rtol` of the precision the model computes in).
+    reference : ReferencePass, optional
+        A pass of the model at its weights (:func:`reference_pass`) to use as the
+        reference pass instead of running one; the probe inputs are then its inputs
+        (``probe_inputs`` must be ``None``). Its graph is differentiated once.
 
     Returns
     -------
     PlanProof
         Per group: holds or not (and which members break it), and its control.
     """
-    proof = _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise=True)
+    proof = _proof(model, plan, probe_inputs, seed, max_condition, rtol, reference, True)
     assert proof is not None  # localised proofs always report
     return proof
 
@@ -742,6 +854,7 @@ def prove_at_once(
     seed: int = 0,
     max_condition: float = 4.0,
     rtol: Optional[float] = None,
+    reference: Optional[ReferencePass] = None,
 ) -> Optional[PlanProof]:
     """:func:`prove_plan` when every group holds, in two forward passes; ``None`` when
     the outputs refute the plan, with nothing localised (no bisection).
@@ -753,7 +866,7 @@ def prove_at_once(
 
     Parameters
     ----------
-    model, plan, probe_inputs, seed, max_condition, rtol
+    model, plan, probe_inputs, seed, max_condition, rtol, reference
         As for :func:`prove_plan`.
 
     Returns
@@ -761,14 +874,20 @@ def prove_at_once(
     PlanProof or None
         The proof, every group holding; ``None`` if some group does not.
     """
-    return _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise=False)
+    return _proof(model, plan, probe_inputs, seed, max_condition, rtol, reference, False)
 
 
-def _proof(model, plan, probe_inputs, seed, max_condition, rtol, localise) -> Optional[PlanProof]:
+def _proof(
+    model, plan, probe_inputs, seed, max_condition, rtol, reference, localise
+) -> Optional[PlanProof]:
     """The body of :func:`prove_plan` (``localise=False``: :func:`prove_at_once`)."""
+    if reference is not None and probe_inputs is not None:
+        raise ValueError("pass probe_inputs or reference, not both (the reference has inputs)")
     bound = plan if isinstance(plan, BoundPlan) else plan.bind(model)
+    if reference is not None:
+        probe_inputs = reference.inputs
     probe = as_probe(default_probe(model) if probe_inputs is None else probe_inputs)
-    prover = _Prover(model, bound, probe, seed)
+    prover = _Prover(model, bound, probe, seed, reference)
     if not prover.groups:
         return PlanProof(rtol=rtol or 0.0, precision=prover.dtype)
     with preserved_model_state(model), without_autocast():
