@@ -1,10 +1,10 @@
 """What proving the symmetry plan costs, beside the sharpness call it serves (CPU).
 
-``find_symmetries`` proves every group on the model by default: the rotary probe's forward
-pass, then a reference pass (with a backward pass for the controls) and one pass with every
-group acted on. This benchmark times, interleaved, on a tiny Llama and on a randomly
-initialised model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 key/value
-heads, 135M parameters):
+``find_symmetries`` proves every group on the model by default: the rotary probe's recorded
+forward pass, which is also the proof's reference pass (with a backward pass for the
+controls), and one pass with every group acted on. This benchmark times, interleaved, on a
+tiny Llama and on a randomly initialised model of SmolLM2-135M's shape (30 layers, hidden
+576, 9 query and 3 key/value heads, 135M parameters):
 
 - ``structure``: ``find_symmetries(model, verify=False)``, module structure alone;
 - ``proven``: ``find_symmetries(model)``, the default (structure, probe and proof);

@@ -102,13 +102,16 @@ def find_symmetries(
         of each group's own group (condition number at most 4), all at once, must leave
         every floating-point output unchanged within the precision the model computes
         in (:func:`~geoopt_quotient.symmetry.verify.prove_plan`; two forward passes when
-        every group holds). A group the outputs refute, or the modules of a stacked
-        group that break it, are left to the adaptive geometry with a
-        :class:`SymmetryNotProvenWarning`, and the plan's notes say so. ``False`` skips
-        the proof (the plan then rests on module structure alone). A model on the meta
-        device or sharded with FSDP2 cannot be run here: its plan is returned unproven,
-        with a note; prove it with :func:`verify_plan` on the loaded (or an unsharded)
-        model.
+        every group holds, the first of them the rotary probe's recorded pass where the
+        probe inputs are built from the config). A group the outputs refute, or the
+        modules of a stacked group that break it, are left to the adaptive geometry with
+        a :class:`SymmetryNotProvenWarning`, and the plan's notes say so; pairs that
+        their own module breaks (a norm of the values between V and O...) are replayed on
+        it then and dropped with a note. ``False`` skips the proof (the plan then rests on
+        module structure alone and on those replays, run on every such pair). A model on
+        the meta device or sharded with FSDP2 cannot be run here: its plan is returned
+        unproven, with a note; prove it with :func:`verify_plan` on the loaded (or an
+        unsharded) model.
     probe_inputs : dict, tuple, torch.Tensor, callable or None
         Inputs of the proof: keyword arguments, positional arguments, one tensor, or a
         function ``model -> outputs`` (e.g. the loss on the first batch). ``None``
