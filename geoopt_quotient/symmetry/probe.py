@@ -318,16 +318,26 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 64 * eps
 
 
-def _column_offset(data: torch.Tensor, heads: torch.Tensor) -> Optional[int]:
+def _sorted_columns(t: torch.Tensor) -> torch.Tensor:
+    """The entries of each column of ``t`` (last dimension) in increasing order, float64."""
+    return t.reshape(-1, t.shape[-1]).to(torch.float64).sort(dim=0).values
+
+
+def _column_offset(
+    data: torch.Tensor,
+    heads: torch.Tensor,
+    sorted_columns: Callable[[torch.Tensor], torch.Tensor] = _sorted_columns,
+) -> Optional[int]:
     """Offset ``o`` with ``data[..., c]`` equal (as a multiset) to ``heads[..., o + c]``,
-    each head possibly repeated (key heads shared by several query heads)."""
+    each head possibly repeated (key heads shared by several query heads);
+    ``sorted_columns`` is :func:`_sorted_columns` (or a cache of it)."""
     r, hd = data.shape[-1], heads.shape[-1]
     rows, ref_rows = data.numel() // r, heads.numel() // hd
     if r > hd or rows % ref_rows:
         return None
-    cols = data.reshape(-1, r).to(torch.float64).sort(dim=0).values
-    ref = heads.reshape(-1, hd).to(torch.float64).repeat(rows // ref_rows, 1)
-    ref = ref.sort(dim=0).values
+    cols = sorted_columns(data)
+    # sorting k copies of each column repeats each of its sorted entries k times
+    ref = sorted_columns(heads).repeat_interleave(rows // ref_rows, dim=0)
     scale = ref.abs().max().clamp_min(1e-30)
     tol = _tolerance(data.dtype) * scale
     for offset in range(hd - r + 1):
@@ -459,6 +469,13 @@ def rotary_planes(
         return RotaryReading(False, reason="the module did not run in the probe forward")
     hd = q.shape[-1]
     readings = {}
+    sorted_once: Dict[int, torch.Tensor] = {}  # by tensor id: q, k and each call's data
+
+    def sorted_columns(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in sorted_once:
+            sorted_once[id(t)] = _sorted_columns(t)
+        return sorted_once[id(t)]
+
     inside = [c for p, cs in record.rotary_calls.items() if _within(p, path) for c in cs]
     for call in inside:
         slots = [
@@ -469,7 +486,9 @@ def rotary_planes(
         for slot in slots:
             data = call.args[slot]
             for side, heads in (("query", q), ("key", k)):
-                offset = _column_offset(data, heads) if side not in readings else None
+                offset = (
+                    _column_offset(data, heads, sorted_columns) if side not in readings else None
+                )
                 if offset is None:
                     continue
                 maps = _cached_maps(record, call, slot, slots)
