@@ -1185,14 +1185,13 @@ CLAMPED_QKV = (
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:
-    if _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is None:
-        return False
     conv1d = _conv1d_class()
     kinds = (torch.nn.Linear,) + ((conv1d,) if conv1d is not None else ())
-    return any(
+    projects = any(
         isinstance(c, kinds) or isinstance(getattr(c, "base_layer", None), kinds)
         for c in module.children()
-    )
+    )  # (first: most modules have no such child, and reading absent attributes is slow)
+    return projects and _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is not None
 
 
 def _wrapped_projection_note(path: str, module: torch.nn.Module, found: Findings) -> bool:

@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -380,7 +381,46 @@ def _cached_maps(
 
 def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
     """Matrices ``(positions, r, r)`` of the call's map on argument ``slot``: basis vectors
-    in, the output of the same slot out (the other data arguments zero)."""
+    in, the output of the same slot out (the other data arguments zero).
+
+    The ``r`` basis vectors go through one call mapped over them (:func:`torch.vmap`:
+    the same arithmetic, element by element, as ``r`` calls), or through ``r`` calls where
+    the function cannot be mapped."""
+    try:
+        with warnings.catch_warnings():  # vmap's note on operators it loops over
+            warnings.filterwarnings("ignore", message=".*batching rule.*")
+            return _mapped_maps(call, slot, slots)
+    except Exception:  # a function vmap cannot follow (data-dependent control flow...)
+        return _looped_maps(call, slot, slots)
+
+
+def _mapped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
+    """:func:`_replay_maps` in one call mapped over the basis vectors."""
+    data = call.args[slot]
+    r = data.shape[-1]
+    out_index = slots.index(slot)
+    eye = torch.eye(r, dtype=data.dtype, device=data.device)
+    basis = eye.reshape(r, *([1] * (data.dim() - 1)), r).expand(r, *data.shape).contiguous()
+
+    def column(vector: torch.Tensor) -> List[torch.Tensor]:
+        args = list(call.args)
+        for s in slots:
+            args[s] = torch.zeros_like(call.args[s])
+        args[slot] = vector
+        return _tensors(call.function(*args, **call.kwargs))
+
+    outputs = torch.vmap(column)(basis)
+    if len(outputs) != len(slots):
+        return None
+    for k, other in enumerate(outputs):
+        if k != out_index and other.abs().max() > 0:
+            return None  # the data arguments mix: not a rotation of each
+    out = outputs[out_index].reshape(r, -1, r).to(torch.float64)  # (columns, positions, r)
+    return out.permute(1, 2, 0)
+
+
+def _looped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
+    """:func:`_replay_maps`, one call per basis vector."""
     data = call.args[slot]
     r = data.shape[-1]
     out_index = slots.index(slot)
