@@ -189,16 +189,32 @@ def collapse_paths(paths: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
+def module_attribute(module: object, name: str) -> object:
+    """``getattr(module, name, None)``, without the exception ``nn.Module.__getattr__``
+    raises for an absent name (most names discovery asks for are absent, and the
+    exception costs more than the lookup)."""
+    if getattr(type(module), "__getattr__", None) is not torch.nn.Module.__getattr__:
+        return getattr(module, name, None)  # (not a module, or one that answers absent names)
+    own = module.__dict__
+    if name in own:
+        return own[name]
+    if hasattr(type(module), name) or any(
+        name in own.get(table, ()) for table in ("_parameters", "_buffers", "_modules")
+    ):
+        return getattr(module, name, None)
+    return None
+
+
 def _int_attr(module: torch.nn.Module, names: Sequence[str]) -> Optional[int]:
     for name in names:
-        value = getattr(module, name, None)
+        value = module_attribute(module, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
 
 def _linear(module: torch.nn.Module, name: str) -> Optional[torch.nn.Linear]:
-    child = getattr(module, name, None)
+    child = module_attribute(module, name)
     return child if isinstance(child, torch.nn.Linear) else None
 
 
@@ -809,7 +825,7 @@ def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch
     linear = _linear(module, name)
     if linear is not None:
         return name, linear
-    child = getattr(module, name, None)
+    child = module_attribute(module, name)
     inner = _linear(child, "linear") if isinstance(child, torch.nn.Module) else None
     if inner is None or any(True for _ in child.parameters(recurse=False)):
         return None
@@ -821,7 +837,7 @@ def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch
 def _split_projections(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
     """``X.{self|attention|self_attention}.{query,key,value}`` with the output in
     ``X.output.dense``."""
-    output = getattr(module, "output", None)
+    output = module_attribute(module, "output")
     o = _linear(output, "dense") if isinstance(output, torch.nn.Module) else None
     if o is None:
         return None
@@ -862,10 +878,10 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
     no pair.
     """
     conv1d = _conv1d_class()
-    c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+    c_attn, c_proj = module_attribute(module, "c_attn"), module_attribute(module, "c_proj")
     if conv1d is None or not isinstance(c_attn, conv1d) or not isinstance(c_proj, conv1d):
         return None
-    q_attn = getattr(module, "q_attn", None)
+    q_attn = module_attribute(module, "q_attn")
     cross = isinstance(q_attn, conv1d)
     found = Findings(claimed={path})
     label = f"attention-like module ({type(module).__name__})"

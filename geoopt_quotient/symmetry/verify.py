@@ -752,14 +752,29 @@ class _Prover:
                 grads.append({n: g for n, g in zip(names, parts) if g is not None})
             return grads
 
-    def control(self, index: int, element: torch.Tensor, grads) -> float:
-        """First-order output change (largest projection) when ``element`` moves the first
-        factor of group ``index`` alone; ``inf`` when no gradient could be taken."""
-        if not grads:
-            return float("inf")
-        only = [element if i == index else None for i in range(len(self.groups))]
-        moved = self.acted(only, first_factor_only=True)
-        own = self.groups[index].param_names  # the only weights the element moves
+    def controls(self, elements: Sequence[Optional[torch.Tensor]], grads) -> List[float]:
+        """Per group, the first-order output change (largest projection) when its element
+        moves its first factor alone: 0 for a group without an element, ``inf`` when no
+        gradient could be taken.
+
+        Groups on disjoint parameters are moved in one pass (each moves its own
+        parameters only, exactly as alone), others one at a time."""
+        acting = [i for i, a in enumerate(elements) if a is not None]
+        out = [0.0 if a is None else float("inf") for a in elements]
+        if not grads or not acting:
+            return out
+        names = [n for i in acting for n in self.groups[i].param_names]
+        together = None
+        if len(set(names)) == len(names):
+            together = self.acted(elements, first_factor_only=True)
+        for i in acting:
+            alone = [a if j == i else None for j, a in enumerate(elements)]
+            moved = together or self.acted(alone, first_factor_only=True)
+            out[i] = self._control(self.groups[i].param_names, moved, grads)
+        return out
+
+    def _control(self, own: Sequence[str], moved: Mapping[str, torch.Tensor], grads) -> float:
+        """Largest projected first-order change of the weights ``own`` moved to ``moved``."""
         steps = {n: moved[n].double() - self.params[n].double() for n in own}
         change = 0.0
         for grad in grads:
@@ -930,8 +945,9 @@ def _prove(
         return None
     failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
     checks = []
+    controls = prover.controls(elements, grads)
     for i, (group, a) in enumerate(zip(prover.groups, elements)):
-        control = 0.0 if a is None else prover.control(i, a, grads)
+        control = controls[i]
         members = _failing_members(prover, i, a, changes) if i in failing else ()
         deviation = change(only([i])) if i in failing else None
         checks.append(GroupCheck(group.name, i not in failing, deviation, control, members))
