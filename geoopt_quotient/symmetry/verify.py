@@ -678,11 +678,12 @@ class _Prover:
     def acted(
         self, elements: Sequence[Optional[torch.Tensor]], *, first_factor_only: bool = False
     ) -> Dict[str, torch.Tensor]:
-        """The weights moved by ``elements`` (computed in :attr:`compute`, cast back)."""
+        """The weights ``elements`` move, by name (computed in :attr:`compute`, cast back);
+        the model's own weights stand for the others (:meth:`outputs` swaps in these)."""
         names = {n for g, a in zip(self.groups, elements) if a is not None for n in g.param_names}
         lifted = {n: p.to(self.compute) if n in names else p for n, p in self.params.items()}
         moved = self.bound.act(lifted, elements, first_factor_only=first_factor_only)
-        return {n: moved[n].to(p.dtype) for n, p in self.params.items()}
+        return {n: moved[n].to(p.dtype) for n, p in self.params.items() if n in names}
 
     def reference(self) -> Tuple[List[torch.Tensor], torch.dtype, List[Dict[str, torch.Tensor]]]:
         """The outputs at the weights, the lowest precision they were computed in, and the
