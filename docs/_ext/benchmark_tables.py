@@ -1382,7 +1382,8 @@ def cpu_verification(results: Results) -> Table:
             "find_symmetries by structure alone (verify=False) and proven (the default), on "
             "a fresh copy of the model each time, against a default geodesic_sharpness call "
             "(20 iterations) on one batch of 4 x 64 tokens with the plan given; process time, "
-            "1 thread, medians of interleaved rounds."
+            "1 thread, medians of interleaved rounds. By structure, the V/O pairs are "
+            "replayed on their modules; proven, only where the proof fails.",
         ],
     )
 
