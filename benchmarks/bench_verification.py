@@ -1,13 +1,15 @@
 """What proving the symmetry plan costs, beside the sharpness call it serves (CPU).
 
-``find_symmetries`` proves every group on the model by default: the rotary probe's forward
-pass, then a reference pass (with a backward pass for the controls) and one pass with every
-group acted on. This benchmark times, interleaved, on a tiny Llama and on a randomly
-initialised model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 key/value
-heads, 135M parameters):
+``find_symmetries`` proves every group on the model by default: the rotary probe's recorded
+forward pass, which is also the proof's reference pass (with a backward pass for the
+controls), and one pass with every group acted on. This benchmark times, interleaved, on a
+tiny Llama and on a randomly initialised model of SmolLM2-135M's shape (30 layers, hidden
+576, 9 query and 3 key/value heads, 135M parameters):
 
-- ``structure``: ``find_symmetries(model, verify=False)``, module structure alone;
-- ``proven``: ``find_symmetries(model)``, the default (structure, probe and proof);
+- ``structure``: ``find_symmetries(model, verify=False)``, module structure alone (with
+  the rotary probe, and the V/O pairs replayed on their modules);
+- ``proven``: ``find_symmetries(model)``, the default (structure, probe and proof; the
+  replays only where the proof fails);
 - ``call``: a default ``geodesic_sharpness`` call (20 Auto-PGD iterations, default radius,
   the path report) on one batch of next-token prediction, with the plan given;
 
@@ -15,7 +17,7 @@ and counts the model's forward passes during default discovery. Each discovery r
 fresh copy of the model (nothing cached from an earlier call), timed as process time (CPU
 seconds of this process), 1 thread by default, medians of ``--repeats`` interleaved rounds.
 The figure asked for is ``proven / call`` (at most 0.10), with ``(proven - structure) /
-call`` beside it.
+call`` beside it (less than the proof's own cost, as ``structure`` runs the replays).
 
     python benchmarks/bench_verification.py --json benchmarks/results/cpu/verification.json
     python benchmarks/bench_verification.py --quick      # seconds, for CI

@@ -22,14 +22,16 @@ def preserved_model_state(model: torch.nn.Module, *, eval_mode: bool = True) -> 
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        if eval_mode:
+        if eval_mode and any(training for _, training in modes):
             model.eval()
         yield
     finally:
         for module, training in modes:
-            module.training = training
+            if module.training != training:  # (setting it goes through Module.__setattr__)
+                module.training = training
         for param, flag in flags:
-            param.requires_grad_(flag)
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -19,7 +19,11 @@ from geoopt_quotient.manifolds.base import group_label, random_group_element  # 
 from geoopt_quotient.symmetry import PlanError, SymmetryPlan  # noqa: E402
 from geoopt_quotient.symmetry.verify import (  # noqa: E402
     SymmetryNotProvenWarning,
+    WeightPrecision,
+    probe_inputs_for,
+    prove_at_once,
     prove_plan,
+    reference_pass,
 )
 from geoopt_quotient.testing import assert_invariant, transformed_copy  # noqa: E402
 
@@ -116,16 +120,65 @@ class ForwardCounter:
         self.calls += 1
 
 
-def test_default_discovery_proves_every_group_in_at_most_four_forward_passes():
+def test_default_discovery_proves_every_group_in_two_forward_passes():
+    """The rotary probe's recorded pass is the proof's reference pass, the second acts on
+    every group; no pair is replayed on its module when the plan holds as a whole."""
     model = tiny_llama()
     counter = ForwardCounter(model)
+    attention = ForwardCounter(model.model.layers[0].self_attn)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SymmetryNotProvenWarning)
         plan = gq.find_symmetries(model, kinds="all")
-    assert counter.calls <= 4, counter.calls
+    assert counter.calls == 2, counter.calls
+    assert attention.calls == 2, attention.calls  # (a replay would run it again)
     kinds = {g.kind for g in plan.groups}
     assert kinds == {"query-key", "value-output", "mlp"}
     assert any(n.startswith("verified 3 symmetric groups") for n in plan.notes), plan.notes
+    assert any("2 forward passes" in n for n in plan.notes), plan.notes
+
+
+def test_the_shared_reference_pass_proves_as_a_pass_of_its_own():
+    model = tiny_llama()
+    plan = gq.find_symmetries(model, kinds="all", verify=False)
+    inputs = probe_inputs_for(model)
+    shared = prove_plan(model, plan, reference=reference_pass(model, inputs))
+    own = prove_plan(model, plan, inputs)
+    assert [(c.name, c.holds, c.control) for c in shared.checks] == [
+        (c.name, c.holds, c.control) for c in own.checks
+    ]
+    assert (shared.tolerance, shared.precision, shared.largest_change) == (
+        own.tolerance,
+        own.precision,
+        own.largest_change,
+    )
+    assert shared.forward_calls == own.forward_calls == 2
+    at_once = prove_at_once(model, plan, inputs)
+    assert at_once is not None and at_once.checks == own.checks
+    with pytest.raises(ValueError, match="not both"):
+        prove_plan(model, plan, inputs, reference=reference_pass(model, inputs))
+
+
+def test_prove_at_once_says_nothing_of_a_plan_that_fails():
+    model = tiny_llama()
+    plan = gq.find_symmetries(model, verify=False)
+    qk = next(g for g in plan.groups if g.kind == "query-key")
+    general = qk.with_manifold(gq.GLQuotient(qk.manifold.n, qk.manifold.m))
+    broken = SymmetryPlan([general if g is qk else g for g in plan.groups])
+    assert prove_at_once(model, broken) is None
+    assert [c.holds for c in prove_plan(model, broken).checks] == [
+        g is not general for g in broken.groups
+    ]
+
+
+def test_weight_precision_reads_each_roots_own_precision():
+    a, b = torch.ones(3, dtype=F64), torch.ones(3, dtype=F64)
+    with WeightPrecision([a, b]) as precision:
+        (a * 2).float().sum()  # a's results drop to float32
+        (b * 3).sum()
+    assert precision.lowest == torch.float32
+    assert precision.lowest_from([a]) == torch.float32
+    assert precision.lowest_from([b]) == F64
+    assert precision.lowest_from([torch.ones(1)]) is None
 
 
 def _normalise_heads(module, args, output):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from geoopt_quotient import RotaryGLQuotient, find_symmetries
+from geoopt_quotient.symmetry import probe
 from geoopt_quotient.symmetry.probe import canonical_rotary, recorded_forward
 from geoopt_quotient.symmetry.verify import SymmetryVerificationError, verify_plan
 
@@ -188,3 +189,45 @@ def test_meta_device_notes_the_unverified_reading():
     plan = find_symmetries(model)
     assert any("not verified" in n for n in plan.notes), plan.notes
     assert isinstance(kinds(plan)["query-key"], RotaryGLQuotient)
+
+
+@pytest.mark.parametrize("name", [n for n, spec in FAMILIES.items() if spec[2] is not None])
+def test_the_mapped_replay_reads_the_maps_of_one_call_per_vector(name):
+    """The basis vectors go through the rotary call in one vmapped call: the same maps,
+    bit for bit, as one call per vector."""
+    record, why = recorded_forward(build(name))
+    assert record is not None, why
+    calls = [c for cs in record.rotary_calls.values() for c in cs]
+    assert calls
+    for call in calls[:2]:
+        slots = [
+            i
+            for i, a in enumerate(call.args)
+            if isinstance(a, torch.Tensor) and any(a.shape == o.shape for o in call.outputs)
+        ]
+        for slot in slots:
+            looped = probe._looped_maps(call, slot, slots)
+            try:
+                mapped = probe._mapped_maps(call, slot, slots)
+            except Exception:  # not mappable: the loop reads it
+                continue
+            assert (mapped is None) == (looped is None)
+            assert mapped is None or torch.equal(mapped, looped)
+
+
+def test_a_rotary_function_vmap_cannot_follow_is_replayed_call_by_call():
+    angle = torch.tensor([0.3, 1.1, 2.0], dtype=torch.float64)  # per position
+
+    def rotate(x):  # reads a number out of its input: vmap refuses it
+        if float(x.abs().sum().item()) < 0:
+            raise AssertionError
+        c, s = angle.cos(), angle.sin()
+        return torch.stack([c * x[..., 0] - s * x[..., 1], s * x[..., 0] + c * x[..., 1]], -1)
+
+    x = torch.randn(3, 2, dtype=torch.float64)
+    call = probe.RotaryCall(rotate, (x,), {}, [rotate(x)])
+    with pytest.raises(RuntimeError):
+        probe._mapped_maps(call, 0, [0])
+    maps = probe._replay_maps(call, 0, [0])
+    assert maps is not None and torch.equal(maps, probe._looped_maps(call, 0, [0]))
+    assert probe._planes(maps, 1e-12) == ([(0, 1)], [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -10,7 +11,13 @@ import torch
 
 from .._checks import METRICS, check_choice, check_nonnegative_float
 from .experts import expert_pairs
-from .huggingface import Findings, collapse_paths, find_attention
+from .huggingface import (
+    Findings,
+    check_locally,
+    collapse_paths,
+    deferred_replays,
+    find_attention,
+)
 from .latent import latent_attention_pairs
 from .layouts import PairSpec, stack_pairs
 from .lora import lora_pairs
@@ -19,9 +26,18 @@ from .mlp import gated_mlp_pairs
 from .norm_gains import norm_gain_pairs
 from .output_gate import gated_output_pairs
 from .plan import NO_SYMMETRY, SymmetryGroup, SymmetryPlan
-from .probe import shared_records, why_not_runnable
+from .probe import recorded_forward, shared_records, why_not_runnable
 from .torch_nn import manifold_parameter_groups, multihead_attention_pairs
-from .verify import REPORT, SymmetryNotProvenWarning, failure_message, prove_plan, without_autocast
+from .verify import (
+    REPORT,
+    PlanProof,
+    ReferencePass,
+    SymmetryNotProvenWarning,
+    failure_message,
+    prove_at_once,
+    prove_plan,
+    without_autocast,
+)
 
 __all__ = ["find_symmetries"]
 
@@ -95,13 +111,16 @@ def find_symmetries(
         of each group's own group (condition number at most 4), all at once, must leave
         every floating-point output unchanged within the precision the model computes
         in (:func:`~geoopt_quotient.symmetry.verify.prove_plan`; two forward passes when
-        every group holds). A group the outputs refute, or the modules of a stacked
-        group that break it, are left to the adaptive geometry with a
-        :class:`SymmetryNotProvenWarning`, and the plan's notes say so. ``False`` skips
-        the proof (the plan then rests on module structure alone). A model on the meta
-        device or sharded with FSDP2 cannot be run here: its plan is returned unproven,
-        with a note; prove it with :func:`verify_plan` on the loaded (or an unsharded)
-        model.
+        every group holds, the first of them the rotary probe's recorded pass where the
+        probe inputs are built from the config). A group the outputs refute, or the
+        modules of a stacked group that break it, are left to the adaptive geometry with
+        a :class:`SymmetryNotProvenWarning`, and the plan's notes say so; pairs that
+        their own module breaks (a norm of the values between V and O...) are replayed on
+        it then and dropped with a note. ``False`` skips the proof (the plan then rests on
+        module structure alone and on those replays, run on every such pair). A model on
+        the meta device or sharded with FSDP2 cannot be run here: its plan is returned
+        unproven, with a note; prove it with :func:`verify_plan` on the loaded (or an
+        unsharded) model.
     probe_inputs : dict, tuple, torch.Tensor, callable or None
         Inputs of the proof: keyword arguments, positional arguments, one tensor, or a
         function ``model -> outputs`` (e.g. the loss on the first batch). ``None``
@@ -167,27 +186,73 @@ def find_symmetries(
 
 def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted) -> SymmetryPlan:
     """The body of :func:`find_symmetries`, its arguments checked."""
-    with shared_records():  # one recorded probe forward for every detector
-        found = _found(model, wanted, eps)
-    specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
-    extra = manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
-    notes = found.rendered_notes()
-    pair_groups = stack_pairs(specs, metric, eps)
-    if verify:
-        unproven = _unprovable(model)
-        if unproven is None:
-            kept, extra, proven = _proven(model, specs, pair_groups, extra, probe_inputs)
-            notes += proven
-            if len(kept) < len(specs):  # stacked again without the members that broke
-                pair_groups = stack_pairs(kept, metric, eps)
-        else:
-            notes.append(unproven)
+    unproven = _unprovable(model) if verify else None
+    proving = verify and unproven is None
+    # one recorded probe forward for the detectors, the replays and (on the default probe
+    # inputs) the proof, whose reference pass it is
+    sharing = proving and probe_inputs is None
+    with shared_records(reference=sharing):
+        with deferred_replays() if proving else contextlib.nullcontext():
+            found = _found(model, wanted, eps)
+        specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
+        extra = (
+            manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
+        )
+        pair_groups = stack_pairs(specs, metric, eps)
+        proof_notes = [unproven] if unproven else []
+        if proving:
+            pair_groups, extra, proof_notes = _proven_plan(
+                model, found, specs, pair_groups, extra, probe_inputs, metric, eps
+            )
+    notes = found.rendered_notes() + proof_notes
     groups = pair_groups + extra
     if not any(g.kind in (*ATTENTION_KINDS, "lora") for g in groups):
         notes.append(attention_reason(model, notes))  # (adapters: the base is not trained)
     if not groups:
         notes.insert(0, NO_SYMMETRY)
     return SymmetryPlan(groups, notes=notes)
+
+
+def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
+    """``(pair groups, extra groups, notes)`` of the plan proven on the model.
+
+    The pairs discovery flagged for a replay on their modules (``found.to_check``: V/O
+    pairs, whose values may pass through a norm, and the like) are replayed only where
+    the plan does not hold as a whole (:func:`prove_at_once`): the replays then drop, with
+    a note that says why, the pairs their modules break, and what is left is proven and
+    bisected as usual. Without ``probe_inputs`` the recorded probe forward is the first
+    proof's reference pass (a later proof runs its own, on the same inputs).
+    """
+    reference = _shared_reference(model) if probe_inputs is None else None
+    first = dict(probe_inputs=probe_inputs) if reference is None else dict(reference=reference)
+    if reference is not None:
+        probe_inputs = reference.inputs
+    if found.to_check:
+        proof = _proof_at_once(model, pair_groups + extra, first)
+        if proof is not None:
+            found.to_check = []
+            return pair_groups, extra, proof.notes()
+        check_locally(model, found)  # drops (with a note) the pairs their modules break
+        kept = {id(s) for s in found.specs}
+        specs = [s for s in specs if id(s) in kept]
+        pair_groups = stack_pairs(specs, metric, eps)
+        first = dict(probe_inputs=probe_inputs)
+    kept_specs, extra, notes = _proven(model, specs, pair_groups, extra, first)
+    if len(kept_specs) < len(specs):  # stacked again without the members that broke
+        pair_groups = stack_pairs(kept_specs, metric, eps)
+    return pair_groups, extra, notes
+
+
+def _proof_at_once(model, groups: List[SymmetryGroup], probe: Dict) -> Optional[PlanProof]:
+    """The proof of ``groups`` if they hold together (two forward passes), else ``None``;
+    ``probe``: ``probe_inputs=`` or ``reference=`` of :func:`prove_at_once`."""
+    return prove_at_once(model, SymmetryPlan(groups), **probe) if groups else None
+
+
+def _shared_reference(model: torch.nn.Module) -> Optional[ReferencePass]:
+    """The reference pass the recorded probe forward made (:func:`shared_records`), if any."""
+    record, _ = recorded_forward(model)
+    return getattr(record, "reference", None)
 
 
 def _found(model: torch.nn.Module, wanted: Tuple[str, ...], eps: float) -> Findings:
@@ -271,14 +336,15 @@ def _proven(
     specs: List[PairSpec],
     pair_groups: List[SymmetryGroup],
     extra: List[SymmetryGroup],
-    probe_inputs: Any,
+    probe: Dict[str, Any],
 ) -> Tuple[List[PairSpec], List[SymmetryGroup], List[str]]:
-    """The specs and extra groups that hold on the model, and the notes of the proof;
-    each group (or stacked member) the outputs refute is dropped with a warning."""
+    """The specs and extra groups that hold on the model, and the notes of the proof
+    (``probe``: ``probe_inputs=`` or ``reference=`` of :func:`prove_plan`); each group
+    (or stacked member) the outputs refute is dropped with a warning."""
     plan = SymmetryPlan(pair_groups + extra)
     if not plan.groups:
         return specs, extra, []
-    proof = prove_plan(model, plan, probe_inputs)
+    proof = prove_plan(model, plan, **probe)
     members = _members(specs, pair_groups)
     dropped_specs, dropped_groups, notes = set(), set(), []
     for check in proof.failed:

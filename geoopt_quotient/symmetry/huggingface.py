@@ -24,6 +24,7 @@ fit these patterns are reported in notes, never guessed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -198,16 +199,32 @@ def collapse_paths(paths: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
+def module_attribute(module: object, name: str) -> object:
+    """``getattr(module, name, None)``, without the exception ``nn.Module.__getattr__``
+    raises for an absent name (most names discovery asks for are absent, and the
+    exception costs more than the lookup)."""
+    if getattr(type(module), "__getattr__", None) is not torch.nn.Module.__getattr__:
+        return getattr(module, name, None)  # (not a module, or one that answers absent names)
+    own = module.__dict__
+    if name in own:
+        return own[name]
+    if hasattr(type(module), name) or any(
+        name in own.get(table, ()) for table in ("_parameters", "_buffers", "_modules")
+    ):
+        return getattr(module, name, None)
+    return None
+
+
 def _int_attr(module: torch.nn.Module, names: Sequence[str]) -> Optional[int]:
     for name in names:
-        value = getattr(module, name, None)
+        value = module_attribute(module, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
 
 def _linear(module: torch.nn.Module, name: str) -> Optional[torch.nn.Linear]:
-    child = getattr(module, name, None)
+    child = module_attribute(module, name)
     return child if isinstance(child, torch.nn.Linear) else None
 
 
@@ -847,7 +864,7 @@ def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch
     linear = _linear(module, name)
     if linear is not None:
         return name, linear
-    child = getattr(module, name, None)
+    child = module_attribute(module, name)
     inner = _linear(child, "linear") if isinstance(child, torch.nn.Module) else None
     if inner is None or any(True for _ in child.parameters(recurse=False)):
         return None
@@ -859,7 +876,7 @@ def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch
 def _split_projections(path: str, module: torch.nn.Module, context: _Context) -> Optional[Findings]:
     """``X.{self|attention|self_attention}.{query,key,value}`` with the output in
     ``X.output.dense``."""
-    output = getattr(module, "output", None)
+    output = module_attribute(module, "output")
     o = _linear(output, "dense") if isinstance(output, torch.nn.Module) else None
     if o is None:
         return None
@@ -900,10 +917,10 @@ def gpt2_pairs(path: str, module: torch.nn.Module, context: _Context) -> Optiona
     no pair.
     """
     conv1d = _conv1d_class()
-    c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+    c_attn, c_proj = module_attribute(module, "c_attn"), module_attribute(module, "c_proj")
     if conv1d is None or not isinstance(c_attn, conv1d) or not isinstance(c_proj, conv1d):
         return None
-    q_attn = getattr(module, "q_attn", None)
+    q_attn = module_attribute(module, "q_attn")
     cross = isinstance(q_attn, conv1d)
     found = Findings(claimed={path})
     label = f"attention-like module ({type(module).__name__})"
@@ -1223,14 +1240,13 @@ CLAMPED_QKV = (
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:
-    if _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is None:
-        return False
     conv1d = _conv1d_class()
     kinds = (torch.nn.Linear,) + ((conv1d,) if conv1d is not None else ())
-    return any(
+    projects = any(
         isinstance(c, kinds) or isinstance(getattr(c, "base_layer", None), kinds)
         for c in module.children()
-    )
+    )  # (first: most modules have no such child, and reading absent attributes is slow)
+    return projects and _int_attr(module, HEADS_ATTRS + HEAD_DIM_ATTRS) is not None
 
 
 def _wrapped_projection_note(path: str, module: torch.nn.Module, found: Findings) -> bool:
@@ -1285,15 +1301,33 @@ def find_attention(model: torch.nn.Module, skip: Set[str] = frozenset()) -> Find
     return check_locally(model, found)
 
 
+#: Depth of :func:`deferred_replays` scopes.
+_DEFERRED = [0]
+
+
+@contextlib.contextmanager
+def deferred_replays() -> Iterator[None]:
+    """Within this scope :func:`check_locally` replays nothing and leaves ``to_check`` to
+    the caller: discovery proves the plan on the model first, and replays the pairs only
+    where the proof fails (to say what broke them), since a model-level proof that holds
+    settles every pair at once."""
+    _DEFERRED[0] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED[0] -= 1
+
+
 def check_locally(model: torch.nn.Module, found: Findings) -> Findings:
     """Replay the module of each spec in ``found.to_check`` with a random element of its
     group acting on its parameters; drop the specs whose module output moves, with a note.
 
     Runs only where the model's probe forward was recorded
     (:func:`~geoopt_quotient.symmetry.probe.recorded_forward`); elsewhere the specs are
-    kept and a note says they were not replayed.
+    kept and a note says they were not replayed. Within :func:`deferred_replays` it
+    returns ``found`` as it is.
     """
-    if not found.to_check:
+    if not found.to_check or _DEFERRED[0]:
         return found
     record, why_not = recorded_forward(model)
     if record is None:

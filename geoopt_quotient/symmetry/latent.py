@@ -36,7 +36,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .huggingface import Findings, check_locally
+from .huggingface import Findings, check_locally, module_attribute
 from .layouts import PairSpec, child_path, head_columns, linear_child
 
 __all__ = ["latent_attention_pairs"]
@@ -87,7 +87,7 @@ def _head_slice(weight, bias, heads: int, per_head: int, start: int, size: int) 
 
 def _latent_specs(path: str, module: torch.nn.Module) -> Optional[list]:
     """The Q/K and V/O pairs of one MLA module, or ``None`` if it is not one."""
-    sizes = [getattr(module, a, None) for a in LATENT_ATTRS]
+    sizes = [module_attribute(module, a) for a in LATENT_ATTRS]
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         return None
     heads, nope, rope, v_dim = sizes

@@ -17,7 +17,7 @@ from typing import Dict
 
 import torch
 
-from .huggingface import Findings
+from .huggingface import Findings, module_attribute
 from .layouts import PairSpec, child_path
 
 __all__ = ["lora_pairs"]
@@ -49,14 +49,14 @@ def lora_pairs(model: torch.nn.Module, eps: float = 0.0) -> Findings:
     """
     found = Findings()
     for path, module in model.named_modules():
-        dict_a, dict_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        dict_a, dict_b = module_attribute(module, "lora_A"), module_attribute(module, "lora_B")
         if isinstance(dict_a, torch.nn.ModuleDict) and isinstance(dict_b, torch.nn.ModuleDict):
             found.claimed.add(path)
             for name, a in dict_a.items():
                 b = dict_b[name] if name in dict_b else None
                 _linear_adapter(found, path, name, a, b, eps)
-        emb_a = getattr(module, "lora_embedding_A", None)
-        emb_b = getattr(module, "lora_embedding_B", None)
+        emb_a = module_attribute(module, "lora_embedding_A")
+        emb_b = module_attribute(module, "lora_embedding_B")
         if isinstance(emb_a, torch.nn.ParameterDict) and isinstance(emb_b, torch.nn.ParameterDict):
             found.claimed.add(path)
             for name, a in emb_a.items():

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from .huggingface import Findings, check_locally, rotary_geometry
+from .huggingface import Findings, check_locally, module_attribute, rotary_geometry
 from .layouts import PairSpec, child_path
 
 __all__ = ["mixture_of_attention_pairs"]
@@ -43,7 +43,7 @@ def _expert_weight(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 
 def _moa_specs(path: str, module: torch.nn.Module) -> Optional[List[PairSpec]]:
     """The Q/K and V/O pairs of one mixture-of-attention module, or ``None``."""
-    experts, kv = getattr(module, "experts", None), getattr(module, "kv_proj", None)
+    experts, kv = module_attribute(module, "experts"), module_attribute(module, "kv_proj")
     if not isinstance(experts, torch.nn.Module) or not isinstance(kv, torch.nn.Linear):
         return None
     w_in, w_out = _expert_weight(experts, "input_linear"), _expert_weight(experts, "output_linear")

@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -76,17 +77,30 @@ class ForwardRecord:
     rotary_calls: Dict[str, List[RotaryCall]] = field(default_factory=dict)
     children_run: Dict[str, List[str]] = field(default_factory=dict)
     replays: Dict[Tuple, Any] = field(default_factory=dict)
+    #: the pass as the proof's reference pass
+    #: (:class:`~geoopt_quotient.symmetry.verify.ReferencePass`), where it was made as one
+    reference: Any = None
 
 
-#: Records shared within :func:`shared_records` (one dict per active scope, by model id).
-_SCOPES: List[Dict[int, Tuple[torch.nn.Module, Tuple[Optional[ForwardRecord], str]]]] = []
+#: Records shared within :func:`shared_records` (one dict per active scope, by model id),
+#: with whether the scope's records are made as the proof's reference pass.
+_SCOPES: List[
+    Tuple[Dict[int, Tuple[torch.nn.Module, Tuple[Optional[ForwardRecord], str]]], bool]
+] = []
 
 
 @contextlib.contextmanager
-def shared_records() -> Iterator[None]:
+def shared_records(reference: bool = False) -> Iterator[None]:
     """Within this scope each model is run and recorded once, and the record is shared by
-    every detector that asks (one discovery); outside it nothing is kept between calls."""
-    _SCOPES.append({})
+    every detector that asks (one discovery); outside it nothing is kept between calls.
+
+    With ``reference`` the record is made on the proof's default probe inputs
+    (:func:`~geoopt_quotient.symmetry.verify.default_probe`, positions spread as
+    usual) in a pass that also serves as the proof's reference pass
+    (``record.reference``, :func:`~geoopt_quotient.symmetry.verify.reference_pass`):
+    gradients tracked to every floating weight, the outputs kept.
+    """
+    _SCOPES.append(({}, reference))
     try:
         yield
     finally:
@@ -224,9 +238,9 @@ def recorded_forward(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], s
     ``(None, reason)``; shared within :func:`shared_records`."""
     if not _SCOPES:
         return _record(model)
-    scope = _SCOPES[-1]
+    scope, reference = _SCOPES[-1]
     if id(model) not in scope:
-        scope[id(model)] = (model, _record(model))  # the model pins its id in the scope
+        scope[id(model)] = (model, _record(model, reference))  # the model pins its id
     return scope[id(model)][1]
 
 
@@ -241,15 +255,17 @@ def why_not_runnable(model: torch.nn.Module) -> str:
     return ""
 
 
-def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
+def _record(model: torch.nn.Module, reference: bool = False) -> Tuple[Optional[ForwardRecord], str]:
     why_not = why_not_runnable(model)
     if why_not:
         return None, why_not
+    shared = _reference_inputs(model) if reference else None
     try:
-        inputs = _probe_inputs(model)
+        inputs = _probe_inputs(model) if shared is None else shared
     except Exception as error:
         return None, f"no probe inputs could be built ({error})"
     from .._model_state import preserved_model_state
+    from .verify import reference_pass
 
     errors = []
     for attempt in (_spread_positions(model, inputs), inputs):
@@ -257,13 +273,28 @@ def _record(model: torch.nn.Module) -> Tuple[Optional[ForwardRecord], str]:
             continue
         record = ForwardRecord()
         try:
-            with preserved_model_state(model), torch.no_grad(), _recording(model, record):
-                model(**attempt)
+            with preserved_model_state(model), _recording(model, record):
+                if shared is not None:
+                    record.reference = reference_pass(model, attempt)
+                else:
+                    with torch.no_grad():
+                        model(**attempt)
         except Exception as error:
             errors.append(f"{type(error).__name__}: {error}")
             continue
         return record, ""
     return None, f"its forward failed on the probe inputs ({errors[-1][:200]})"
+
+
+def _reference_inputs(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """The proof's default probe inputs where they are keyword inputs, else ``None``."""
+    from .verify import default_probe
+
+    try:
+        inputs = default_probe(model, guess=False)
+    except Exception:  # the probe's own inputs decide (and say why)
+        return None
+    return dict(inputs) if isinstance(inputs, dict) else None
 
 
 # ---------------------------------------------------------------- rotary planes
@@ -288,16 +319,26 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 64 * eps
 
 
-def _column_offset(data: torch.Tensor, heads: torch.Tensor) -> Optional[int]:
+def _sorted_columns(t: torch.Tensor) -> torch.Tensor:
+    """The entries of each column of ``t`` (last dimension) in increasing order, float64."""
+    return t.reshape(-1, t.shape[-1]).to(torch.float64).sort(dim=0).values
+
+
+def _column_offset(
+    data: torch.Tensor,
+    heads: torch.Tensor,
+    sorted_columns: Callable[[torch.Tensor], torch.Tensor] = _sorted_columns,
+) -> Optional[int]:
     """Offset ``o`` with ``data[..., c]`` equal (as a multiset) to ``heads[..., o + c]``,
-    each head possibly repeated (key heads shared by several query heads)."""
+    each head possibly repeated (key heads shared by several query heads);
+    ``sorted_columns`` is :func:`_sorted_columns` (or a cache of it)."""
     r, hd = data.shape[-1], heads.shape[-1]
     rows, ref_rows = data.numel() // r, heads.numel() // hd
     if r > hd or rows % ref_rows:
         return None
-    cols = data.reshape(-1, r).to(torch.float64).sort(dim=0).values
-    ref = heads.reshape(-1, hd).to(torch.float64).repeat(rows // ref_rows, 1)
-    ref = ref.sort(dim=0).values
+    cols = sorted_columns(data)
+    # sorting k copies of each column repeats each of its sorted entries k times
+    ref = sorted_columns(heads).repeat_interleave(rows // ref_rows, dim=0)
     scale = ref.abs().max().clamp_min(1e-30)
     tol = _tolerance(data.dtype) * scale
     for offset in range(hd - r + 1):
@@ -340,7 +381,46 @@ def _cached_maps(
 
 def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
     """Matrices ``(positions, r, r)`` of the call's map on argument ``slot``: basis vectors
-    in, the output of the same slot out (the other data arguments zero)."""
+    in, the output of the same slot out (the other data arguments zero).
+
+    The ``r`` basis vectors go through one call mapped over them (:func:`torch.vmap`:
+    the same arithmetic, element by element, as ``r`` calls), or through ``r`` calls where
+    the function cannot be mapped."""
+    try:
+        with warnings.catch_warnings():  # vmap's note on operators it loops over
+            warnings.filterwarnings("ignore", message=".*batching rule.*")
+            return _mapped_maps(call, slot, slots)
+    except Exception:  # a function vmap cannot follow (data-dependent control flow...)
+        return _looped_maps(call, slot, slots)
+
+
+def _mapped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
+    """:func:`_replay_maps` in one call mapped over the basis vectors."""
+    data = call.args[slot]
+    r = data.shape[-1]
+    out_index = slots.index(slot)
+    eye = torch.eye(r, dtype=data.dtype, device=data.device)
+    basis = eye.reshape(r, *([1] * (data.dim() - 1)), r).expand(r, *data.shape).contiguous()
+
+    def column(vector: torch.Tensor) -> List[torch.Tensor]:
+        args = list(call.args)
+        for s in slots:
+            args[s] = torch.zeros_like(call.args[s])
+        args[slot] = vector
+        return _tensors(call.function(*args, **call.kwargs))
+
+    outputs = torch.vmap(column)(basis)
+    if len(outputs) != len(slots):
+        return None
+    for k, other in enumerate(outputs):
+        if k != out_index and other.abs().max() > 0:
+            return None  # the data arguments mix: not a rotation of each
+    out = outputs[out_index].reshape(r, -1, r).to(torch.float64)  # (columns, positions, r)
+    return out.permute(1, 2, 0)
+
+
+def _looped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
+    """:func:`_replay_maps`, one call per basis vector."""
     data = call.args[slot]
     r = data.shape[-1]
     out_index = slots.index(slot)
@@ -366,25 +446,38 @@ def _planes(maps: torch.Tensor, tol: float) -> Optional[Tuple[List[Tuple[int, in
     are not rotations of disjoint planes (and the identity elsewhere)."""
     r = maps.shape[-1]
     eye = torch.eye(r, dtype=maps.dtype)
-    off = (maps - eye * maps).abs().amax(dim=0) > tol  # couplings i <- j
+    off = ((maps - eye * maps).abs().amax(dim=0) > tol).tolist()  # couplings i <- j
+    scaled = ((maps.diagonal(dim1=-2, dim2=-1) - 1).abs().amax(dim=0) > tol).tolist()
     planes, fixed = [], []
     for j in range(r):
-        partners = off[:, j].nonzero().flatten().tolist()
+        partners = [i for i in range(r) if off[i][j]]
         if not partners:
-            if (maps[:, j, j] - 1).abs().max() > tol:
+            if scaled[j]:
                 return None  # scaled, not rotated
             fixed.append(j)
             continue
-        if len(partners) != 1 or off[j].nonzero().flatten().tolist() != partners:
+        if len(partners) != 1 or [i for i in range(r) if off[j][i]] != partners:
             return None
-        i = partners[0]
-        if j < i:
-            block = maps[:, [j, i]][:, :, [j, i]]
-            c, s = block[:, 0, 0], block[:, 1, 0]
-            if (block[:, 1, 1] - c).abs().max() > tol or (block[:, 0, 1] + s).abs().max() > tol:
-                return None
-            planes.append((j, i))
+        if j < partners[0]:
+            planes.append((j, partners[0]))
+    if planes:  # each plane's block is [[c, -s], [s, c]] at every position
+        first, second = [j for j, _ in planes], [i for _, i in planes]
+        c, s = maps[:, first, first], maps[:, second, first]
+        if (maps[:, second, second] - c).abs().max() > tol:
+            return None
+        if (maps[:, first, second] + s).abs().max() > tol:
+            return None
     return planes, fixed
+
+
+def _cached_planes(
+    record: ForwardRecord, maps: torch.Tensor, tol: float
+) -> Optional[Tuple[List[Tuple[int, int]], List[int]]]:
+    """:func:`_planes`, read once per map (every layer of a model shares its rotary maps)."""
+    key = ("rotary planes", id(maps), tol)  # the maps stay alive in the record's cache
+    if key not in record.replays:
+        record.replays[key] = _planes(maps, tol)
+    return record.replays[key]
 
 
 def rotary_planes(
@@ -416,6 +509,13 @@ def rotary_planes(
         return RotaryReading(False, reason="the module did not run in the probe forward")
     hd = q.shape[-1]
     readings = {}
+    sorted_once: Dict[int, torch.Tensor] = {}  # by tensor id: q, k and each call's data
+
+    def sorted_columns(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in sorted_once:
+            sorted_once[id(t)] = _sorted_columns(t)
+        return sorted_once[id(t)]
+
     inside = [c for p, cs in record.rotary_calls.items() if _within(p, path) for c in cs]
     for call in inside:
         slots = [
@@ -426,11 +526,15 @@ def rotary_planes(
         for slot in slots:
             data = call.args[slot]
             for side, heads in (("query", q), ("key", k)):
-                offset = _column_offset(data, heads) if side not in readings else None
+                offset = (
+                    _column_offset(data, heads, sorted_columns) if side not in readings else None
+                )
                 if offset is None:
                     continue
                 maps = _cached_maps(record, call, slot, slots)
-                found = None if maps is None else _planes(maps, _tolerance(data.dtype))
+                found = (
+                    None if maps is None else _cached_planes(record, maps, _tolerance(data.dtype))
+                )
                 if found is None:
                     return RotaryReading(
                         True, reason=f"{call.function.__name__} does not rotate disjoint planes"

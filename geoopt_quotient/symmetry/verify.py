@@ -55,11 +55,14 @@ __all__ = [
     "GroupCheck",
     "PlanProof",
     "ProbeError",
+    "ReferencePass",
     "SymmetryNotProvenWarning",
     "SymmetryVerificationError",
     "WeightPrecision",
     "probe_inputs_for",
+    "prove_at_once",
     "prove_plan",
+    "reference_pass",
     "verify_plan",
 ]
 
@@ -356,37 +359,67 @@ class WeightPrecision(TorchDispatchMode):
     below : dict of str to int
         Operator name -> how often it produced a weight-dependent result of lower precision
         than the roots.
+
+    :meth:`lowest_from` reads the lowest precision of the results that depend on some of
+    the roots only (one pass at every weight serves the proof of any plan).
     """
 
     def __init__(self, roots: Sequence[torch.Tensor]):
         super().__init__()
-        self.tainted = WeakIdKeyDictionary()
-        for root in roots:
-            self.tainted[root] = True
+        self.tainted = WeakIdKeyDictionary()  # tensor -> bit mask of the roots it depends on
+        self.bits = WeakIdKeyDictionary()
+        for k, root in enumerate(roots):
+            self.tainted[root] = self.tainted.get(root, 0) | 1 << k
+            self.bits[root] = self.tainted[root]
         floating = [r.dtype for r in roots if r.is_floating_point()]
         self.own = max(floating, key=_eps) if floating else None
         self.lowest: Optional[torch.dtype] = None
         self.below: Dict[str, int] = {}
+        self.depends: Dict[torch.dtype, int] = {}  # dtype -> roots some result depends on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = tree_flatten((args, kwargs))[0]
-        if any(isinstance(t, torch.Tensor) and t in self.tainted for t in inputs):
+        mask = 0
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                mask |= self.tainted.get(t, 0)
+        if mask:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self.tainted[t] = True
-                    self._record(t.dtype, str(func.overloadpacket))
+                    self.tainted[t] = self.tainted.get(t, 0) | mask
+                    self._record(t.dtype, str(func.overloadpacket), mask)
         return out
 
-    def _record(self, dtype: torch.dtype, name: str) -> None:
+    def _record(self, dtype: torch.dtype, name: str, mask: int) -> None:
         if dtype.is_complex:
             dtype = dtype.to_real()
         if not dtype.is_floating_point:
             return
+        self.depends[dtype] = self.depends.get(dtype, 0) | mask
         if self.lowest is None or _eps(dtype) > _eps(self.lowest):
             self.lowest = dtype
         if self.own is not None and _eps(dtype) > _eps(self.own):
             self.below[name] = self.below.get(name, 0) + 1
+
+    def lowest_from(self, roots: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+        """The lowest precision among the results that depend on some of ``roots`` (a
+        subset of the roots the mode was made with), ``None`` if none does.
+
+        Parameters
+        ----------
+        roots : sequence of torch.Tensor
+            Some of the roots.
+
+        Returns
+        -------
+        torch.dtype or None
+            As :attr:`lowest`, for these roots alone.
+        """
+        wanted = 0
+        for root in roots:
+            wanted |= self.bits.get(root, 0)
+        seen = [dtype for dtype, mask in self.depends.items() if mask & wanted]
+        return max(seen, key=_eps) if seen else None
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -540,12 +573,74 @@ class PlanProof:
         return notes
 
 
+@dataclass
+class ReferencePass:
+    """A forward pass of the model at its weights, kept to serve as a proof's reference
+    pass (:func:`reference_pass`): discovery records its rotary probe on this pass, so
+    that the two are one forward pass.
+
+    Attributes
+    ----------
+    inputs : dict
+        The keyword inputs the model ran on (the proof's probe inputs).
+    params : dict of str to torch.Tensor
+        The weights the pass used, by name: detached leaves, the floating ones requiring
+        gradients, so that the proof can differentiate with respect to any group's.
+    outputs : Any
+        The model's outputs, with their autograd graph.
+    precision : WeightPrecision or None
+        The precision of each weight-dependent operation (read for a float64 model only,
+        where it sets the tolerance).
+    """
+
+    inputs: Dict[str, Any]
+    params: Dict[str, torch.Tensor]
+    outputs: Any
+    precision: Optional[WeightPrecision] = None
+
+
+def reference_pass(model: torch.nn.Module, inputs: Mapping[str, Any]) -> ReferencePass:
+    """Run ``model(**inputs)`` at its weights as a proof's reference pass: every floating
+    weight a leaf that requires gradients, and, for a float64 model, the precision of each
+    operation read (:class:`WeightPrecision`, rooted at every weight).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (not mutated; run as it is: the caller sets eval mode).
+    inputs : mapping
+        Keyword inputs, e.g. :func:`probe_inputs_for`'s.
+
+    Returns
+    -------
+    ReferencePass
+        The pass, for ``prove_plan(..., reference=)``.
+    """
+    params = {
+        n: p.detach().requires_grad_(p.is_floating_point()) for n, p in model.named_parameters()
+    }
+    floating = [p.dtype for p in params.values() if p.is_floating_point()]
+    dtype = floating[0] if floating else torch.float32
+    precision = WeightPrecision(list(params.values())) if dtype == torch.float64 else None
+    with torch.enable_grad(), precision or contextlib.nullcontext():
+        outputs = functional_call(model, params, (), dict(inputs), strict=False)
+    return ReferencePass(dict(inputs), params, outputs, precision)
+
+
 class _Prover:
     """The state of one proof: the model's weights, the probe, the drawn elements and the
     reference outputs; every forward pass goes through :meth:`outputs` and is counted."""
 
-    def __init__(self, model: torch.nn.Module, bound: BoundPlan, probe: Probe, seed: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        bound: BoundPlan,
+        probe: Probe,
+        seed: int,
+        shared: Optional[ReferencePass] = None,
+    ):
         self.module = _Probed(model, probe)
+        self.shared = shared
         self.bound = bound
         self.groups = bound.symmetric_groups
         self.params = {n: p.detach() for n, p in model.named_parameters()}
@@ -554,7 +649,7 @@ class _Prover:
         self.compute = _compute_dtype(self.dtype)
         self.generator = torch.Generator().manual_seed(seed)
         self.projections = torch.Generator().manual_seed(seed + 1)
-        self.forward_calls = 0
+        self.forward_calls = 0 if shared is None else 1  # the shared pass is the reference
 
     def outputs(self, params: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
         self.forward_calls += 1
@@ -583,16 +678,19 @@ class _Prover:
     def acted(
         self, elements: Sequence[Optional[torch.Tensor]], *, first_factor_only: bool = False
     ) -> Dict[str, torch.Tensor]:
-        """The weights moved by ``elements`` (computed in :attr:`compute`, cast back)."""
+        """The weights ``elements`` move, by name (computed in :attr:`compute`, cast back);
+        the model's own weights stand for the others (:meth:`outputs` swaps in these)."""
         names = {n for g, a in zip(self.groups, elements) if a is not None for n in g.param_names}
         lifted = {n: p.to(self.compute) if n in names else p for n, p in self.params.items()}
         moved = self.bound.act(lifted, elements, first_factor_only=first_factor_only)
-        return {n: moved[n].to(p.dtype) for n, p in self.params.items()}
+        return {n: moved[n].to(p.dtype) for n, p in self.params.items() if n in names}
 
     def reference(self) -> Tuple[List[torch.Tensor], torch.dtype, List[Dict[str, torch.Tensor]]]:
         """The outputs at the weights, the lowest precision they were computed in, and the
         gradients of three random projections of them with respect to the groups' weights."""
         names = {n for g in self.groups for n in g.param_names}
+        if self.shared is not None:
+            return self._shared_reference(sorted(names))
         params = {
             n: p.detach().requires_grad_(p.is_floating_point()) if n in names else p
             for n, p in self.params.items()
@@ -608,6 +706,17 @@ class _Prover:
         lowest = precision.lowest or self.dtype
         reference = [t.detach().to(torch.float64) for t in leaves]
         return reference, lowest, self._projected_gradients(leaves, roots, sorted(names))
+
+    def _shared_reference(self, names: List[str]):
+        """:meth:`reference` read from the shared pass (every weight a leaf there)."""
+        roots = [self.shared.params[n] for n in names]
+        leaves = _float_leaves(self.shared.outputs)
+        if not leaves:
+            raise ProbeError("the model's outputs on the probe inputs contain no floating tensor")
+        read = self.shared.precision
+        lowest = (read.lowest_from(roots) if read is not None else None) or self.dtype
+        reference = [t.detach().to(torch.float64) for t in leaves]
+        return reference, lowest, self._projected_gradients(leaves, roots, names)
 
     def _projected_gradients(self, leaves, roots, names) -> List[Dict[str, torch.Tensor]]:
         """Gradients of three random projections of the outputs, in one batched backward
@@ -644,19 +753,33 @@ class _Prover:
                 grads.append({n: g for n, g in zip(names, parts) if g is not None})
             return grads
 
-    def control(self, index: int, element: torch.Tensor, grads) -> float:
-        """First-order output change (largest projection) when ``element`` moves the first
-        factor of group ``index`` alone; ``inf`` when no gradient could be taken."""
-        if not grads:
-            return float("inf")
-        only = [element if i == index else None for i in range(len(self.groups))]
-        moved = self.acted(only, first_factor_only=True)
+    def controls(self, elements: Sequence[Optional[torch.Tensor]], grads) -> List[float]:
+        """Per group, the first-order output change (largest projection) when its element
+        moves its first factor alone: 0 for a group without an element, ``inf`` when no
+        gradient could be taken.
+
+        Groups on disjoint parameters are moved in one pass (each moves its own
+        parameters only, exactly as alone), others one at a time."""
+        acting = [i for i, a in enumerate(elements) if a is not None]
+        out = [0.0 if a is None else float("inf") for a in elements]
+        if not grads or not acting:
+            return out
+        names = [n for i in acting for n in self.groups[i].param_names]
+        together = None
+        if len(set(names)) == len(names):
+            together = self.acted(elements, first_factor_only=True)
+        for i in acting:
+            alone = [a if j == i else None for j, a in enumerate(elements)]
+            moved = together or self.acted(alone, first_factor_only=True)
+            out[i] = self._control(self.groups[i].param_names, moved, grads)
+        return out
+
+    def _control(self, own: Sequence[str], moved: Mapping[str, torch.Tensor], grads) -> float:
+        """Largest projected first-order change of the weights ``own`` moved to ``moved``."""
+        steps = {n: moved[n].double() - self.params[n].double() for n in own}
         change = 0.0
         for grad in grads:
-            dot = sum(
-                float((g.double() * (moved[n].double() - self.params[n].double())).sum())
-                for n, g in grad.items()
-            )
+            dot = sum(float((g.double() * steps[n]).sum()) for n, g in grad.items() if n in steps)
             change = max(change, abs(dot))
         return change
 
@@ -702,6 +825,7 @@ def prove_plan(
     seed: int = 0,
     max_condition: float = 4.0,
     rtol: Optional[float] = None,
+    reference: Optional[ReferencePass] = None,
 ) -> PlanProof:
     """Check every symmetric group of ``plan`` on the model's outputs, without raising.
 
@@ -723,15 +847,63 @@ def prove_plan(
     rtol : float, optional
         Tolerance relative to the largest output magnitude (default
         :func:`default_rtol` of the precision the model computes in).
+    reference : ReferencePass, optional
+        A pass of the model at its weights (:func:`reference_pass`) to use as the
+        reference pass instead of running one; the probe inputs are then its inputs
+        (``probe_inputs`` must be ``None``). Its graph is differentiated once.
 
     Returns
     -------
     PlanProof
         Per group: holds or not (and which members break it), and its control.
     """
+    proof = _proof(model, plan, probe_inputs, seed, max_condition, rtol, reference, True)
+    assert proof is not None  # localised proofs always report
+    return proof
+
+
+def prove_at_once(
+    model: torch.nn.Module,
+    plan: SymmetryPlan | BoundPlan,
+    probe_inputs: Any = None,
+    *,
+    seed: int = 0,
+    max_condition: float = 4.0,
+    rtol: Optional[float] = None,
+    reference: Optional[ReferencePass] = None,
+) -> Optional[PlanProof]:
+    """:func:`prove_plan` when every group holds, in two forward passes; ``None`` when
+    the outputs refute the plan, with nothing localised (no bisection).
+
+    The reference pass and the pass with every group acted on are those of
+    :func:`prove_plan` (same seed, same elements): where every group holds, the two
+    return the same proof. A caller that can explain a failure more cheaply than by
+    bisection (discovery replays the pairs it flagged on their modules) tries this first.
+
+    Parameters
+    ----------
+    model, plan, probe_inputs, seed, max_condition, rtol, reference
+        As for :func:`prove_plan`.
+
+    Returns
+    -------
+    PlanProof or None
+        The proof, every group holding; ``None`` if some group does not.
+    """
+    return _proof(model, plan, probe_inputs, seed, max_condition, rtol, reference, False)
+
+
+def _proof(
+    model, plan, probe_inputs, seed, max_condition, rtol, reference, localise
+) -> Optional[PlanProof]:
+    """The body of :func:`prove_plan` (``localise=False``: :func:`prove_at_once`)."""
+    if reference is not None and probe_inputs is not None:
+        raise ValueError("pass probe_inputs or reference, not both (the reference has inputs)")
     bound = plan if isinstance(plan, BoundPlan) else plan.bind(model)
+    if reference is not None:
+        probe_inputs = reference.inputs
     probe = as_probe(default_probe(model) if probe_inputs is None else probe_inputs)
-    prover = _Prover(model, bound, probe, seed)
+    prover = _Prover(model, bound, probe, seed, reference)
     if not prover.groups:
         return PlanProof(rtol=rtol or 0.0, precision=prover.dtype)
     with preserved_model_state(model), without_autocast():
@@ -747,10 +919,12 @@ def prove_plan(
                 "arguments, a tuple, a tensor or a function of the model), or verify=False"
             ) from error
         with torch.no_grad():
-            return _prove(prover, reference, precision, grads, max_condition, rtol)
+            return _prove(prover, reference, precision, grads, max_condition, rtol, localise)
 
 
-def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProof:
+def _prove(
+    prover, reference, precision, grads, max_condition, rtol, localise
+) -> Optional[PlanProof]:
     scale = _scale(reference)
     rtol = default_rtol(precision, prover.dtype) if rtol is None else rtol
     tol = rtol * max(scale, 1e-30)
@@ -768,10 +942,13 @@ def _prove(prover, reference, precision, grads, max_condition, rtol) -> PlanProo
 
     checked = [i for i, a in enumerate(elements) if a is not None]
     largest = change(only(checked)) if checked else 0.0
+    if largest > tol and not localise:
+        return None
     failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
     checks = []
+    controls = prover.controls(elements, grads)
     for i, (group, a) in enumerate(zip(prover.groups, elements)):
-        control = 0.0 if a is None else prover.control(i, a, grads)
+        control = controls[i]
         members = _failing_members(prover, i, a, changes) if i in failing else ()
         deviation = change(only([i])) if i in failing else None
         checks.append(GroupCheck(group.name, i not in failing, deviation, control, members))
