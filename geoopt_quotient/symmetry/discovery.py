@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -194,15 +195,16 @@ def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted
     with shared_records(reference=sharing):
         with deferred_replays() if proving else contextlib.nullcontext():
             found = _found(model, wanted, eps)
-        specs = [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
+        specs = _wanted_specs(model, found, trainable_only, wanted)
         extra = (
             manifold_parameter_groups(model, metric, eps) if "manifold-parameter" in wanted else []
         )
         pair_groups = stack_pairs(specs, metric, eps)
         proof_notes = [unproven] if unproven else []
         if proving:
+            usable = functools.partial(_wanted_specs, model, found, trainable_only, wanted)
             pair_groups, extra, proof_notes = _proven_plan(
-                model, found, specs, pair_groups, extra, probe_inputs, metric, eps
+                model, found, usable, pair_groups, extra, probe_inputs, metric, eps
             )
     notes = found.rendered_notes() + proof_notes
     groups = pair_groups + extra
@@ -213,16 +215,24 @@ def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted
     return SymmetryPlan(groups, notes=notes)
 
 
-def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
+def _wanted_specs(model, found: Findings, trainable_only: bool, wanted) -> List[PairSpec]:
+    """The pairs of ``found`` the plan can use, of the kinds asked for."""
+    return [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
+
+
+def _proven_plan(model, found, usable, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
     """``(pair groups, extra groups, notes)`` of the plan proven on the model.
 
     The pairs discovery flagged for a replay on their modules (``found.to_check``: V/O
     pairs, whose values may pass through a norm, and the like) are replayed only where
     the plan does not hold as a whole (:func:`prove_at_once`): the replays then drop, with
-    a note that says why, the pairs their modules break, and what is left is proven and
-    bisected as usual. Without ``probe_inputs`` the recorded probe forward is the first
-    proof's reference pass (a later proof runs its own, on the same inputs).
+    a note that says why, the pairs their modules break, the q/k-norm gain scalings of
+    the modules whose V/O they dropped are found (:func:`norm_gain_pairs`), and what is
+    left is proven and bisected as usual. ``usable()`` lists the pairs of ``found`` the
+    plan can use. Without ``probe_inputs`` the recorded probe forward is the first proof's
+    reference pass (a later proof runs its own, on the same inputs).
     """
+    specs = usable()
     reference = _shared_reference(model) if probe_inputs is None else None
     first = dict(probe_inputs=probe_inputs) if reference is None else dict(reference=reference)
     if reference is not None:
@@ -233,8 +243,8 @@ def _proven_plan(model, found, specs, pair_groups, extra, probe_inputs, metric, 
             found.to_check = []
             return pair_groups, extra, proof.notes()
         check_locally(model, found)  # drops (with a note) the pairs their modules break
-        kept = {id(s) for s in found.specs}
-        specs = [s for s in specs if id(s) in kept]
+        norm_gain_pairs(model, found)  # where a dropped V/O leaves the gains' scaling
+        specs = usable()
         pair_groups = stack_pairs(specs, metric, eps)
         first = dict(probe_inputs=probe_inputs)
     kept_specs, extra, notes = _proven(model, specs, pair_groups, extra, first)
