@@ -1,10 +1,13 @@
 """Cost of the second-order path's report (the path gap) in forward and backward passes.
 
-Every worst-case ``geodesic_sharpness`` call on ``path="second_order"`` ends each batch
-with :func:`geoopt_quotient.sharpness.path_gap.path_gap`: the exact geodesic at the
-maximiser and the loss there. This times that call alone (this process's CPU time, one
-thread by default), interleaved with a plain forward and backward pass over the same
-batch, and reports per model and metric the medians over ``--repeats`` and their ratio
+A worst-case ``geodesic_sharpness`` call on ``path="second_order"`` with
+``path_report=True`` ends each batch with
+:func:`geoopt_quotient.sharpness.path_gap.path_gap`: the exact geodesic at the maximiser
+and the loss there (every call ends with the estimate,
+:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`). This times that call
+alone (this process's CPU time, one thread by default), interleaved with a plain forward
+and backward pass over the same batch, and reports per model and metric the medians over
+``--repeats`` and their ratio
 (``passes``), with the reported gap and exact loss of the last run.
 
     python benchmarks/bench_path_gap_cost.py --models bert-11m --repeats 3
@@ -25,6 +28,20 @@ the 4-layer BERT of width 256 of the operator-count tests and a BERT-base-shaped
 
     python benchmarks/bench_path_gap_cost.py --operators \\
         --json benchmarks/results/cpu/path_gap_operators.json
+
+``--calls`` times whole calls instead (wall time, interleaved repeats, medians; 2 threads
+unless ``--threads`` says otherwise): adaptive sharpness, geodesic sharpness (mix, the
+default metric) by default (the estimate only) and with ``path_report=True``, and
+reports the ratios of the whole calls, the report's share of a default call (the
+difference of the medians, and the report's own time inside the calls) and the
+estimate's. Models: a 4-layer BERT (width 256, 4 heads) at 8 x 64 tokens and 6
+iterations (``ratio_model``), and for the default call of 20 iterations a tiny Llama
+(2 layers of width 128, 8 x 64 tokens) and BERT-base (random weights, 4 x 128 tokens;
+``--base-repeats`` rounds, fewer than the others: a call takes a minute or more on 2
+threads).
+
+    python benchmarks/bench_path_gap_cost.py --calls \\
+        --json benchmarks/results/cpu/path_report_calls.json
 """
 
 from __future__ import annotations
@@ -35,10 +52,13 @@ import json
 import math
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
+from _timing import interleaved, medians
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
+from bench_sharpness_iteration import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
@@ -113,6 +133,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
                     rho=args.rho,
                     iters=args.iters,
                     progress=False,
+                    path_report=True,
                 )
                 gap.extend(record.seconds for record in timer.records)
         path_gap, exact_loss = timer.reports[-1]
@@ -197,7 +218,14 @@ def path_gap_operators(model, batch, loss_fn, metric: str, rho: float) -> Dict[s
     """The counts of one ``geodesic_sharpness`` call's path gap (3 iterations)."""
     with PathGapWrapper(OperatorCount) as counter:
         gq.geodesic_sharpness(
-            model, loss_fn, [batch], metric=metric, rho=rho, iters=3, progress=False
+            model,
+            loss_fn,
+            [batch],
+            metric=metric,
+            rho=rho,
+            iters=3,
+            progress=False,
+            path_report=True,
         )
     (count,), ((gap, exact_loss),) = counter.records, counter.reports
     return {**count.report(), "path_gap": gap, "exact_loss": exact_loss}
@@ -217,6 +245,147 @@ def count_operators(args) -> Dict[str, Any]:
         _linalg.CAP_ON_CPU = capped
 
 
+class CallTimer:
+    """Wraps the engine's function ``name`` while active, adding the seconds of its
+    calls (wall time) to ``seconds``."""
+
+    def __init__(self, name: str):
+        self.name, self.seconds = name, 0.0
+        self.original = getattr(engine, name)
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.original(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def __enter__(self):
+        setattr(engine, self.name, self)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(engine, self.name, self.original)
+
+
+#: ``name -> (iters, measures)`` of ``--calls``: the ratio's model at 6 iterations with
+#: adaptive sharpness, the default call's models at 20 without it.
+CALL_MODELS = {
+    "bert-4x256": (6, ("adaptive", "geodesic", "geodesic_report")),
+    "tiny-llama": (20, ("geodesic", "geodesic_report")),
+    "bert-base": (20, ("geodesic", "geodesic_report")),
+}
+
+
+def call_setup(name: str, quick: bool):
+    """The model, its batches and loss of ``--calls`` (random weights, one batch)."""
+    import transformers
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    if name == "tiny-llama":
+        config = transformers.LlamaConfig(
+            vocab_size=1000,
+            hidden_size=32 if quick else 128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64 if quick else 256,
+            max_position_embeddings=128,
+        )
+        model = transformers.LlamaForCausalLM(config).eval()
+        ids = torch.randint(0, 1000, (2, 8) if quick else (8, 64), generator=generator)
+        return model, [ids], lambda m, b: m(input_ids=b, labels=b).loss
+    if name == "bert-4x256":
+        layers, width, heads = (2, 32, 4) if quick else (4, 256, 4)
+        config = transformers.BertConfig(
+            vocab_size=1000,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * width,
+            max_position_embeddings=128,
+            num_labels=3,
+        )
+        model = transformers.BertForSequenceClassification(config).eval()
+        shape = (2, 8) if quick else (8, 64)
+    else:
+        model, config = build_model(quick, "cpu", torch.float32)
+        shape = (2, 8) if quick else (4, 128)
+    ids = torch.randint(0, config.vocab_size, shape, generator=generator)
+    labels = torch.randint(0, config.num_labels, shape[:1], generator=generator)
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(input_ids=batch[0]).logits, batch[1])
+
+    return model, [(ids, labels)], loss_fn
+
+
+def time_calls(name: str, args) -> Dict[str, Any]:
+    """Whole calls of ``name``'s measures, interleaved, and the report's share."""
+    model, batches, loss_fn = call_setup(name, args.quick)
+    iters, measures = CALL_MODELS[name]
+    iters = 2 if args.quick else iters
+    plan = gq.find_symmetries(model, metric="mix").bind(model)
+    common = dict(iters=iters, progress=False)
+    inner = {m: {"path_gap": [], "estimated_path_gap": []} for m in measures}
+    last: Dict[str, Any] = {}
+
+    def call(measure: str):
+        def run():
+            if measure == "adaptive":
+                gq.adaptive_sharpness(model, loss_fn, batches, **common)
+                return
+            with CallTimer("path_gap") as exact, CallTimer("estimated_path_gap") as estimate:
+                last[measure] = gq.geodesic_sharpness(
+                    model,
+                    loss_fn,
+                    batches,
+                    symmetries=plan,
+                    path_report=measure == "geodesic_report",
+                    **common,
+                )
+            inner[measure]["path_gap"].append(exact.seconds)
+            inner[measure]["estimated_path_gap"].append(estimate.seconds)
+
+        return run
+
+    repeats = args.base_repeats if name == "bert-base" else args.repeats
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gq.PathGapWarning)
+        seconds = interleaved({m: call(m) for m in measures}, 1 if args.quick else repeats)
+    median = medians(seconds)
+    default, reported = median["geodesic"], median["geodesic_report"]
+    row: Dict[str, Any] = {
+        "iters": iters,
+        "repeats": repeats,
+        "batch": list(_batch_shape(batches[0])),
+        "seconds": seconds,
+        "median_seconds": median,
+        "report_share_of_default_call": (reported - default) / default,
+        "report_own_share_of_default_call": statistics.median(
+            inner["geodesic_report"]["path_gap"][1:] or inner["geodesic_report"]["path_gap"]
+        )
+        / default,
+        "estimate_share_of_default_call": statistics.median(
+            inner["geodesic"]["estimated_path_gap"][1:] or inner["geodesic"]["estimated_path_gap"]
+        )
+        / default,
+        "path_gaps": last["geodesic_report"].path_gaps,
+        "estimated_path_gaps": last["geodesic"].estimated_path_gaps,
+        "rho": last["geodesic"].settings["rho"],
+    }
+    if "adaptive" in median:
+        row["geodesic_over_adaptive"] = default / median["adaptive"]
+        row["geodesic_with_report_over_adaptive"] = reported / median["adaptive"]
+    return row
+
+
+def _batch_shape(batch) -> tuple:
+    ids = batch[0] if isinstance(batch, tuple) else batch
+    return tuple(ids.shape)
+
+
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -228,8 +397,16 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument(
         "--operators", action="store_true", help="count operators instead (module docstring)"
     )
+    parser.add_argument(
+        "--calls", action="store_true", help="time whole calls instead (module docstring)"
+    )
+    parser.add_argument(
+        "--base-repeats", type=int, default=2, help="--calls: rounds of BERT-base (2)"
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
+    if args.calls:
+        return _main_calls(args, parser)
     if args.operators:
         if args.models == parser.get_default("models"):
             args.models = ",".join(COUNTED)
@@ -250,6 +427,35 @@ def main(argv=None) -> Dict[str, Any]:
         report["models"] = count_operators(args)
     else:
         report["models"] = {name: bench_model(name, args) for name in args.models.split(",")}
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return report
+
+
+def _main_calls(args, parser) -> Dict[str, Any]:
+    """``--calls``: whole calls, 2 threads unless ``--threads`` says otherwise."""
+    if args.threads == parser.get_default("threads"):
+        args.threads = 2
+    if args.models == parser.get_default("models"):
+        args.models = ",".join(CALL_MODELS)
+    if args.repeats == parser.get_default("repeats"):
+        args.repeats = 5
+    if args.quick:
+        args.models, args.repeats, args.base_repeats = "bert-4x256,tiny-llama", 1, 1
+    torch.set_num_threads(args.threads)
+    report: Dict[str, Any] = {
+        "benchmark": "path_report_calls",
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "models": {},
+    }
+    for name in args.models.split(","):
+        report["models"][name] = time_calls(name, args)
+        print(name, json.dumps(report["models"][name]["median_seconds"]), flush=True)
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

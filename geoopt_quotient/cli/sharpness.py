@@ -199,6 +199,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="maximiser seed (default 0)")
     parser.add_argument(
+        "--path-report",
+        action="store_true",
+        help="also integrate the exact geodesic to each batch's maximiser and evaluate the "
+        "loss there (path_gaps, exact_losses in the JSON; one more forward pass per batch). "
+        "Default: only the estimated path gaps, which still warn (PathGapWarning)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="torch device, e.g. cpu, cuda:0; under torchrun, cuda is each process's own GPU "
@@ -435,6 +442,7 @@ def _run(
             rho=radii[f"rho_{metric}"],
             metric=metric,
             symmetries=symmetries,
+            path_report=args.path_report,
             **common,
         )
     document = {
