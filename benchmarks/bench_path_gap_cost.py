@@ -29,8 +29,9 @@ the 4-layer BERT of width 256 of the operator-count tests and a BERT-base-shaped
     python benchmarks/bench_path_gap_cost.py --operators \\
         --json benchmarks/results/cpu/path_gap_operators.json
 
-``--calls`` times whole calls instead (wall time, interleaved repeats, medians; 2 threads
-unless ``--threads`` says otherwise): adaptive sharpness, geodesic sharpness (mix, the
+``--calls`` times whole calls instead (wall and process time, interleaved repeats after
+one warm-up call of one iteration each, medians; 2 threads unless ``--threads`` says
+otherwise): adaptive sharpness, geodesic sharpness (mix, the
 default metric) by default (the estimate only) and with ``path_report=True``, and
 reports the ratios of the whole calls, the report's share of a default call (the
 difference of the medians, and the report's own time inside the calls) and the
@@ -56,7 +57,6 @@ import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
-from _timing import interleaved, medians
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
 from bench_sharpness_iteration import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,27 +191,33 @@ class OperatorCount(TorchDispatchMode):
         }
 
 
-def counted_bert(layers: int, width: int, heads: int):
-    """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
+def random_bert(layers: int, width: int, heads: int, *, vocab: int, positions: int):
+    """A BERT classifier (3 labels) of random weights, seeded, and its config."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        vocab_size=100,
+        vocab_size=vocab,
         hidden_size=width,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=4 * width,
-        max_position_embeddings=32,
+        max_position_embeddings=positions,
         num_labels=3,
     )
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
+    return BertForSequenceClassification(config).eval(), config
+
+
+def bert_loss(model, batch):
+    """Cross-entropy of a BERT classifier on ``(input_ids, labels)``."""
+    return torch.nn.functional.cross_entropy(model(input_ids=batch[0]).logits, batch[1])
+
+
+def counted_bert(layers: int, width: int, heads: int):
+    """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
+    model, _ = random_bert(layers, width, heads, vocab=100, positions=32)
     batch = (torch.randint(0, 100, (2, 8)), torch.randint(0, 3, (2,)))
-
-    def loss_fn(m, b):
-        return torch.nn.functional.cross_entropy(m(input_ids=b[0]).logits, b[1])
-
-    return model, batch, loss_fn
+    return model, batch, bert_loss
 
 
 def path_gap_operators(model, batch, loss_fn, metric: str, rho: float) -> Dict[str, Any]:
@@ -297,28 +303,15 @@ def call_setup(name: str, quick: bool):
         ids = torch.randint(0, 1000, (2, 8) if quick else (8, 64), generator=generator)
         return model, [ids], lambda m, b: m(input_ids=b, labels=b).loss
     if name == "bert-4x256":
-        layers, width, heads = (2, 32, 4) if quick else (4, 256, 4)
-        config = transformers.BertConfig(
-            vocab_size=1000,
-            hidden_size=width,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * width,
-            max_position_embeddings=128,
-            num_labels=3,
-        )
-        model = transformers.BertForSequenceClassification(config).eval()
+        size = (2, 32, 4) if quick else (4, 256, 4)
+        model, config = random_bert(*size, vocab=1000, positions=128)
         shape = (2, 8) if quick else (8, 64)
     else:
         model, config = build_model(quick, "cpu", torch.float32)
         shape = (2, 8) if quick else (4, 128)
     ids = torch.randint(0, config.vocab_size, shape, generator=generator)
     labels = torch.randint(0, config.num_labels, shape[:1], generator=generator)
-
-    def loss_fn(m, batch):
-        return torch.nn.functional.cross_entropy(m(input_ids=batch[0]).logits, batch[1])
-
-    return model, [(ids, labels)], loss_fn
+    return model, [(ids, labels)], bert_loss
 
 
 def time_calls(name: str, args) -> Dict[str, Any]:
@@ -327,17 +320,17 @@ def time_calls(name: str, args) -> Dict[str, Any]:
     iters, measures = CALL_MODELS[name]
     iters = 2 if args.quick else iters
     plan = gq.find_symmetries(model, metric="mix").bind(model)
-    common = dict(iters=iters, progress=False)
-    inner = {m: {"path_gap": [], "estimated_path_gap": []} for m in measures}
-    last: Dict[str, Any] = {}
+    results: Dict[str, Any] = {}
 
-    def call(measure: str):
-        def run():
+    def call(measure: str, iterations: int) -> Dict[str, float]:
+        """One call; its wall and process time and the report's and estimate's own."""
+        common = dict(iters=iterations, progress=False)
+        wall, cpu = time.perf_counter(), time.process_time()
+        with CallTimer("path_gap") as exact, CallTimer("estimated_path_gap") as estimate:
             if measure == "adaptive":
                 gq.adaptive_sharpness(model, loss_fn, batches, **common)
-                return
-            with CallTimer("path_gap") as exact, CallTimer("estimated_path_gap") as estimate:
-                last[measure] = gq.geodesic_sharpness(
+            else:
+                results[measure] = gq.geodesic_sharpness(
                     model,
                     loss_fn,
                     batches,
@@ -345,40 +338,52 @@ def time_calls(name: str, args) -> Dict[str, Any]:
                     path_report=measure == "geodesic_report",
                     **common,
                 )
-            inner[measure]["path_gap"].append(exact.seconds)
-            inner[measure]["estimated_path_gap"].append(estimate.seconds)
+        return {
+            "wall": time.perf_counter() - wall,
+            "cpu": time.process_time() - cpu,
+            "path_gap": exact.seconds,
+            "estimated_path_gap": estimate.seconds,
+        }
 
-        return run
-
-    repeats = args.base_repeats if name == "bert-base" else args.repeats
+    repeats = 1 if args.quick else args.base_repeats if name == "bert-base" else args.repeats
+    samples: Dict[str, List[Dict[str, float]]] = {m: [] for m in measures}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gq.PathGapWarning)
-        seconds = interleaved({m: call(m) for m in measures}, 1 if args.quick else repeats)
-    median = medians(seconds)
+        for measure in measures:  # warm-up: one short call each
+            call(measure, 1)
+        for _ in range(repeats):
+            for measure in measures:
+                samples[measure].append(call(measure, iters))
+    median = {
+        m: {k: statistics.median(s[k] for s in rows) for k in rows[0]}
+        for m, rows in samples.items()
+    }
     default, reported = median["geodesic"], median["geodesic_report"]
     row: Dict[str, Any] = {
         "iters": iters,
         "repeats": repeats,
         "batch": list(_batch_shape(batches[0])),
-        "seconds": seconds,
-        "median_seconds": median,
-        "report_share_of_default_call": (reported - default) / default,
-        "report_own_share_of_default_call": statistics.median(
-            inner["geodesic_report"]["path_gap"][1:] or inner["geodesic_report"]["path_gap"]
-        )
-        / default,
-        "estimate_share_of_default_call": statistics.median(
-            inner["geodesic"]["estimated_path_gap"][1:] or inner["geodesic"]["estimated_path_gap"]
-        )
-        / default,
-        "path_gaps": last["geodesic_report"].path_gaps,
-        "estimated_path_gaps": last["geodesic"].estimated_path_gaps,
-        "rho": last["geodesic"].settings["rho"],
+        "samples": samples,
+        "medians": median,
+        "report_share_of_default_call": {
+            clock: (reported[clock] - default[clock]) / default[clock] for clock in CLOCKS
+        },
+        "report_own_share_of_default_call": reported["path_gap"] / default["wall"],
+        "estimate_share_of_default_call": default["estimated_path_gap"] / default["wall"],
+        "path_gaps": results["geodesic_report"].path_gaps,
+        "estimated_path_gaps": results["geodesic"].estimated_path_gaps,
+        "rho": results["geodesic"].settings["rho"],
     }
     if "adaptive" in median:
-        row["geodesic_over_adaptive"] = default / median["adaptive"]
-        row["geodesic_with_report_over_adaptive"] = reported / median["adaptive"]
+        for key, measure in (("geodesic", "geodesic"), ("geodesic_with_report", "geodesic_report")):
+            row[f"{key}_over_adaptive"] = {
+                clock: median[measure][clock] / median["adaptive"][clock] for clock in CLOCKS
+            }
     return row
+
+
+#: The clocks of ``--calls``: wall time and this process's CPU time.
+CLOCKS = ("wall", "cpu")
 
 
 def _batch_shape(batch) -> tuple:
@@ -406,24 +411,27 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
     if args.calls:
-        return _main_calls(args, parser)
-    if args.operators:
+        _calls_defaults(args, parser)
+    elif args.operators:
         if args.models == parser.get_default("models"):
             args.models = ",".join(COUNTED)
         if args.rho == parser.get_default("rho"):
             args.rho = 0.01
-    if args.quick:
+    if args.quick and not args.calls:
         args.models, args.repeats, args.iters = "tiny-vit", 1, 2
         if args.operators:
             args.models = "bert-4x256"
     torch.set_num_threads(args.threads)
+    kind = "path_report_calls" if args.calls else "path_gap_operators" if args.operators else ""
     report = {
-        "benchmark": "path_gap_operators" if args.operators else "path_gap_cost",
+        "benchmark": kind or "path_gap_cost",
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    if args.operators:
+    if args.calls:
+        report["models"] = {name: time_calls(name, args) for name in args.models.split(",")}
+    elif args.operators:
         report["models"] = count_operators(args)
     else:
         report["models"] = {name: bench_model(name, args) for name in args.models.split(",")}
@@ -435,8 +443,8 @@ def main(argv=None) -> Dict[str, Any]:
     return report
 
 
-def _main_calls(args, parser) -> Dict[str, Any]:
-    """``--calls``: whole calls, 2 threads unless ``--threads`` says otherwise."""
+def _calls_defaults(args, parser) -> None:
+    """``--calls``' own defaults: 2 threads, its models, 5 repeats (1 with ``--quick``)."""
     if args.threads == parser.get_default("threads"):
         args.threads = 2
     if args.models == parser.get_default("models"):
@@ -445,23 +453,6 @@ def _main_calls(args, parser) -> Dict[str, Any]:
         args.repeats = 5
     if args.quick:
         args.models, args.repeats, args.base_repeats = "bert-4x256,tiny-llama", 1, 1
-    torch.set_num_threads(args.threads)
-    report: Dict[str, Any] = {
-        "benchmark": "path_report_calls",
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "models": {},
-    }
-    for name in args.models.split(","):
-        report["models"][name] = time_calls(name, args)
-        print(name, json.dumps(report["models"][name]["median_seconds"]), flush=True)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    return report
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ def test_estimated_gap_near_the_closed_form_and_the_integrated_magnitude(case, m
     t = RADII[metric] / 16
     direction = unit_direction(adaptive)
     xi = [t * v for v in direction]
-    largest = max(float((v / g.point).abs().max()) for g, v in zip(adaptive, xi))
+    ratios = [torch.where(g.point != 0, v / g.point, 0.0) for g, v in zip(adaptive, xi)]
+    largest = max(float(a.abs().max()) for a in ratios)
     assert 0 < largest < 1
     assert estimated_path_gap(adaptive, adaptive, xi) == pytest.approx(
         path_gap(adaptive, adaptive, lambda points: torch.zeros(()), xi)[0], rel=largest
@@ -205,6 +206,8 @@ def test_exact_loss_on_the_default_inv_radius_and_other_paths():
         assert "path_gap" not in other.rows()[0]
     average = geodesic_sharpness(model, loss_fn, batches, rho=rho, iters=3, kind="average")
     assert average.path_gaps is None and average.estimated_path_gaps is None
+    with pytest.raises(ValueError, match="path_report"):
+        geodesic_sharpness(model, loss_fn, batches, kind="average", path_report=True)
     default = geodesic_sharpness(model, loss_fn, batches, rho=rho, metric="inv", iters=5)
     assert default.path_gaps is None and default.exact_losses is None
     assert default.estimated_path_gaps == second.estimated_path_gaps

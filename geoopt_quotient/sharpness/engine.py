@@ -121,6 +121,11 @@ class Search:
             raise ValueError("`restarts` is for the worst case (kind='worst') only")
         if self.shares and self.kind != "worst":
             raise ValueError("`shares` are those of the worst case's maximiser: use kind='worst'")
+        if self.path_report and self.kind != "worst":
+            raise ValueError(
+                "`path_report` is on the worst case's maximiser: use kind='worst', or leave "
+                "path_report=False"
+            )
         check_choice(self.path, PATHS, "path")
         check_choice(self.kind, KINDS, "kind")
 

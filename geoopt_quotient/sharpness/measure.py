@@ -614,8 +614,9 @@ def geodesic_sharpness(
         more forward pass per batch and radius, about a third of a 6-iteration call on
         a small BERT on the CPU). Default ``False``: only the estimate
         :attr:`~SharpnessResult.estimated_path_gaps`, from the maximiser's curvature
-        correction (no pass), which still gives :class:`PathGapWarning`. Not available
-        for an FSDP2-sharded model (``None``).
+        correction (no pass), which still gives :class:`PathGapWarning`. Worst case
+        only (``kind="average"`` raises ``ValueError``); not available for an
+        FSDP2-sharded model (``None``).
 
     Returns
     -------
