@@ -1,10 +1,13 @@
 """Cost of the second-order path's report (the path gap) in forward and backward passes.
 
-Every worst-case ``geodesic_sharpness`` call on ``path="second_order"`` ends each batch
-with :func:`geoopt_quotient.sharpness.path_gap.path_gap`: the exact geodesic at the
-maximiser and the loss there. This times that call alone (this process's CPU time, one
-thread by default), interleaved with a plain forward and backward pass over the same
-batch, and reports per model and metric the medians over ``--repeats`` and their ratio
+A worst-case ``geodesic_sharpness`` call on ``path="second_order"`` with
+``path_report=True`` ends each batch with
+:func:`geoopt_quotient.sharpness.path_gap.path_gap`: the exact geodesic at the maximiser
+and the loss there (every call ends with the estimate,
+:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`). This times that call
+alone (this process's CPU time, one thread by default), interleaved with a plain forward
+and backward pass over the same batch, and reports per model and metric the medians over
+``--repeats`` and their ratio
 (``passes``), with the reported gap and exact loss of the last run.
 
     python benchmarks/bench_path_gap_cost.py --models bert-11m --repeats 3
@@ -25,6 +28,21 @@ the 4-layer BERT of width 256 of the operator-count tests and a BERT-base-shaped
 
     python benchmarks/bench_path_gap_cost.py --operators \\
         --json benchmarks/results/cpu/path_gap_operators.json
+
+``--calls`` times whole calls instead (wall and process time, interleaved repeats after
+one warm-up call of one iteration each, medians; 2 threads unless ``--threads`` says
+otherwise): adaptive sharpness, geodesic sharpness (mix, the
+default metric) by default (the estimate only) and with ``path_report=True``, and
+reports the ratios of the whole calls, the report's share of a default call (the
+difference of the medians, and the report's own time inside the calls) and the
+estimate's. Models: a 4-layer BERT (width 256, 4 heads) at 8 x 64 tokens and 6
+iterations (``ratio_model``), and for the default call of 20 iterations a tiny Llama
+(2 layers of width 128, 8 x 64 tokens) and BERT-base (random weights, 4 x 128 tokens;
+``--base-repeats`` rounds, fewer than the others: a call takes a minute or more on 2
+threads).
+
+    python benchmarks/bench_path_gap_cost.py --calls \\
+        --json benchmarks/results/cpu/path_report_calls.json
 """
 
 from __future__ import annotations
@@ -35,10 +53,12 @@ import json
 import math
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
+from bench_sharpness_iteration import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
@@ -113,6 +133,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
                     rho=args.rho,
                     iters=args.iters,
                     progress=False,
+                    path_report=True,
                 )
                 gap.extend(record.seconds for record in timer.records)
         path_gap, exact_loss = timer.reports[-1]
@@ -170,34 +191,47 @@ class OperatorCount(TorchDispatchMode):
         }
 
 
-def counted_bert(layers: int, width: int, heads: int):
-    """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
+def random_bert(layers: int, width: int, heads: int, *, vocab: int, positions: int):
+    """A BERT classifier (3 labels) of random weights, seeded, and its config."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        vocab_size=100,
+        vocab_size=vocab,
         hidden_size=width,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=4 * width,
-        max_position_embeddings=32,
+        max_position_embeddings=positions,
         num_labels=3,
     )
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
+    return BertForSequenceClassification(config).eval(), config
+
+
+def bert_loss(model, batch):
+    """Cross-entropy of a BERT classifier on ``(input_ids, labels)``."""
+    return torch.nn.functional.cross_entropy(model(input_ids=batch[0]).logits, batch[1])
+
+
+def counted_bert(layers: int, width: int, heads: int):
+    """A BERT classifier of random weights, a batch of 2 x 8 tokens and its loss."""
+    model, _ = random_bert(layers, width, heads, vocab=100, positions=32)
     batch = (torch.randint(0, 100, (2, 8)), torch.randint(0, 3, (2,)))
-
-    def loss_fn(m, b):
-        return torch.nn.functional.cross_entropy(m(input_ids=b[0]).logits, b[1])
-
-    return model, batch, loss_fn
+    return model, batch, bert_loss
 
 
 def path_gap_operators(model, batch, loss_fn, metric: str, rho: float) -> Dict[str, Any]:
     """The counts of one ``geodesic_sharpness`` call's path gap (3 iterations)."""
     with PathGapWrapper(OperatorCount) as counter:
         gq.geodesic_sharpness(
-            model, loss_fn, [batch], metric=metric, rho=rho, iters=3, progress=False
+            model,
+            loss_fn,
+            [batch],
+            metric=metric,
+            rho=rho,
+            iters=3,
+            progress=False,
+            path_report=True,
         )
     (count,), ((gap, exact_loss),) = counter.records, counter.reports
     return {**count.report(), "path_gap": gap, "exact_loss": exact_loss}
@@ -217,6 +251,155 @@ def count_operators(args) -> Dict[str, Any]:
         _linalg.CAP_ON_CPU = capped
 
 
+class CallTimer:
+    """Wraps the engine's function ``name`` while active, adding the seconds of its
+    calls to ``seconds`` (wall time) and ``cpu`` (this process's CPU time)."""
+
+    def __init__(self, name: str):
+        self.name, self.seconds, self.cpu = name, 0.0, 0.0
+        self.original = getattr(engine, name)
+
+    def __call__(self, *args):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return self.original(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu += time.process_time() - cpu
+
+    def __enter__(self):
+        setattr(engine, self.name, self)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(engine, self.name, self.original)
+
+
+#: ``name -> (iters, measures)`` of ``--calls``: the ratio's model at 6 iterations with
+#: adaptive sharpness, the default call's models at 20 without it.
+CALL_MODELS = {
+    "bert-4x256": (6, ("adaptive", "geodesic", "geodesic_report")),
+    "tiny-llama": (20, ("geodesic", "geodesic_report")),
+    "bert-base": (20, ("geodesic", "geodesic_report")),
+}
+
+
+def call_setup(name: str, quick: bool):
+    """The model, its batches and loss of ``--calls`` (random weights, one batch)."""
+    import transformers
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    if name == "tiny-llama":
+        config = transformers.LlamaConfig(
+            vocab_size=1000,
+            hidden_size=32 if quick else 128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64 if quick else 256,
+            max_position_embeddings=128,
+        )
+        model = transformers.LlamaForCausalLM(config).eval()
+        ids = torch.randint(0, 1000, (2, 8) if quick else (8, 64), generator=generator)
+        return model, [ids], lambda m, b: m(input_ids=b, labels=b).loss
+    if name == "bert-4x256":
+        size = (2, 32, 4) if quick else (4, 256, 4)
+        model, config = random_bert(*size, vocab=1000, positions=128)
+        shape = (2, 8) if quick else (8, 64)
+    else:
+        model, config = build_model(quick, "cpu", torch.float32)
+        shape = (2, 8) if quick else (4, 128)
+    ids = torch.randint(0, config.vocab_size, shape, generator=generator)
+    labels = torch.randint(0, config.num_labels, shape[:1], generator=generator)
+    return model, [(ids, labels)], bert_loss
+
+
+def time_calls(name: str, args) -> Dict[str, Any]:
+    """Whole calls of ``name``'s measures, interleaved, and the report's share."""
+    model, batches, loss_fn = call_setup(name, args.quick)
+    iters, measures = CALL_MODELS[name]
+    iters = 2 if args.quick else iters
+    plan = gq.find_symmetries(model, metric="mix").bind(model)
+    results: Dict[str, Any] = {}
+
+    def call(measure: str, iterations: int) -> Dict[str, float]:
+        """One call; its wall and process time and the report's and estimate's own."""
+        common = dict(iters=iterations, progress=False)
+        wall, cpu = time.perf_counter(), time.process_time()
+        with CallTimer("path_gap") as exact, CallTimer("estimated_path_gap") as estimate:
+            if measure == "adaptive":
+                gq.adaptive_sharpness(model, loss_fn, batches, **common)
+            else:
+                results[measure] = gq.geodesic_sharpness(
+                    model,
+                    loss_fn,
+                    batches,
+                    symmetries=plan,
+                    path_report=measure == "geodesic_report",
+                    **common,
+                )
+        return {
+            "wall": time.perf_counter() - wall,
+            "cpu": time.process_time() - cpu,
+            "path_gap": exact.seconds,
+            "estimated_path_gap": estimate.seconds,
+            "path_gap_cpu": exact.cpu,
+            "estimated_path_gap_cpu": estimate.cpu,
+        }
+
+    repeats = 1 if args.quick else args.base_repeats if name == "bert-base" else args.repeats
+    samples: Dict[str, List[Dict[str, float]]] = {m: [] for m in measures}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gq.PathGapWarning)
+        for measure in measures:  # warm-up: one short call each
+            call(measure, 1)
+        for _ in range(repeats):
+            for measure in measures:
+                samples[measure].append(call(measure, iters))
+    median = {
+        m: {k: statistics.median(s[k] for s in rows) for k in rows[0]}
+        for m, rows in samples.items()
+    }
+    default, reported = median["geodesic"], median["geodesic_report"]
+    row: Dict[str, Any] = {
+        "iters": iters,
+        "repeats": repeats,
+        "batch": list(_batch_shape(batches[0])),
+        "samples": samples,
+        "medians": median,
+        "report_share_of_default_call": {
+            clock: (reported[clock] - default[clock]) / default[clock] for clock in CLOCKS
+        },
+        "report_own_share_of_default_call": {
+            "wall": reported["path_gap"] / default["wall"],
+            "cpu": reported["path_gap_cpu"] / default["cpu"],
+        },
+        "estimate_share_of_default_call": {
+            "wall": default["estimated_path_gap"] / default["wall"],
+            "cpu": default["estimated_path_gap_cpu"] / default["cpu"],
+        },
+        "path_gaps": results["geodesic_report"].path_gaps,
+        "estimated_path_gaps": results["geodesic"].estimated_path_gaps,
+        "rho": results["geodesic"].settings["rho"],
+    }
+    if "adaptive" in median:
+        for key, measure in (("geodesic", "geodesic"), ("geodesic_with_report", "geodesic_report")):
+            row[f"{key}_over_adaptive"] = {
+                clock: median[measure][clock] / median["adaptive"][clock] for clock in CLOCKS
+            }
+    return row
+
+
+#: The clocks of ``--calls``: wall time and this process's CPU time.
+CLOCKS = ("wall", "cpu")
+
+
+def _batch_shape(batch) -> tuple:
+    ids = batch[0] if isinstance(batch, tuple) else batch
+    return tuple(ids.shape)
+
+
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -228,25 +411,36 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument(
         "--operators", action="store_true", help="count operators instead (module docstring)"
     )
+    parser.add_argument(
+        "--calls", action="store_true", help="time whole calls instead (module docstring)"
+    )
+    parser.add_argument(
+        "--base-repeats", type=int, default=2, help="--calls: rounds of BERT-base (2)"
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
-    if args.operators:
+    if args.calls:
+        _calls_defaults(args, parser)
+    elif args.operators:
         if args.models == parser.get_default("models"):
             args.models = ",".join(COUNTED)
         if args.rho == parser.get_default("rho"):
             args.rho = 0.01
-    if args.quick:
+    if args.quick and not args.calls:
         args.models, args.repeats, args.iters = "tiny-vit", 1, 2
         if args.operators:
             args.models = "bert-4x256"
     torch.set_num_threads(args.threads)
+    kind = "path_report_calls" if args.calls else "path_gap_operators" if args.operators else ""
     report = {
-        "benchmark": "path_gap_operators" if args.operators else "path_gap_cost",
+        "benchmark": kind or "path_gap_cost",
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    if args.operators:
+    if args.calls:
+        report["models"] = {name: time_calls(name, args) for name in args.models.split(",")}
+    elif args.operators:
         report["models"] = count_operators(args)
     else:
         report["models"] = {name: bench_model(name, args) for name in args.models.split(",")}
@@ -256,6 +450,18 @@ def main(argv=None) -> Dict[str, Any]:
             f.write(text + "\n")
     print(text)
     return report
+
+
+def _calls_defaults(args, parser) -> None:
+    """``--calls``' own defaults: 2 threads, its models, 5 repeats (1 with ``--quick``)."""
+    if args.threads == parser.get_default("threads"):
+        args.threads = 2
+    if args.models == parser.get_default("models"):
+        args.models = ",".join(CALL_MODELS)
+    if args.repeats == parser.get_default("repeats"):
+        args.repeats = 5
+    if args.quick:
+        args.models, args.repeats, args.base_repeats = "bert-4x256,tiny-llama", 1, 1
 
 
 if __name__ == "__main__":

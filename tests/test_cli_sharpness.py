@@ -79,6 +79,21 @@ def test_sharpness_command_writes_json(checkpoint, data, tmp_path, capsys):
         assert result["per_batch"][0] != result["per_batch"][1]  # batches of different rows
         assert result["settings"]["rho"] == 0.05 and result["settings"]["iters"] == 2
     assert results["geodesic_inv"]["settings"]["metric"] == "inv"
+    for name in ("geodesic_mix", "geodesic_inv"):  # the estimate only, by default
+        assert results[name]["path_gaps"] is None and results[name]["exact_losses"] is None
+        assert len(results[name]["estimated_path_gaps"]) == 2
+    assert results["adaptive"]["estimated_path_gaps"] is None
+
+
+def test_path_report_on_request(checkpoint, data, capsys):
+    """``--path-report``: the exact geodesic's gaps and losses in the JSON, one more
+    forward pass per batch."""
+    argv = ["sharpness", "--model", str(checkpoint), "--data", data, "--iters", "1"]
+    argv += ["--max-examples", "4", "--batch-size", "4", "--path-report", "--json", "-"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)["results"]["geodesic_mix"]
+    assert len(result["path_gaps"]) == len(result["exact_losses"]) == 1
+    assert result["forward_passes"] == [1 + 1 + 1] and result["backward_passes"] == [1]
 
 
 def test_json_to_stdout_prints_nothing_else(checkpoint, data, capfd):

@@ -162,7 +162,7 @@ def test_the_path_gap_dispatches_a_bounded_number_of_operators(metric, monkeypat
 
     monkeypatch.setattr(engine, "path_gap", counted)
     result = gq.geodesic_sharpness(
-        model, loss_fn, [batch], metric=metric, rho=0.01, iters=3, progress=False
+        model, loss_fn, [batch], metric=metric, rho=0.01, iters=3, progress=False, path_report=True
     )
     ((gap, _),) = zip(result.path_gaps, result.exact_losses)
     (counter,) = counters

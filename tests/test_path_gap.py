@@ -32,8 +32,10 @@ from geoopt_quotient.sharpness.path_gap import (
     GEODESIC_TOLERANCE,
     PATH_GAP_TOLERANCE,
     elementwise_gap,
+    estimated_path_gap,
     expm1_minus_identity,
     path_gap,
+    warn_if_estimated_path_gap,
 )
 
 CASES = {"bert": bert_case, "llama": llama_case}
@@ -84,11 +86,13 @@ def test_relative_gap_is_second_order_on_quotients_first_order_on_adaptive(case,
     assert gap_along(quotient, unit_direction(quotient), 0.0) == 0.0  # xi = 0: same point
 
 
-def measure(case, rho, metric="mix"):
+def measure(case, rho, metric="mix", report=True):
     model, loss_fn, batches = CASES[case]()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = geodesic_sharpness(model, loss_fn, batches, rho=rho, metric=metric, iters=5)
+        result = geodesic_sharpness(
+            model, loss_fn, batches, rho=rho, metric=metric, iters=5, path_report=report
+        )
     return result, [w for w in caught if issubclass(w.category, PathGapWarning)]
 
 
@@ -115,13 +119,78 @@ def test_warning_fires_at_a_large_radius_and_not_at_a_small_one(case):
     assert min(large.path_gaps) > max(small.path_gaps) > 0
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_estimate_warns_where_the_exact_report_does_without_integrating(case):
+    """Without ``path_report`` no geodesic is integrated and no pass made for it, and the
+    warning from the estimated gaps agrees with the exact report's: it fires at the large
+    radius (loss differences of the order of the sharpness) and not at the small one."""
+    reference = RADII["mix"]
+    for rho, fires in ((reference / 8, False), (4 * reference, True)):
+        estimated, estimated_warnings = measure(case, rho, report=False)
+        reported, reported_warnings = measure(case, rho, report=True)
+        assert estimated.path_gaps is None and estimated.exact_losses is None
+        assert estimated.forward_passes == [5 + 1] * len(estimated.per_batch)
+        assert estimated.per_batch == reported.per_batch  # the report changes no value
+        assert estimated.estimated_path_gaps == reported.estimated_path_gaps
+        assert bool(estimated_warnings) == bool(reported_warnings) == fires
+    assert "path_report=True" in str(estimated_warnings[0].message)
+    assert all(g > PATH_GAP_TOLERANCE for g in estimated.estimated_path_gaps)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_estimated_gap_near_the_closed_form_and_the_integrated_magnitude(case, metric):
+    r"""On the adaptive parameters the estimate is the closed form's leading term
+    (relative error below :math:`\max_i |a_i|`); on the quotients it is of third order
+    (halving the step divides the relative estimate by 4, as the integrated gap) and of
+    the integrated gap's magnitude (within a factor 4 either way, well inside the
+    asymptotic range)."""
+    model = CASES[case]()[0]
+    plan = find_symmetries(model, metric=metric).bind(model)
+    points = plan.gather(trainable_parameters(model))
+    groups = [BallGroup(x, g.manifold) for g, x in zip(plan.groups, points)]
+    adaptive = [g for g, p in zip(groups, plan.groups) if p.kind == "adaptive"]
+    quotient = [g for g, p in zip(groups, plan.groups) if p.kind != "adaptive"]
+    t = RADII[metric] / 16
+    direction = unit_direction(adaptive)
+    xi = [t * v for v in direction]
+    ratios = [torch.where(g.point != 0, v / g.point, 0.0) for g, v in zip(adaptive, xi)]
+    largest = max(float(a.abs().max()) for a in ratios)
+    assert 0 < largest < 1
+    assert estimated_path_gap(adaptive, adaptive, xi) == pytest.approx(
+        path_gap(adaptive, adaptive, lambda points: torch.zeros(()), xi)[0], rel=largest
+    )
+    direction = unit_direction(quotient)
+    estimates = [
+        estimated_path_gap(quotient, quotient, [t / 2**k * v for v in direction]) for k in range(2)
+    ]
+    assert estimates[0] / estimates[1] == pytest.approx(4, rel=1e-3)
+    assert 0.25 < estimates[0] / gap_along(quotient, direction, t) < 4
+    assert estimated_path_gap(quotient, quotient, [0 * v for v in direction]) == 0.0
+
+
+def test_estimated_warning_reads_the_weighted_mean_of_the_estimates():
+    """The estimate's test: the sharpness-weighted mean of the gaps against the
+    tolerance, NaN warns, negative batches weigh nothing."""
+    tolerance = PATH_GAP_TOLERANCE
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_estimated_path_gap([1.0, 1.0], [tolerance, tolerance], 0.1)
+        warn_if_estimated_path_gap([2.0, -1.0], [tolerance / 2, 100.0], 0.1)
+    for estimates in ([2.1 * tolerance, 0.0], [math.nan, 0.0]):
+        with pytest.warns(PathGapWarning, match="estimated"):
+            warn_if_estimated_path_gap([1.0, 1.0], estimates, 0.1)
+
+
 def test_exact_loss_on_the_default_inv_radius_and_other_paths():
     """At the reference inv radius the path is faithful on the tiny Llama: the exact point's
     loss is close to the retraction's and above the clean loss. Other paths report
     nothing."""
     model, loss_fn, batches = llama_case()
     rho = RADII["inv"]
-    second = geodesic_sharpness(model, loss_fn, batches, rho=rho, metric="inv", iters=5)
+    second = geodesic_sharpness(
+        model, loss_fn, batches, rho=rho, metric="inv", iters=5, path_report=True
+    )
     assert loss_gap_ratio(second) <= PATH_GAP_TOLERANCE
     assert all(e > c for e, c in zip(second.exact_losses, second.clean_losses))
     assert all(0 < g < 0.1 for g in second.path_gaps)
@@ -133,9 +202,16 @@ def test_exact_loss_on_the_default_inv_radius_and_other_paths():
             model, loss_fn, batches, rho=rho, metric="inv", iters=5, path=path
         )
         assert other.path_gaps is None and other.exact_losses is None
+        assert other.estimated_path_gaps is None
         assert "path_gap" not in other.rows()[0]
     average = geodesic_sharpness(model, loss_fn, batches, rho=rho, iters=3, kind="average")
-    assert average.path_gaps is None
+    assert average.path_gaps is None and average.estimated_path_gaps is None
+    with pytest.raises(ValueError, match="path_report"):
+        geodesic_sharpness(model, loss_fn, batches, kind="average", path_report=True)
+    default = geodesic_sharpness(model, loss_fn, batches, rho=rho, metric="inv", iters=5)
+    assert default.path_gaps is None and default.exact_losses is None
+    assert default.estimated_path_gaps == second.estimated_path_gaps
+    assert "path_gap" not in default.rows()[0]
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
@@ -145,13 +221,15 @@ def test_large_groups_taken_a_slice_at_a_time_give_the_same_report(metric, monke
     from geoopt_quotient.sharpness import path_gap as module
 
     model, loss_fn, batches = llama_case()
-    whole = geodesic_sharpness(model, loss_fn, batches, rho=0.005, metric=metric, iters=2)
+    options = dict(rho=0.005, metric=metric, iters=2, path_report=True)
+    whole = geodesic_sharpness(model, loss_fn, batches, **options)
     monkeypatch.setattr(module, "SLICE_ENTRIES", 7)
-    sliced = geodesic_sharpness(model, loss_fn, batches, rho=0.005, metric=metric, iters=2)
+    sliced = geodesic_sharpness(model, loss_fn, batches, **options)
     assert sliced.perturbed_losses == whole.perturbed_losses
     for a, b in zip(sliced.path_gaps, whole.path_gaps):
         assert a == pytest.approx(b, rel=1e-9)
     assert sliced.exact_losses == pytest.approx(whole.exact_losses, rel=1e-12, abs=0)
+    assert sliced.estimated_path_gaps == pytest.approx(whole.estimated_path_gaps, rel=1e-9)
 
 
 def gl_ball(metric, radius, seed=0, steps=16):

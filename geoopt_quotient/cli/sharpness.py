@@ -221,6 +221,13 @@ def _add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Where and how the command runs, and what it writes."""
     parser.add_argument(
+        "--path-report",
+        action="store_true",
+        help="also integrate the exact geodesic to each batch's maximiser and evaluate the "
+        "loss there (path_gaps, exact_losses in the JSON; one more forward pass per batch). "
+        "Default: only the estimated path gaps, which still warn (PathGapWarning)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="torch device, e.g. cpu, cuda:0; under torchrun, cuda is each process's own GPU "
@@ -500,6 +507,7 @@ def _measure(
             rho=radii[_radius_key(geodesic.name)],
             metric=metric,
             symmetries=symmetries,
+            path_report=args.path_report,
             **common,
         )
     return results

@@ -207,7 +207,9 @@ def calibrate_rho(
     PathGapWarning
         Once per call (instead of one per evaluation) when, at some radii evaluated on
         the second-order path, the exact geodesic's loss at the maximisers differed from
-        the retraction's by more than 10% of the sharpness.
+        the retraction's by more than 10% of the sharpness (with ``path_report=True``
+        among the options), or the estimated path gaps said it likely did (by default;
+        :func:`~geoopt_quotient.sharpness.path_gap.warn_if_estimated_path_gap`).
 
     Notes
     -----
@@ -646,8 +648,9 @@ class _Search:
         radii = ", ".join(f"{r:.3g}" for r in sorted(set(self.unfaithful_radii))[:8])
         warnings.warn(
             f"calibrate_rho: at {len(self.unfaithful_radii)} of {len(self.history)} radii "
-            f"evaluated (rho = {radii}) the loss on the exact geodesic differed from the "
-            "second-order path's by more than 10% of the sharpness at the maximisers: a "
+            f"evaluated (rho = {radii}) the loss on the exact geodesic differed (or, "
+            "estimated without path_report=True, likely differed) from the second-order "
+            "path's by more than 10% of the sharpness at the maximisers: a "
             "radius there measures the retraction, not the geodesic ball; calibrate with "
             'path="exact", or use radii below these',
             PathGapWarning,

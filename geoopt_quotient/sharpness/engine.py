@@ -40,7 +40,7 @@ from ..symmetry.plan import BoundPlan
 from .apgd import BallGroup, as_scalar, average_in_ball, check_scalar_finite, maximize_in_ball
 from .ball import LocalBall
 from .functional import check_depends_on_perturbation, noting_batch
-from .path_gap import path_gap
+from .path_gap import estimated_path_gap, path_gap
 from .ranks import BatchShare
 from .sharded import ShardedBall, is_sharded, sharded_ball
 
@@ -97,6 +97,11 @@ class Search:
     shares : bool
         Worst case: each block's and symmetry kind's share of the maximiser
         (:func:`~geoopt_quotient.sharpness.maximiser_shares`).
+    path_report : bool
+        Worst case on ``path="second_order"``: also the exact geodesic's report at the
+        maximiser (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: its float64
+        integration and one forward pass); without it only the estimate
+        (:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`).
     """
 
     kind: str
@@ -107,6 +112,7 @@ class Search:
     restarts: int = 0
     keep_best_gradient: bool | None = None
     shares: bool = False
+    path_report: bool = False
 
     def __post_init__(self) -> None:
         self.iters = check_positive_int(self.iters, "iters")
@@ -115,6 +121,11 @@ class Search:
             raise ValueError("`restarts` is for the worst case (kind='worst') only")
         if self.shares and self.kind != "worst":
             raise ValueError("`shares` are those of the worst case's maximiser: use kind='worst'")
+        if self.path_report and self.kind != "worst":
+            raise ValueError(
+                "`path_report` is on the worst case's maximiser: use kind='worst', or leave "
+                "path_report=False"
+            )
         check_choice(self.path, PATHS, "path")
         check_choice(self.kind, KINDS, "kind")
 
@@ -138,11 +149,15 @@ class BatchRecord:
     seconds : float
         Wall time of the batch at this radius.
     path_gap, exact_loss : float or None
-        Worst case on ``path="second_order"``: the path gap at the maximiser and the
-        loss on the exact geodesic there
+        Worst case on ``path="second_order"`` with ``Search.path_report``: the path gap
+        at the maximiser and the loss on the exact geodesic there
         (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`); else ``None``.
     shares : list of dict or None
         With ``Search.shares``: the maximiser's shares per block and kind.
+    estimated_path_gap : float or None
+        Worst case on ``path="second_order"``: the estimated path gap at the maximiser
+        (:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`, no forward
+        pass); else ``None``.
     """
 
     index: int
@@ -155,6 +170,7 @@ class BatchRecord:
     path_gap: Optional[float] = None
     exact_loss: Optional[float] = None
     shares: Optional[List[Dict[str, Any]]] = None
+    estimated_path_gap: Optional[float] = None
 
     @property
     def sharpness(self) -> float:
@@ -191,7 +207,7 @@ def measure_batch(
     """Per radius, the :class:`BatchRecord` of batch ``index`` (seeded ``seed + index``).
 
     ``ball`` has the ball ``groups``, the batch's ``objective(batch)``, the ``exact``
-    groups of the path-gap report (or ``None``) and ``keep_best_gradient``. The worst
+    groups of the path-gap estimate and report (or ``None``) and ``keep_best_gradient``. The worst
     case's best perturbation is dropped here rather than kept alive while the next batch
     is measured. Its first evaluation differentiates the loss, which checks that it
     depends on the perturbation; the average case, which never differentiates, checks
@@ -214,6 +230,7 @@ def measure_batch(
             search.restarts,
             ball.exact,
             options,
+            search.path_report,
             getattr(ball, "shares_of", None),
         )
     records = []
@@ -258,6 +275,7 @@ def _maximize_over_radii(
     restarts: int,
     exact: List[BallGroup] | None,
     options: Dict[str, Any],
+    report: bool,
     shares_of: Callable | None = None,
 ) -> List[BatchRecord]:
     r"""Auto-PGD at each radius of the increasing ``radii``, monotone by construction.
@@ -268,7 +286,9 @@ def _maximize_over_radii(
     point are nested, and the path does not depend on the radius); the best of the two
     and of :math:`\xi^*_{k-1}` itself is kept, so the values never decrease. At every
     radius, ``restarts`` more searches from random points (:func:`_restart_searches`).
-    With ``exact`` (the groups on the exact path), the path gap at the kept maximiser
+    With ``exact`` (the groups on the exact path), the estimated path gap at the kept
+    maximiser (:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`: no
+    pass) and, with ``report``, the exact one
     (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: one forward pass).
     ``options``: Auto-PGD's ``iters``, ``path``, ``seed`` and ``keep_best_gradient``. With
     ``shares_of``, ``shares_of(xi, gradient)`` of the kept maximiser and the gradient at
@@ -296,14 +316,18 @@ def _maximize_over_radii(
             if extra.value > top:
                 top, history, xi = extra.value, extra.history, extra.xi
         best_value, best_xi = top, xi
-        gap = exact_loss = None
+        gap = exact_loss = estimate = None
         if exact is not None:
+            estimate = estimated_path_gap(groups, exact, xi)
+        if exact is not None and report:
             gap, exact_loss = path_gap(groups, exact, objective, xi)
             passes[0] += not math.isnan(gap)  # no forward where the geodesic broke down
         shares = None if shares_of is None else shares_of(xi, gradient)
         seconds = time.perf_counter() - t0
         records.append(
-            BatchRecord(index, clean, top, history, *passes, seconds, gap, exact_loss, shares)
+            BatchRecord(
+                index, clean, top, history, *passes, seconds, gap, exact_loss, shares, estimate
+            )
         )
     return records
 

@@ -36,7 +36,7 @@ from .engine import (
     run,
 )
 from .functional import check_batches, check_loss_fn
-from .path_gap import warn_if_path_gap
+from .path_gap import warn_if_estimated_path_gap, warn_if_path_gap
 from .results import ResultList, Table
 from .shares import mean_shares
 
@@ -74,8 +74,9 @@ class SharpnessResult(Table):
     forward_passes, backward_passes : list of int
         Per batch, the evaluations of ``loss_fn`` and the backward passes through it:
         ``iters + 1`` and ``iters`` for the worst case, plus one of each per Auto-PGD
-        restart, those of every search (``restarts``, a grid's warm starts) and one
-        forward pass for ``exact_losses``; ``iters + 1`` and 0 for the average case.
+        restart, those of every search (``restarts``, a grid's warm starts) and, with
+        ``path_report=True``, one forward pass for ``exact_losses``; ``iters + 1`` and 0
+        for the average case.
     settings : dict
         The settings used (``measure``, ``rho``, ``iters``, ``path``, ``kind``, ``seed``,
         ``eps``, ``restarts``, and for geodesic sharpness ``metric``, ``norm``, ``curvature``).
@@ -83,8 +84,9 @@ class SharpnessResult(Table):
         The symmetry plan's summary table
         (:meth:`~geoopt_quotient.symmetry.BoundPlan.summary`).
     path_gaps : list of float or None
-        Worst case on ``path="second_order"`` only (else ``None``, and for an
-        FSDP2-sharded model, which has no such report yet): per batch, the
+        Worst case on ``path="second_order"`` with ``path_report=True`` only (else
+        ``None``, and for an FSDP2-sharded model, which has no such report yet): per
+        batch, the
         relative gap between the path's point and the exact geodesic's at the maximiser
         :math:`\xi^*`,
         :math:`|R_w(\xi^*) - \operatorname{Exp}_w(\xi^*)|_w / |\xi^*|_w` in the metric at
@@ -92,6 +94,13 @@ class SharpnessResult(Table):
         :math:`\xi^* = 0`, NaN where the geodesic cannot be integrated that far).
         :math:`O(\rho^2)` on the symmetry groups; the adaptive parameters' straight line
         adds :math:`O(\rho)`.
+    estimated_path_gaps : list of float or None
+        Worst case on ``path="second_order"`` (else ``None``, and for an FSDP2-sharded
+        model): per batch, an estimate of ``path_gaps`` from the maximiser alone, without
+        integrating the geodesic or a forward pass: the adaptive parameters' share
+        exactly, the symmetry groups' from their curvature correction
+        :math:`c = \tfrac12 \Gamma_w(\xi^*, \xi^*)` as :math:`\tfrac23 |c|^2 / |\xi^*|`
+        per point (:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`).
     exact_losses : list of float or None
         Alongside ``path_gaps``: per batch, the loss at
         :math:`\operatorname{Exp}_w(\xi^*)`, the exact geodesic's point at the same
@@ -125,6 +134,7 @@ class SharpnessResult(Table):
     exact_losses: Optional[List[float]] = None
     shares: Optional[List[Dict[str, Any]]] = None
     shares_per_batch: Optional[List[List[Dict[str, Any]]]] = None
+    estimated_path_gaps: Optional[List[float]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Every attribute, as plain Python values (JSON-serialisable)."""
@@ -339,11 +349,15 @@ def _result(
         zero_weights = zero_weight_parameters(plan, measured.weights) if flat else []
         warn_if_no_ascent(flat, len(records), zero_weights)
     per_batch_shares = None if records[0].shares is None else [r.shares for r in records]
-    gaps = exact_losses = None
+    gaps = exact_losses = estimates = None
+    if records[0].estimated_path_gap is not None:
+        estimates = [r.estimated_path_gap for r in records]
     if records[0].path_gap is not None:
         gaps = [r.path_gap for r in records]
         exact_losses = [r.exact_loss for r in records]
         warn_if_path_gap(per_batch, perturbed, exact_losses, settings["rho"])
+    elif estimates is not None:
+        warn_if_estimated_path_gap(per_batch, estimates, settings["rho"])
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
@@ -360,6 +374,7 @@ def _result(
         exact_losses=exact_losses,
         shares=None if per_batch_shares is None else mean_shares(per_batch_shares),
         shares_per_batch=per_batch_shares,
+        estimated_path_gaps=estimates,
     )
 
 
@@ -460,6 +475,7 @@ def geodesic_sharpness(
     process_group: Any = None,
     restarts: int = 0,
     shares: bool = False,
+    path_report: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -591,6 +607,16 @@ def geodesic_sharpness(
         (:attr:`SharpnessResult.shares`; from the maximiser and the first iterate's
         gradient: no extra pass, one more vector of the ball's size per batch). Default
         ``False``; not available for an FSDP2-sharded model.
+    path_report : bool
+        Worst case on ``path="second_order"``: also integrate the exact geodesic to each
+        batch's maximiser (float64, error-controlled RK4) and evaluate the loss there
+        (:attr:`~SharpnessResult.path_gaps`, :attr:`~SharpnessResult.exact_losses`; one
+        more forward pass per batch and radius, about a third of a 6-iteration call on
+        a small BERT on the CPU). Default ``False``: only the estimate
+        :attr:`~SharpnessResult.estimated_path_gaps`, from the maximiser's curvature
+        correction (no pass), which still gives :class:`PathGapWarning`. Worst case
+        only (``kind="average"`` raises ``ValueError``); not available for an
+        FSDP2-sharded model (``None``).
 
     Returns
     -------
@@ -606,6 +632,7 @@ def geodesic_sharpness(
         ``seconds_per_batch`` those of the radius (both searches), and the history
         that of the better search (the warm-started one when the carried maximiser
         stays ahead). Worst case on ``path="second_order"``:
+        :attr:`~SharpnessResult.estimated_path_gaps`, and with ``path_report=True``
         :attr:`~SharpnessResult.path_gaps` and :attr:`~SharpnessResult.exact_losses`,
         how far the retraction's point at each batch's maximiser is from the exact
         geodesic's, and the loss there (one more forward pass per batch and radius).
@@ -639,13 +666,17 @@ def geodesic_sharpness(
         exact geodesic differs from the retraction's by more than 10% of the sharpness,
         on average over the batches:
         :math:`\frac1B \sum_b |L_b(\operatorname{Exp}_w \xi^*_b) - L_b(R_w \xi^*_b)|
-        > 0.1\, S_{\max}` (user guide, "Is the second-order path faithful?"). Use
+        > 0.1\, S_{\max}` (user guide, "Is the second-order path faithful?"); without
+        ``path_report``, when the estimated gaps say so,
+        :math:`\frac1B \sum_b \hat g_b S_b > 0.1\, S_{\max}`
+        (:func:`~geoopt_quotient.sharpness.path_gap.warn_if_estimated_path_gap`). Use
         ``path="exact"`` or a smaller ``rho``.
 
     Notes
     -----
     Cost: the worst case makes ``iters`` forward and backward passes per batch and one
-    more forward pass (two on ``path="second_order"``: the path gap's); without the kept
+    more forward pass (two on ``path="second_order"`` with ``path_report=True``: the
+    path gap's); without the kept
     best gradient, also one forward and backward pass per Auto-PGD restart (up to 7 for
     20 iterations; see :func:`maximize_in_ball`). The average case makes ``iters + 1``
     forward passes. :class:`SharpnessResult` reports the passes made per batch. A grid of
@@ -729,6 +760,7 @@ def geodesic_sharpness(
         restarts=restarts,
         keep_best_gradient=keep_best_gradient,
         shares=shares,
+        path_report=path_report,
     )
 
 
