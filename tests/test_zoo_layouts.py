@@ -363,3 +363,33 @@ def test_the_docs_table_of_families_is_derived_from_the_sweep_file():
     assert table["llama"]["why_not"] == derive.DASH and table["llama"]["exact"] == "yes"
     committed = json.loads(sweep.with_suffix(".derived.json").read_text())
     assert committed["derived"]["families"] == rows
+
+
+def test_dbrx_clamp_breaks_the_scaling_every_attention_group_contains():
+    """Why DBRX has no attention group: ``s`` on the queries and ``1/s`` on the keys lies in
+    every Q/K group (rotary or not) and keeps the logits while no entry reaches the clamp,
+    so a probe cannot refute it; once queries reach ``clip_qkv`` it changes them. (In
+    transformers' DBRX the clamp cannot be turned off: ``clip_qkv=None`` fails there.)"""
+    built = _built("dbrx")
+    config = built.model.config
+    q_rows = config.d_model  # Wqkv's rows: all queries, then the keys, then the values
+    k_rows = slice(
+        q_rows, q_rows + config.attn_config.kv_n_heads * (config.d_model // config.n_heads)
+    )
+    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    reference = zoo.logits_of(built.model, params, built.inputs)
+    threshold, _ = zoo.tolerance_for_ops(
+        zoo.reduced_precision_ops(built.model, params, built.inputs)
+    )
+
+    def scaled(s: float) -> float:
+        moved = dict(params)
+        for name in [n for n in params if n.endswith("Wqkv.weight")]:
+            w = params[name].clone()
+            w[:q_rows] *= s
+            w[k_rows] /= s
+            moved[name] = w
+        return zoo.relative_change(reference, zoo.logits_of(built.model, moved, built.inputs))
+
+    assert scaled(1.5) <= threshold  # below the clamp: invisible to a probe
+    assert scaled(1e4) > 100 * threshold  # queries clamped: the function changes

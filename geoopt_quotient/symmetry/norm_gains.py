@@ -312,7 +312,7 @@ def norm_gain_pairs(model: torch.nn.Module, found: Findings) -> None:
         if units:
             notes[path] = _gain_note(norms, units, sharers.get(path, ()))
     check_locally(model, mine)
-    for path in {s.module for s in mine.specs}:
+    for path in dict.fromkeys(s.module for s in mine.specs):  # in the model's order
         found.retract(path, REPLACED_NOTE)
         mine.note(notes[path], path)
     found.extend(mine)
