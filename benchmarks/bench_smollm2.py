@@ -14,11 +14,14 @@ time by default so that other jobs on the machine disturb it less): runs of ``--
 backward passes, timed in turn, the order rotated each round, ``--repeats`` rounds;
 medians. In plain passes:
 
-- ``marginal_ratio``: one more iteration, :math:`(t_{2N} - t_N) / N`;
+- ``marginal_ratio``: one more iteration, :math:`(t'_{2N} - t'_N) / N`, where
+  :math:`t'` is a run's time less its path gap report's (the engine's ``path_gap``,
+  timed inside the same runs: its error control takes as many steps as each maximiser
+  needs, which differ between the two runs);
 - ``fixed_passes``: the work of a call that does not grow with the iterations,
   :math:`t_N - N \cdot` marginal (the clean loss, the geometry at the base point, the
   last forward pass, the path gap's report); ``path_gap_passes``: the report's part of
-  it (the engine's ``path_gap``, timed inside the same runs);
+  it;
 - ``profile``: where the fixed work goes, from one profiled call (``cProfile``) of
   :math:`N` iterations: the library's functions with the largest cumulative time.
 
