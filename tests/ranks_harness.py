@@ -26,14 +26,16 @@ class RankError(AssertionError):
     """A rank's function raised; the message holds its traceback."""
 
 
-def _entry(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, queue) -> None:
+def _entry(
+    rank: int, world: int, rendezvous: str, timeout: float, fn: Callable, args: tuple, queue
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=GROUP_TIMEOUT),
+        timeout=timedelta(seconds=timeout),
     )
     try:
         queue.put((rank, True, fn(rank, world, *args)))
@@ -43,27 +45,36 @@ def _entry(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, qu
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable, tmp_path, *args: Any, world: int = 2) -> Dict[int, Any]:
+def run_on_ranks(
+    fn: Callable,
+    tmp_path,
+    *args: Any,
+    world: int = 2,
+    group_timeout: float = GROUP_TIMEOUT,
+    results_timeout: float = RESULTS_TIMEOUT,
+) -> Dict[int, Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; their results by rank.
 
     ``fn`` must be a module-level function (the ranks import it). A rank whose ``fn``
-    raised makes this raise :class:`RankError` with its traceback.
+    raised makes this raise :class:`RankError` with its traceback. ``group_timeout`` and
+    ``results_timeout`` (seconds) replace :data:`GROUP_TIMEOUT` and
+    :data:`RESULTS_TIMEOUT` for work that takes longer (a real model loaded on each rank).
     """
     queue = mp.get_context("spawn").Queue()
     rendezvous = str(tmp_path / "rendezvous")
     context = mp.start_processes(
         _entry,
-        args=(world, rendezvous, fn, args, queue),
+        args=(world, rendezvous, group_timeout, fn, args, queue),
         nprocs=world,
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + RESULTS_TIMEOUT
+    deadline = time.monotonic() + results_timeout
     try:
-        replies = [queue.get(timeout=RESULTS_TIMEOUT) for _ in range(world)]
+        replies = [queue.get(timeout=results_timeout) for _ in range(world)]
         while not context.join(timeout=max(deadline - time.monotonic(), 0)):
             if time.monotonic() > deadline:
-                raise RankError(f"the ranks did not exit within {RESULTS_TIMEOUT} s")
+                raise RankError(f"the ranks did not exit within {results_timeout} s")
     finally:
         for process in context.processes:
             if process.is_alive():
