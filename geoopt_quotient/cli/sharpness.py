@@ -437,7 +437,9 @@ def _run(
         share, common["process_group"] = batches, None
     else:
         share, common["process_group"] = share_batches(batches, rank, world)
-    results = _measure(model, loaded.loss_fn, share, plan, bound, metrics, radii, common)
+    results = _measure(
+        model, loaded.loss_fn, share, plan, bound, metrics, radii, common, args.path_report
+    )
     document = _document(args, loaded, radii, bound, results, start)
     document["processes"] = world
     if args.fsdp:
@@ -486,9 +488,11 @@ def _measure(
     metrics: Tuple[str, ...],
     radii: Dict[str, float],
     common: Dict[str, Any],
+    path_report: bool,
 ) -> Dict[str, Any]:
     """Adaptive sharpness, then geodesic sharpness in each of ``metrics`` (``bound`` is
-    ``plan`` bound in the first one), by measure name."""
+    ``plan`` bound in the first one, ``path_report`` as ``--path-report``), by measure
+    name."""
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
 
     results: Dict[str, Any] = {}
@@ -507,7 +511,7 @@ def _measure(
             rho=radii[_radius_key(geodesic.name)],
             metric=metric,
             symmetries=symmetries,
-            path_report=args.path_report,
+            path_report=path_report,
             **common,
         )
     return results

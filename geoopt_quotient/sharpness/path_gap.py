@@ -602,8 +602,10 @@ def _estimated_group_gap(group: BallGroup, exact: BallGroup, v: torch.Tensor):
     x = group.point.detach()
     if _closed_form_applies(group, exact):
         return _adaptive_estimate(x, v)
-    (ball, (retract,)) = _prepare([BallGroup(x, group.manifold, group.path)], 1.0, "second_order")
-    if retract is _straight or group.path is not None:
+    (ball, (retract,)) = prepare_ball(
+        [BallGroup(x, group.manifold, group.path)], 1.0, "second_order"
+    )
+    if retract is straight_path or group.path is not None:
         difference_sq, step_sq, _ = _group_gap(group, exact, v)
         return difference_sq, step_sq
     (space,) = ball.spaces
@@ -619,7 +621,7 @@ def _point_squared_norms(space, *vectors: torch.Tensor) -> List[torch.Tensor]:
     manifold's inner product is not per point), for each vector, flat: on a GL
     quotient from the :math:`h \times h` Gram matrices of the factors, as
     :func:`_squared_norms`, without a new factorisation of the point."""
-    if not isinstance(space, GLTangentSpace):
+    if not space.integrates_geodesic:  # not a GL quotient's batched space
         return [space.manifold.inner(space.x, u).reshape(-1) for u in vectors]
     manifold, state = space.manifold, space.state
     w_g, w_h = manifold._blocks(state)
