@@ -208,8 +208,11 @@ def module_attribute(module: object, name: str) -> object:
     own = module.__dict__
     if name in own:
         return own[name]
-    if hasattr(type(module), name) or any(
-        name in own.get(table, ()) for table in ("_parameters", "_buffers", "_modules")
+    if (
+        name in own.get("_modules", ())
+        or name in own.get("_parameters", ())
+        or name in own.get("_buffers", ())
+        or hasattr(type(module), name)
     ):
         return getattr(module, name, None)
     return None
