@@ -33,9 +33,7 @@ MEASURES = ("adaptive", "inv", "mix")
 
 
 def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
-    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it:
-    the model's fused parameters views of its base point (:meth:`BallLayout.share_base`)
-    until :meth:`BallLayout.release`."""
+    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it."""
     if measure == "adaptive":
         plan = SymmetryPlan().bind(model)
     else:
@@ -43,8 +41,6 @@ def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
     base = trainable_parameters(model)
     points = [p.detach() for p in plan.gather(base)]
     layout = BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
-    del base, points
-    layout.share_base(model)
     return layout
 
 
@@ -64,7 +60,6 @@ def main(argv=None) -> Dict[str, Any]:
             "vector_mib": layout.vector_bytes() / 2**20,
             "gradient_kept_by_default": layout.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES,
         }
-        layout.release()
         kept = rows[measure]["kept"]
         print(
             f"{measure:9s} bytes/parameter: "

@@ -213,18 +213,9 @@ class LocalBall:
                 on_exact = ball_groups(plan.groups, points, "exact", norm)
                 self.exact = exact_groups(self.layout.groups, groups, on_exact)
             groups = self.layout.groups
-            del points, on_exact  # views of the parameters' own storages
-            self.layout.share_base(model)  # the model's parameters: views of the base point
-            self.base = trainable_parameters(model)
+            del points, on_exact
         self.groups = groups
         self.keep_best_gradient = keep_best_gradient
-
-    def close(self) -> None:
-        """Give the model's parameters that the layout made views of its base point
-        storages of their own again (:meth:`~.layout.BallLayout.release`; also done
-        when the ball is collected)."""
-        if self.layout is not None:
-            self.layout.release()
 
     def objective(self, batch: Any) -> Callable[[List[torch.Tensor]], torch.Tensor]:
         """The loss of ``batch`` as a function of the perturbed points of :attr:`groups`."""

@@ -371,9 +371,8 @@ class Placement:
         self, model: torch.nn.Module, plan: BoundPlan, loss_fn: Callable, search: Search
     ) -> Iterator[Any]:
         """The ball of ``plan`` at ``model`` (a :class:`~.ball.LocalBall` here), for the
-        duration of the block; the model's parameters own their storages again on exit,
-        also when the block raises (:meth:`~.ball.LocalBall.close`)."""
-        ball = LocalBall(
+        duration of the block."""
+        yield LocalBall(
             model,
             plan,
             loss_fn,
@@ -383,10 +382,6 @@ class Placement:
             keep_best_gradient=search.keep_best_gradient,
             shares=search.shares,
         )
-        try:
-            yield ball
-        finally:
-            ball.close()
 
     def local(self, batches: Iterable[Any]) -> Iterable[Any]:
         """The batches this process iterates over."""

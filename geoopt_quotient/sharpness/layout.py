@@ -9,8 +9,7 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
 - every parameter that is a whole :class:`~geoopt_quotient.AdaptiveEuclidean` group on
   the ball's own path lives in one flat buffer per ``(dtype, device, eps)``: one ball
   group, whose perturbed point :math:`x + \xi` is written into the buffer the model
-  reads, as views; its base point is the model's own parameters, made views of it
-  while the ball is open (:meth:`BallLayout.share_base`), not a copy beside them;
+  reads, as views;
 - every other parameter (those of the symmetry groups, stacked over the layers by
   discovery, and any other group) lives in one flat buffer per ``(dtype, device)``,
   written from the groups' perturbed points with a few strided copies (a block of rows
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -623,9 +621,6 @@ class BallLayout:
         self._grads: List[torch.Tensor] = []
         self._rest_grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
-        #: The model's parameters that are views of the fused base points (share_base)
-        self._shared: List[torch.nn.Parameter] = []
-        self._release: weakref.finalize | None = None
 
     @staticmethod
     def _rest_buffers(
@@ -693,8 +688,7 @@ class BallLayout:
     def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
         """The ball's memory per trainable model parameter during Auto-PGD, by part.
 
-        ``base``: the fused groups' base point (a copy of their parameters, but the
-        entries of the parameters that :meth:`share_base` made its views) and the
+        ``base``: the fused groups' base point (a copy of their parameters) and the
         symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
         current gradient, and the best iterate's if kept; ``staging``: one buffer for the
@@ -719,47 +713,8 @@ class BallLayout:
         return {part: size / parameters for part, size in parts.items()}
 
     def base_bytes(self) -> int:
-        """Memory of the groups' base points beside the model's own parameters: all of
-        them, but the parameters' entries that are views of the fused base points
-        (:meth:`share_base`)."""
-        points = sum(g.point.numel() * g.point.element_size() for g in self.groups)
-        return points - sum(p.numel() * p.element_size() for p in self._shared)
-
-    def share_base(self, model: torch.nn.Module) -> None:
-        r"""Make ``model``'s parameters of the fused groups views of the fused base
-        points, so that the base point is no copy beside them: each parameter's own
-        storage is then free (where nothing else holds it). The values are the same
-        bits, and the base point is never written (the perturbed points go to the flat
-        buffers the loss reads), so the model computes as before.
-
-        Only a parameter that owns its storage alone is made a view (contiguous, the
-        whole of a storage no other parameter or buffer of the model uses: a view of
-        a larger buffer would free nothing, and one shared with another tensor of the
-        model would lose the tie). Each gets a storage of its own back, a copy of its
-        values, at :meth:`release` (or when the layout is collected).
-        """
-        parameters = dict(model.named_parameters())
-        owners: Dict[int, int] = {}
-        for tensor in [*parameters.values(), *model.buffers()]:
-            key = tensor.untyped_storage().data_ptr()
-            owners[key] = owners.get(key, 0) + 1
-        unfused = len(self._rest_points)
-        shared = []
-        for flat, group in zip(self._fused, self.groups[unfused:]):
-            views, _ = flat.pieces(group.point)
-            for name, view in zip(flat.names, views):
-                param = parameters.get(name)
-                if param is not None and _owns_storage(param, owners) and _same(param, view):
-                    param.data = view
-                    shared.append(param)
-        self._shared = shared
-        self._release = weakref.finalize(self, _own_storage, shared, self.groups[unfused:])
-
-    def release(self) -> None:
-        """Give the parameters that :meth:`share_base` made views storages of their own
-        again (copies of their values); nothing where it made none."""
-        if self._release is not None:
-            self._release()
+        """Memory of the groups' base points beside the model's own parameters."""
+        return sum(g.point.numel() * g.point.element_size() for g in self.groups)
 
     def _perturbed_buffers(self) -> List[torch.Tensor]:
         if self._buffers is None:
@@ -885,33 +840,6 @@ class BallLayout:
             for position, g in zip(rest.groups, rest.read(grad, targets)):
                 out[position] = g
         return out  # type: ignore[return-value]
-
-
-def _owns_storage(param: torch.Tensor, owners: Dict[int, int]) -> bool:
-    """Whether ``param`` is the whole of a storage that no other of the counted
-    tensors uses (``owners``: tensors per storage address)."""
-    storage = param.untyped_storage()
-    return (
-        param.is_contiguous()
-        and param.storage_offset() == 0
-        and storage.nbytes() == param.numel() * param.element_size()
-        and owners.get(storage.data_ptr(), 0) == 1
-    )
-
-
-def _same(param: torch.Tensor, view: torch.Tensor) -> bool:
-    """Whether ``view`` (a copy of ``param``'s values) can stand for ``param``: its
-    shape, dtype and device."""
-    return param.shape == view.shape and param.dtype == view.dtype and param.device == view.device
-
-
-def _own_storage(parameters: List[torch.nn.Parameter], points: List[BallGroup]) -> None:
-    """Each parameter that is still a view of one of the ``points`` given a copy of its
-    own (:meth:`BallLayout.release`)."""
-    storages = {g.point.untyped_storage().data_ptr() for g in points}
-    for param in parameters:
-        if param.untyped_storage().data_ptr() in storages:
-            param.data = param.data.clone()
 
 
 def _fits(vector: torch.Tensor, flat: FlatBuffer) -> bool:
