@@ -202,9 +202,11 @@ def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted
         pair_groups = stack_pairs(specs, metric, eps)
         proof_notes = [unproven] if unproven else []
         if proving:
-            usable = functools.partial(_wanted_specs, model, found, trainable_only, wanted)
+            usable = functools.partial(
+                _wanted_specs, model, found, trainable_only, wanted, notes=False
+            )
             pair_groups, extra, proof_notes = _proven_plan(
-                model, found, usable, pair_groups, extra, probe_inputs, metric, eps
+                model, found, (specs, usable), pair_groups, extra, probe_inputs, metric, eps
             )
     notes = found.rendered_notes() + proof_notes
     groups = pair_groups + extra
@@ -215,12 +217,16 @@ def _discovered(model, metric, eps, verify, probe_inputs, trainable_only, wanted
     return SymmetryPlan(groups, notes=notes)
 
 
-def _wanted_specs(model, found: Findings, trainable_only: bool, wanted) -> List[PairSpec]:
-    """The pairs of ``found`` the plan can use, of the kinds asked for."""
-    return [s for s in _usable_specs(model, found, trainable_only) if s.kind in wanted]
+def _wanted_specs(
+    model, found: Findings, trainable_only: bool, wanted, notes: bool = True
+) -> List[PairSpec]:
+    """The pairs of ``found`` the plan can use, of the kinds asked for (``notes``: say in
+    ``found`` which are frozen; once per discovery)."""
+    usable = _usable_specs(model, found, trainable_only, notes)
+    return [s for s in usable if s.kind in wanted]
 
 
-def _proven_plan(model, found, usable, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
+def _proven_plan(model, found, pairs, pair_groups, extra, probe_inputs, metric, eps) -> Tuple:
     """``(pair groups, extra groups, notes)`` of the plan proven on the model.
 
     The pairs discovery flagged for a replay on their modules (``found.to_check``: V/O
@@ -228,11 +234,12 @@ def _proven_plan(model, found, usable, pair_groups, extra, probe_inputs, metric,
     the plan does not hold as a whole (:func:`prove_at_once`): the replays then drop, with
     a note that says why, the pairs their modules break, the q/k-norm gain scalings of
     the modules whose V/O they dropped are found (:func:`norm_gain_pairs`), and what is
-    left is proven and bisected as usual. ``usable()`` lists the pairs of ``found`` the
-    plan can use. Without ``probe_inputs`` the recorded probe forward is the first proof's
-    reference pass (a later proof runs its own, on the same inputs).
+    left is proven and bisected as usual. ``pairs``: the pairs of ``found`` the plan can
+    use, and a function that lists them again. Without ``probe_inputs`` the recorded probe
+    forward is the first proof's reference pass (a later proof runs its own, on the same
+    inputs).
     """
-    specs = usable()
+    specs, usable = pairs
     reference = _shared_reference(model) if probe_inputs is None else None
     first = dict(probe_inputs=probe_inputs) if reference is None else dict(reference=reference)
     if reference is not None:
@@ -391,7 +398,9 @@ def _kinds(kinds: Union[str, Iterable[str]]) -> Tuple[str, ...]:
     return wanted
 
 
-def _usable_specs(model: torch.nn.Module, found: Findings, trainable_only: bool) -> List[PairSpec]:
+def _usable_specs(
+    model: torch.nn.Module, found: Findings, trainable_only: bool, notes: bool = True
+) -> List[PairSpec]:
     if not trainable_only:
         return list(found.specs)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -400,13 +409,13 @@ def _usable_specs(model: torch.nn.Module, found: Findings, trainable_only: bool)
         flags = [n in trainable for n in spec.params]
         if all(flags):
             out.append(spec)
-        elif any(flags):
+        elif any(flags) and notes:
             found.note(
                 f"{spec.kind} pair partly frozen: left to the adaptive geometry", spec.module
             )
         else:
             frozen += 1
-    if frozen:
+    if frozen and notes:
         found.note(f"{frozen} pairs on frozen parameters skipped (never perturbed)")
     return out
 
