@@ -63,13 +63,18 @@ class BatchedKernels(NamedTuple):
     """Which batched kernels compute a :class:`~geoopt_quotient.GLQuotient`'s operations
     at a fixed point (:meth:`~geoopt_quotient.GLQuotient.batched_kernels`).
 
-    ``projection``: a function of the point's
-    :class:`~geoopt_quotient.manifolds.gl_quotient.PointState` that builds the
-    :class:`ProjectionKernel` of the horizontal projection there, or ``None``: the
-    manifold's own projection (``_proju``) on the batched metric conversion.
-    ``span_geodesic``: whether the geodesic is GL(h)'s (its Christoffel term and RK4
-    integrator), so that its integration in the span of its start
-    (:mod:`~geoopt_quotient.manifolds._gl_geodesic`) applies."""
+    Parameters
+    ----------
+    projection : callable or None
+        A function of the point's
+        :class:`~geoopt_quotient.manifolds.gl_quotient.PointState` that builds the
+        :class:`ProjectionKernel` of the horizontal projection there, or ``None``: the
+        manifold's own projection (``_proju``) on the batched metric conversion.
+    span_geodesic : bool
+        Whether the geodesic is GL(h)'s (its Christoffel term and RK4 integrator), so that
+        its integration in the span of its start
+        (:mod:`~geoopt_quotient.manifolds._gl_geodesic`) applies.
+    """
 
     projection: Optional[Callable[[Any], ProjectionKernel]]
     span_geodesic: bool
