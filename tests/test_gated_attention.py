@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from zoo_sharpness import sharpness_before_and_after
+from zoo_sharpness import random_factors, random_matrices, sharpness_before_and_after
 
 from geoopt_quotient import find_symmetries
 from geoopt_quotient.symmetry.norm_gains import multiplies_by_gain
@@ -53,18 +53,6 @@ def _plan(family: str):
         return find_symmetries(_built(family).model)
 
 
-def _factor(shape, generator) -> torch.Tensor:
-    """Nonzero scalars of either sign, magnitudes in [1/4, 4]."""
-    magnitude = 4.0 ** (2 * torch.rand(shape, generator=generator, dtype=F64) - 1)
-    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(F64)
-    return magnitude * sign
-
-
-def _matrices(count: int, size: int, generator) -> torch.Tensor:
-    a = torch.randn(count, size, size, generator=generator, dtype=F64) / size**0.5
-    return a + 2 * torch.eye(size, dtype=F64)
-
-
 def _attention(model, child: str):
     return [(p, m) for p, m in model.named_modules() if hasattr(m, child) and hasattr(m, "q_norm")]
 
@@ -79,9 +67,9 @@ def _value_output_action(model, params: Params, general: bool, seed: int = 0) ->
         kv, hd = config.num_key_value_heads, m.head_dim
         group = config.num_attention_heads // kv
         b = (
-            _matrices(kv, hd, generator)
+            random_matrices(kv, hd, generator)
             if general
-            else torch.diag_embed(_factor((kv, hd), generator))
+            else torch.diag_embed(random_factors((kv, hd), generator))
         )
         name = f"{path}.v_proj.weight"
         params[name] = (b.mT @ params[name].reshape(kv, hd, -1)).reshape(kv * hd, -1)
@@ -108,7 +96,11 @@ def _gain_action(model, params: Params, per_entry: bool, both: bool = True, seed
             params[f"{path}.q_norm.weight"] = params[f"{path}.q_norm.weight"] * scales[last[kind]]
             continue
         hd = m.head_dim
-        s = _factor((hd,), generator) if per_entry else _factor((hd // 2,), generator).repeat(2)
+        s = (
+            random_factors((hd,), generator)
+            if per_entry
+            else random_factors((hd // 2,), generator).repeat(2)
+        )
         last[kind], scales[path] = path, s
         params[f"{path}.q_norm.weight"] = params[f"{path}.q_norm.weight"] * s
         if both:

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from zoo_sharpness import sharpness_before_and_after
+from zoo_sharpness import random_factors, random_matrices, sharpness_before_and_after
 
 from geoopt_quotient import find_symmetries
 from geoopt_quotient.testing import zoo
@@ -57,19 +57,6 @@ def _invariance(family: str, act: Callable[[Params, bool], Params]) -> None:
     assert zoo.relative_change(reference, broken) > 100 * threshold
 
 
-def _factor(shape, generator) -> torch.Tensor:
-    """Nonzero scalars of either sign, magnitudes in [1/4, 4]."""
-    magnitude = 4.0 ** (2 * torch.rand(shape, generator=generator, dtype=F64) - 1)
-    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(F64)
-    return magnitude * sign
-
-
-def _matrices(count: int, size: int, generator) -> torch.Tensor:
-    """Well-conditioned invertible matrices ``(count, size, size)``."""
-    a = torch.randn(count, size, size, generator=generator, dtype=F64) / size**0.5
-    return a + 2 * torch.eye(size, dtype=F64)
-
-
 # ----------------------------------------------------------------- fused 3-D experts
 def _expert_modules(model: torch.nn.Module):
     return [(p, m) for p, m in model.named_modules() if type(m).__name__.endswith("Experts")
@@ -83,7 +70,7 @@ def _scale_experts(model, params: Params, both: bool, seed: int = 0) -> Params:
     for path, _ in _expert_modules(model):
         up, down = f"{path}.gate_up_proj", f"{path}.down_proj"
         experts, _, units = params[down].shape
-        a = _factor((experts, units), generator)
+        a = random_factors((experts, units), generator)
         w = params[up].clone()
         w[:, units:, :] = w[:, units:, :] * a[:, :, None]
         params[up] = w
@@ -120,7 +107,7 @@ def test_gpt_oss_experts_keep_no_unit_scaling_and_say_why():
     for path, _ in _expert_modules(built.model):
         up, down = f"{path}.gate_up_proj", f"{path}.down_proj"
         e, units, _ = params[down].shape  # transposed: (experts, units, hidden)
-        a = _factor((e, units), generator)
+        a = random_factors((e, units), generator)
         w, b = params[up].clone(), params[f"{up}_bias"].clone()
         w[:, :, 1::2] *= a[:, None, :]
         b[:, 1::2] *= a
@@ -140,7 +127,7 @@ def _latent_action(model, params: Params, both: bool, seed: int = 0) -> Params:
         if not hasattr(m, "kv_b_proj"):
             continue
         heads, nope, rope, v = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        a, b = _matrices(heads, nope, generator), _matrices(heads, v, generator)
+        a, b = random_matrices(heads, nope, generator), random_matrices(heads, v, generator)
         q = params[f"{path}.q_b_proj.weight"].reshape(heads, nope + rope, -1).clone()
         kv = params[f"{path}.kv_b_proj.weight"].reshape(heads, nope + v, -1).clone()
         o = params[f"{path}.o_proj.weight"].reshape(-1, heads, v).clone()
@@ -203,7 +190,10 @@ def _fused_action(family: str, fused: str, out: str, kv_heads: int):
                 continue
             heads, hd = m.num_heads if hasattr(m, "num_heads") else m.n_heads, m.head_dim
             group = heads // kv_heads
-            a, b = _matrices(kv_heads, hd, generator), _matrices(kv_heads, hd, generator)
+            a, b = (
+                random_matrices(kv_heads, hd, generator),
+                random_matrices(kv_heads, hd, generator),
+            )
             q = torch.arange(heads * hd).reshape(heads, hd)
             k = heads * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
             v = (heads + kv_heads) * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
@@ -243,7 +233,7 @@ def test_attention_sinks_leave_both_groups_of_gpt_oss():
         for path, m in model.named_modules():
             if not hasattr(m, "sinks"):
                 continue
-            b = _matrices(kv_heads, hd, generator)
+            b = random_matrices(kv_heads, hd, generator)
             _rows(params, f"{path}.v_proj", torch.arange(kv_heads * hd).reshape(kv_heads, hd), b)
             if both:
                 per_query = torch.arange(heads) // (heads // kv_heads)
@@ -271,7 +261,7 @@ def test_jetmoe_mixture_of_attention_heads_has_both_groups():
         for path, m in model.named_modules():
             if not hasattr(m, "kv_proj"):
                 continue
-            b = _matrices(kv_heads, hd, generator)
+            b = random_matrices(kv_heads, hd, generator)
             rows = kv_heads * hd + torch.arange(kv_heads * hd).reshape(kv_heads, hd)
             _rows(params, f"{path}.kv_proj", rows, b)
             if both:
@@ -311,7 +301,7 @@ def test_llama4_quotients_query_key_of_its_nope_layers_only():
         generator = torch.Generator().manual_seed(seed)
         for i in nope:
             path = f"model.layers.{i}.self_attn"
-            a = _matrices(kv_heads, hd, generator)
+            a = random_matrices(kv_heads, hd, generator)
             _rows(
                 params, f"{path}.q_proj", torch.arange(heads * hd).reshape(heads, hd), a[per_query]
             )

@@ -1,5 +1,5 @@
 """Geodesic against adaptive sharpness of a tiny zoo model and a copy moved by a group
-element: the check shared by the zoo's layout tests."""
+element, and random group elements written by hand: what the zoo's layout tests share."""
 
 from __future__ import annotations
 
@@ -9,6 +9,21 @@ from typing import Dict, Tuple
 import torch
 
 from geoopt_quotient import adaptive_sharpness, find_symmetries, geodesic_sharpness
+
+F64 = torch.float64
+
+
+def random_factors(shape, generator) -> torch.Tensor:
+    """Nonzero scalars of either sign, magnitudes in [1/4, 4]."""
+    magnitude = 4.0 ** (2 * torch.rand(shape, generator=generator, dtype=F64) - 1)
+    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(F64)
+    return magnitude * sign
+
+
+def random_matrices(count: int, size: int, generator) -> torch.Tensor:
+    """Well-conditioned invertible matrices ``(count, size, size)``."""
+    a = torch.randn(count, size, size, generator=generator, dtype=F64) / size**0.5
+    return a + 2 * torch.eye(size, dtype=F64)
 
 
 def next_token_loss(model, batch):
