@@ -258,9 +258,7 @@ def expert_pairs(model: torch.nn.Module) -> Findings:
     for path, module in model.named_modules():
         spec, why = _expert_spec(path, module, read)
         if spec is not None:
-            found.specs.append(spec)
-            found.to_check.append((spec, EXPERT_BREAKS))
-            found.claimed.add(path)
+            found.add_replayed([spec], EXPERT_BREAKS, claim=path)
         elif why:
             found.note(
                 f"experts ({type(module).__name__}) left to the adaptive geometry: {why}", path

@@ -157,6 +157,16 @@ class Findings:
     def note(self, message: str, path: str = "") -> None:
         self._notes.setdefault(message, []).append(path)
 
+    def add_replayed(self, specs: Sequence[PairSpec], why: str, claim: str = "") -> None:
+        """Add ``specs``, each replayed on its module before it is kept (``why``: what a
+        failure there means, :func:`check_locally`); ``claim``: the module path they
+        account for, if any."""
+        for spec in specs:
+            self.specs.append(spec)
+            self.to_check.append((spec, why))
+        if claim:
+            self.claimed.add(claim)
+
     def retract(self, path: str, marker: str) -> None:
         """Withdraw the notes on ``path`` whose message contains ``marker`` (a later
         detector handled what they said was left out)."""

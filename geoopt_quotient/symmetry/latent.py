@@ -155,9 +155,6 @@ def latent_attention_pairs(model: torch.nn.Module) -> Findings:
         specs = _latent_specs(path, module)
         if specs is None:
             continue
-        found.claimed.add(path)
-        for spec in specs:
-            found.specs.append(spec)
-            found.to_check.append((spec, LATENT_BREAKS))
+        found.add_replayed(specs, LATENT_BREAKS, claim=path)
         found.note(LATENT_NOTE if len(specs) == 2 else GATED_LATENT_NOTE, path)
     return check_locally(model, found)

@@ -109,8 +109,5 @@ def mixture_of_attention_pairs(model: torch.nn.Module) -> Findings:
         specs = _moa_specs(path, module)
         if specs is None:
             continue
-        found.claimed.add(path)
-        for spec in specs:
-            found.specs.append(spec)
-            found.to_check.append((spec, MOA_BREAKS))
+        found.add_replayed(specs, MOA_BREAKS, claim=path)
     return check_locally(model, found)

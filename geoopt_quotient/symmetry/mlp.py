@@ -127,7 +127,5 @@ def gated_mlp_pairs(model: torch.nn.Module) -> Findings:
     for path, module in model.named_modules():
         spec = _mlp(path, module)
         if spec is not None:
-            found.specs.append(spec)
-            found.to_check.append((spec, BETWEEN_FACTORS))
-            found.claimed.add(path)
+            found.add_replayed([spec], BETWEEN_FACTORS, claim=path)
     return check_locally(model, found)

@@ -307,8 +307,7 @@ def norm_gain_pairs(model: torch.nn.Module, found: Findings) -> None:
         units, _ = _gain_units(projections, norms, record)
         for unit_set in units or []:
             spec = gain_pairs(projections, norms, unit_set, sharers.get(path, ()))
-            mine.specs.append(spec)
-            mine.to_check.append((spec, GAINS_BREAK))
+            mine.add_replayed([spec], GAINS_BREAK)
         if units:
             notes[path] = _gain_note(norms, units, sharers.get(path, ()))
     check_locally(model, mine)

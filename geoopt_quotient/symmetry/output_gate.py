@@ -234,9 +234,7 @@ def gated_output_pairs(model: torch.nn.Module, found: Findings) -> None:
         gate = None if projections is None else output_gate(projections)
         if gate is None:
             continue
-        spec = diagonal_value_output(projections)
-        mine.specs.append(spec)
-        mine.to_check.append((spec, NOT_EVEN_DIAGONAL))
+        mine.add_replayed([diagonal_value_output(projections)], NOT_EVEN_DIAGONAL)
         gates[path] = gate
     check_locally(model, mine)
     for spec in mine.specs:
