@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.func import functional_call
 
-from .huggingface import Findings, check_locally
+from .huggingface import Findings, check_locally, module_attribute
 from .layouts import PairSpec, child_path
 from .output_gate import AttentionProjections, attention_projections
 from .probe import ForwardRecord, local_tolerance, recorded_forward, rotary_planes
@@ -149,17 +149,21 @@ def multiplies_by_gain(norm: torch.nn.Module, size: int) -> bool:
 def _norms(module: torch.nn.Module, size: int) -> Optional[Tuple[str, str]]:
     """The (query norm, key norm) child names of ``module`` with gains of ``size``."""
     for q_name, k_name in NORM_PAIRS:
-        if _gain(getattr(module, q_name, None), size) is not None:
-            if _gain(getattr(module, k_name, None), size) is not None:
+        if _gain(module_attribute(module, q_name), size) is not None:
+            if _gain(module_attribute(module, k_name), size) is not None:
                 return q_name, k_name
     return None
+
+
+def _is_module(value: object) -> bool:
+    return isinstance(value, torch.nn.Module)
 
 
 def _query_norm_only(module: torch.nn.Module) -> Optional[str]:
     """The query norm of a module with queries but no keys of its own (it reuses the
     keys of an earlier layer: Gemma 3n's shared key/value layers), or ``None``."""
     for q_name, k_name in NORM_PAIRS:
-        if isinstance(getattr(module, q_name, None), torch.nn.Module):
+        if _is_module(module_attribute(module, q_name)):
             keyless = not hasattr(module, k_name) and not hasattr(module, "k_proj")
             return (
                 q_name
@@ -177,8 +181,8 @@ def key_sharers(model: torch.nn.Module) -> Dict[str, List[str]]:
     last: Dict[object, str] = {}
     sharers: Dict[str, List[str]] = {}
     for path, module in model.named_modules():
-        if any(isinstance(getattr(module, k, None), torch.nn.Module) for _, k in NORM_PAIRS):
-            if any(isinstance(getattr(module, q, None), torch.nn.Module) for q, _ in NORM_PAIRS):
+        if any(_is_module(module_attribute(module, k)) for _, k in NORM_PAIRS):
+            if any(_is_module(module_attribute(module, q)) for q, _ in NORM_PAIRS):
                 last[getattr(module, "layer_type", None)] = path
             continue
         q_name = _query_norm_only(module)
@@ -292,7 +296,7 @@ def norm_gain_pairs(model: torch.nn.Module, found: Findings) -> None:
         if s.kind == "query-key" or (s.kind == "value-output" and not s.label)
     }
     record, _ = recorded_forward(model)
-    sharers = key_sharers(model)
+    sharers: Optional[Dict[str, List[str]]] = None  # read once a module has q/k norms
     mine, notes = Findings(), {}
     for path, module in model.named_modules():
         projections = None if path in skip else attention_projections(path, module)
@@ -305,6 +309,7 @@ def norm_gain_pairs(model: torch.nn.Module, found: Findings) -> None:
             mine.note(AFFINE_NOTE.format(q=norms[0], k=norms[1]), path)
             continue
         units, _ = _gain_units(projections, norms, record)
+        sharers = key_sharers(model) if sharers is None else sharers
         for unit_set in units or []:
             spec = gain_pairs(projections, norms, unit_set, sharers.get(path, ()))
             mine.add_replayed([spec], GAINS_BREAK)
