@@ -286,3 +286,61 @@ def test_qk_norm_families_say_precisely_why_qk_is_adaptive(name, scope):
     for needle in (scope, "A = c O", "O = +-1 per rotary plane", "scaled by s and 1/s"):
         assert needle in notes[0], (needle, notes[0])
     assert notes[0].endswith("Q/K left to the adaptive geometry (V/O is handled)")
+
+
+@st.composite
+def view_programs(draw):
+    """A random tensor shape and a sequence of view operations on it."""
+    shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    ops = draw(st.lists(st.tuples(st.sampled_from("punsv"), st.integers(0, 10**6)), max_size=8))
+    return shape, ops
+
+
+def _apply(view, op, seed):
+    """One view operation on a tensor or a StridedView, chosen from ``seed`` alike."""
+    rng = random.Random(seed)
+    shape = tuple(view.shape)
+    ndim = len(shape)
+    if op == "p":
+        dims = list(range(ndim))
+        rng.shuffle(dims)
+        return view.permute(dims)
+    if op == "u":
+        return view.unsqueeze(rng.randrange(ndim + 1))
+    if op in "ns" and not ndim:
+        return view
+    dim = rng.randrange(ndim) if ndim else 0
+    if op == "n":
+        start = rng.randrange(shape[dim])
+        return view.narrow(dim, start, rng.randrange(1, shape[dim] - start + 1))
+    if op == "s":
+        return view.select(dim, rng.randrange(shape[dim]))
+    sizes = [s for s in shape if s > 1]  # a reshape: merge or split runs of dimensions
+    total = 1
+    for s in sizes:
+        total *= s
+    factors = [f for f in range(1, total + 1) if total % f == 0]
+    first = rng.choice(factors)
+    return view.view(tuple([first, total // first] if rng.random() < 0.5 else [total]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(view_programs())
+def test_strided_views_follow_pytorch_views(program):
+    """Shape, strides and offset of every view equal a real tensor's, and a view the
+    strides cannot give is refused by both."""
+    shape, ops = program
+    tensor = torch.empty(shape)
+    view = structured.StridedView.contiguous(shape)
+    for op, seed in ops:
+        try:
+            expected = _apply(tensor, op, seed)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                _apply(view, op, seed)
+            continue
+        tensor, view = expected, _apply(view, op, seed)
+        assert view.shape == tuple(tensor.shape)
+        if tensor.numel():
+            assert view.strides == tensor.stride()
+        assert view.offset == tensor.storage_offset()

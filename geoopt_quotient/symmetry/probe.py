@@ -350,8 +350,9 @@ def _column_offset(
 def _cached_maps(
     record: ForwardRecord, call: RotaryCall, slot: int, slots: List[int]
 ) -> Optional[torch.Tensor]:
-    """:func:`_replay_maps`, computed once for calls of one function on equal position
-    inputs (every layer of a model shares its rotary tables)."""
+    """:func:`_replay_maps` of ``slot``, the maps of every slot computed at once and once
+    for calls of one function on equal position inputs (every layer of a model shares its
+    rotary tables)."""
 
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -369,14 +370,25 @@ def _cached_maps(
 
     cached = record.replays.setdefault("rotary maps", [])
     for function, at, args, kwargs, maps in cached:
-        if function is call.function and at == slot and len(args) == len(call.args):
+        if function is call.function and at == slots and len(args) == len(call.args):
             mine = key_args(call)
             if all(same(a, b) for a, b in zip(args, mine)) and kwargs.keys() == call.kwargs.keys():
                 if all(same(kwargs[k], call.kwargs[k]) for k in kwargs):
-                    return maps
-    maps = _replay_maps(call, slot, slots)
-    cached.append((call.function, slot, key_args(call), call.kwargs, maps))
-    return maps
+                    return maps[slots.index(slot)]
+    maps = _replay_maps_of_slots(call, slots)
+    cached.append((call.function, list(slots), key_args(call), call.kwargs, maps))
+    return maps[slots.index(slot)]
+
+
+def _replay_maps_of_slots(call: RotaryCall, slots: List[int]) -> List[Optional[torch.Tensor]]:
+    """:func:`_replay_maps` of every slot: the basis vectors of all slots through one call
+    mapped over them where the function can be mapped, else slot by slot."""
+    try:
+        with warnings.catch_warnings():  # vmap's note on operators it loops over
+            warnings.filterwarnings("ignore", message=".*batching rule.*")
+            return _mapped_maps_of_slots(call, slots)
+    except Exception:  # a function vmap cannot follow (data-dependent control flow...)
+        return [_looped_maps(call, slot, slots) for slot in slots]
 
 
 def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
@@ -396,27 +408,50 @@ def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torc
 
 def _mapped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
     """:func:`_replay_maps` in one call mapped over the basis vectors."""
-    data = call.args[slot]
-    r = data.shape[-1]
-    out_index = slots.index(slot)
-    eye = torch.eye(r, dtype=data.dtype, device=data.device)
-    basis = eye.reshape(r, *([1] * (data.dim() - 1)), r).expand(r, *data.shape).contiguous()
+    return _mapped_maps_of_slots(call, slots, only=slot)[slots.index(slot)]
 
-    def column(vector: torch.Tensor) -> List[torch.Tensor]:
+
+def _mapped_maps_of_slots(
+    call: RotaryCall, slots: List[int], only: Optional[int] = None
+) -> List[Optional[torch.Tensor]]:
+    """The maps of every slot (of ``only``, the others ``None``) in one call mapped over
+    the basis vectors of all of them: sample ``(s, j)`` has basis vector ``j`` in slot
+    ``s`` and zeros in the other slots, whose outputs must stay zero (else the data
+    arguments mix, and no slot has a map of its own)."""
+    moved = [s for s in slots if only is None or s == only]
+    sizes = [call.args[s].shape[-1] for s in moved]
+    total = sum(sizes)
+    inputs = []
+    for s in slots:
+        data = call.args[s]
+        batch = torch.zeros(total, *data.shape, dtype=data.dtype, device=data.device)
+        if s in moved:
+            at = sum(sizes[: moved.index(s)])
+            r = data.shape[-1]
+            eye = torch.eye(r, dtype=data.dtype, device=data.device)
+            batch[at : at + r] = eye.reshape(r, *([1] * (data.dim() - 1)), r)
+        inputs.append(batch)
+
+    def column(*vectors: torch.Tensor) -> List[torch.Tensor]:
         args = list(call.args)
-        for s in slots:
-            args[s] = torch.zeros_like(call.args[s])
-        args[slot] = vector
+        for s, vector in zip(slots, vectors):
+            args[s] = vector
         return _tensors(call.function(*args, **call.kwargs))
 
-    outputs = torch.vmap(column)(basis)
+    outputs = torch.vmap(column)(*inputs)
+    out: List[Optional[torch.Tensor]] = [None] * len(slots)
     if len(outputs) != len(slots):
-        return None
-    for k, other in enumerate(outputs):
-        if k != out_index and other.abs().max() > 0:
-            return None  # the data arguments mix: not a rotation of each
-    out = outputs[out_index].reshape(r, -1, r).to(torch.float64)  # (columns, positions, r)
-    return out.permute(1, 2, 0)
+        return out
+    at = 0
+    for s, r in zip(moved, sizes):
+        k = slots.index(s)
+        rows = slice(at, at + r)
+        at += r
+        if any(o[rows].abs().max() > 0 for i, o in enumerate(outputs) if i != k):
+            continue  # this slot's data reaches another output: not a rotation of its own
+        mapped = outputs[k][rows].reshape(r, -1, r).to(torch.float64)  # (columns, positions, r)
+        out[k] = mapped.permute(1, 2, 0)
+    return out
 
 
 def _looped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:

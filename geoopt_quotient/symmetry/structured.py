@@ -14,8 +14,8 @@ one box are a strided view of one parameter,
 
 with box start :math:`s`, shape :math:`n`, strides :math:`\sigma` and offset :math:`o`
 into the flattened parameter. :func:`trace` finds the boxes by running the layout on
-*probes* that record them (the parameter side on ``meta`` tensors, which carry strides
-and no data), at a cost that grows with the number of boxes (about one per tensor and
+*probes* that record them (the parameter side as :class:`StridedView`: shape, strides
+and offset, no data), at a cost that grows with the number of boxes (about one per tensor and
 head), not with the number of entries. Everything a plan needs follows from the boxes:
 gathering and scattering (strided copies), whether entries repeat or two groups overlap
 (sorted runs of each parameter's flat positions), the write-back as strided copies
@@ -36,7 +36,7 @@ import torch
 
 from .strided import MAX_PIECES_PER_PARAMETER, Piece, affine_split
 
-__all__ = ["Block", "PointStructure", "trace"]
+__all__ = ["Block", "PointStructure", "StridedView", "trace"]
 
 #: A layout cut into more boxes than this is left to the index map.
 MAX_BLOCKS = 1 << 16
@@ -171,11 +171,105 @@ def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
 # ----------------------------------------------------------------------- probes
 
 
+class StridedView:
+    """A strided view of a flattened parameter, as arithmetic on (shape, strides, offset):
+    the subset of a tensor's view operations that layouts use, with PyTorch's rules for
+    when a view exists, at a fraction of the cost of a ``meta`` tensor's dispatch."""
+
+    __slots__ = ("offset", "shape", "strides")
+
+    def __init__(self, shape: Sequence[int], strides: Sequence[int], offset: int = 0):
+        self.shape = tuple(shape)
+        self.strides = tuple(strides)
+        self.offset = offset
+
+    @classmethod
+    def contiguous(cls, shape: Sequence[int]) -> StridedView:
+        return cls(shape, contiguous_strides(shape))
+
+    def stride(self) -> Tuple[int, ...]:
+        return self.strides
+
+    def storage_offset(self) -> int:
+        return self.offset
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def permute(self, dims: Sequence[int]) -> StridedView:
+        return StridedView(
+            [self.shape[d] for d in dims], [self.strides[d] for d in dims], self.offset
+        )
+
+    def unsqueeze(self, dim: int) -> StridedView:
+        # PyTorch's stride for the new dimension: the extent of the one it precedes
+        stride = self.shape[dim] * self.strides[dim] if dim < len(self.shape) else 1
+        return StridedView(
+            _spliced(self.shape, dim, dim, 1), _spliced(self.strides, dim, dim, stride), self.offset
+        )
+
+    def narrow(self, dim: int, start: int, length: int) -> StridedView:
+        return StridedView(
+            _spliced(self.shape, dim, dim + 1, length),
+            self.strides,
+            self.offset + start * self.strides[dim],
+        )
+
+    def select(self, dim: int, index: int) -> StridedView:
+        return StridedView(
+            _spliced(self.shape, dim, dim + 1),
+            _spliced(self.strides, dim, dim + 1),
+            self.offset + index * self.strides[dim],
+        )
+
+    def view(self, shape: Sequence[int]) -> StridedView:
+        """The view of ``shape`` (same number of entries); ``RuntimeError`` where
+        PyTorch's ``Tensor.view`` would refuse it (no strides give those entries)."""
+        shape = tuple(shape)
+        if math.prod(shape) != self.numel():
+            raise RuntimeError(f"shape {shape} is invalid for {self.numel()} entries")
+        strides = _view_strides(self.shape, self.strides, shape)
+        if strides is None:
+            raise RuntimeError("view size is not compatible with the view's strides")
+        return StridedView(shape, strides, self.offset)
+
+
+def _view_strides(
+    old_shape: Tuple[int, ...], old_strides: Tuple[int, ...], new_shape: Tuple[int, ...]
+) -> Tuple[int, ...] | None:
+    """Strides of ``new_shape`` viewing the entries of a strided view, or ``None``: the old
+    dimensions are cut into chunks that are contiguous among themselves, and each chunk
+    must be a product of consecutive new dimensions (PyTorch's ``computeStride``)."""
+    if math.prod(old_shape) == 0:
+        return old_strides if old_shape == new_shape else contiguous_strides(new_shape)
+    if not old_shape:  # one entry: every new dimension has size 1
+        return (1,) * len(new_shape)
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    base = old_strides[-1] if old_strides else 1
+    tensor_numel = view_numel = 1
+    for d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[d]
+        if d == 0 or (old_shape[d - 1] != 1 and old_strides[d - 1] != tensor_numel * base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                base = old_strides[d - 1]
+                tensor_numel = view_numel = 1
+    if view_d != -1:
+        return None
+    return tuple(new_strides)
+
+
 @dataclass(frozen=True)
 class _Box:
     param: int
     start: Tuple[int, ...]
-    view: torch.Tensor  # a meta view of the parameter, of the box's shape
+    view: StridedView  # a view of the flattened parameter, of the box's shape
 
 
 class _Probe:
@@ -492,7 +586,7 @@ def trace(layout, shapes: Sequence[torch.Size]) -> PointStructure | None:
     """
     leaves = []
     for k, shape in enumerate(shapes):
-        view = torch.empty(shape, device="meta")
+        view = StridedView.contiguous(shape)
         leaves.append(_Probe(shape, [_Box(k, (0,) * len(shape), view)]))
     try:
         out = layout(*leaves)
@@ -501,7 +595,7 @@ def trace(layout, shapes: Sequence[torch.Size]) -> PointStructure | None:
     if not isinstance(out, _Probe) or sum(b.view.numel() for b in out.boxes) != out.numel():
         return None
     blocks = tuple(
-        Block(b.param, b.start, tuple(b.view.shape), b.view.stride(), b.view.storage_offset())
+        Block(b.param, b.start, b.view.shape, b.view.strides, b.view.offset)
         for b in out.boxes
         if b.view.numel()
     )

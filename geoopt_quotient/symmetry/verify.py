@@ -584,8 +584,9 @@ class ReferencePass:
     inputs : dict
         The keyword inputs the model ran on (the proof's probe inputs).
     params : dict of str to torch.Tensor
-        The weights the pass used, by name: detached leaves, the floating ones requiring
-        gradients, so that the proof can differentiate with respect to any group's.
+        The weights the pass used, by name, every floating one a leaf that requires
+        gradients, so that the proof can differentiate with respect to any group's: the
+        model's own parameters where they all require gradients, else detached copies.
     outputs : Any
         The model's outputs, with their autograd graph.
     precision : WeightPrecision or None
@@ -616,14 +617,23 @@ def reference_pass(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Referen
     ReferencePass
         The pass, for ``prove_plan(..., reference=)``.
     """
-    params = {
-        n: p.detach().requires_grad_(p.is_floating_point()) for n, p in model.named_parameters()
-    }
+    own = dict(model.named_parameters())
+    # where every floating weight already requires gradients, the model runs on its own
+    # weights (differentiating does not write their .grad); else on detached leaves
+    direct = all(p.requires_grad for p in own.values() if p.is_floating_point())
+    params = (
+        own
+        if direct
+        else {n: p.detach().requires_grad_(p.is_floating_point()) for n, p in own.items()}
+    )
     floating = [p.dtype for p in params.values() if p.is_floating_point()]
     dtype = floating[0] if floating else torch.float32
     precision = WeightPrecision(list(params.values())) if dtype == torch.float64 else None
     with torch.enable_grad(), precision or contextlib.nullcontext():
-        outputs = functional_call(model, params, (), dict(inputs), strict=False)
+        if direct:
+            outputs = model(**inputs)
+        else:
+            outputs = functional_call(model, params, (), dict(inputs), strict=False)
     return ReferencePass(dict(inputs), params, outputs, precision)
 
 
