@@ -43,6 +43,17 @@ threads).
 
     python benchmarks/bench_path_gap_cost.py --calls \\
         --json benchmarks/results/cpu/path_report_calls.json
+
+``--calls --split`` times the default calls (adaptive and geodesic sharpness, the bound
+plan passed in; on the model compared with adaptive sharpness) also at a third of the
+iterations (2 of 6), interleaved, and splits each into its fixed work (the checks, the
+layout, the factorisations at the base point, the final evaluation and the estimate:
+what a short call, e.g. a training callback's, pays in full) and one iteration,
+``(t(n) - t(n/3)) / (2n/3)``; ``fixed_over_adaptive`` and ``iteration_over_adaptive``
+compare them.
+
+    python benchmarks/bench_path_gap_cost.py --calls --split --models bert-4x256 \\
+        --repeats 7 --json benchmarks/results/cpu/geodesic_call_split.json
 """
 
 from __future__ import annotations
@@ -320,18 +331,24 @@ def time_calls(name: str, args) -> Dict[str, Any]:
     model, batches, loss_fn = call_setup(name, args.quick)
     iters, measures = CALL_MODELS[name]
     iters = 2 if args.quick else iters
+    split = args.split and "adaptive" in measures  # the models compared with adaptive
+    if split:
+        measures = (*measures, *SHORT)
     plan = gq.find_symmetries(model, metric="mix").bind(model)
     results: Dict[str, Any] = {}
 
     def call(measure: str, iterations: int) -> Dict[str, float]:
         """One call; its wall and process time and the report's and estimate's own."""
+        kept = results  # the results of the full calls are the ones reported
+        if measure in SHORT:
+            kept, measure, iterations = {}, SHORT[measure], max(1, iterations // 3)
         common = dict(iters=iterations, progress=False)
         wall, cpu = time.perf_counter(), time.process_time()
         with CallTimer("path_gap") as exact, CallTimer("estimated_path_gap") as estimate:
             if measure == "adaptive":
                 gq.adaptive_sharpness(model, loss_fn, batches, **common)
             else:
-                results[measure] = gq.geodesic_sharpness(
+                kept[measure] = gq.geodesic_sharpness(
                     model,
                     loss_fn,
                     batches,
@@ -383,16 +400,44 @@ def time_calls(name: str, args) -> Dict[str, Any]:
         "estimated_path_gaps": results["geodesic"].estimated_path_gaps,
         "rho": results["geodesic"].settings["rho"],
     }
+    return {**row, **_comparisons(median, iters, split)}
+
+
+def _comparisons(median: Dict[str, Dict[str, float]], iters: int, split: bool) -> Dict[str, Any]:
+    """The geodesic calls' times over the adaptive call's, and with ``split`` the
+    fixed work and one iteration of each (:func:`_split`)."""
+    out: Dict[str, Any] = {"split": _split(median, iters)} if split else {}
     if "adaptive" in median:
         for key, measure in (("geodesic", "geodesic"), ("geodesic_with_report", "geodesic_report")):
-            row[f"{key}_over_adaptive"] = {
+            out[f"{key}_over_adaptive"] = {
                 clock: median[measure][clock] / median["adaptive"][clock] for clock in CLOCKS
             }
-    return row
+    return out
 
 
 #: The clocks of ``--calls``: wall time and this process's CPU time.
 CLOCKS = ("wall", "cpu")
+#: ``--split``'s short calls (a third of the iterations) and the measure each times.
+SHORT = {"adaptive_short": "adaptive", "geodesic_short": "geodesic"}
+
+
+def _split(median: Dict[str, Dict[str, float]], iters: int) -> Dict[str, Any]:
+    """Per measure of :data:`SHORT` and clock, the seconds of the fixed work and of one
+    iteration, from the medians of calls of ``iters`` and ``iters // 3`` iterations, and
+    the geodesic's over the adaptive's."""
+    short = max(1, iters // 3)
+    out: Dict[str, Any] = {"short_iters": short}
+    for name, measure in SHORT.items():
+        out[measure] = {}
+        for clock in CLOCKS:
+            full, part = median[measure][clock], median[name][clock]
+            per = (full - part) / (iters - short)
+            out[measure][clock] = {"fixed": part - short * per, "iteration": per}
+    for key in ("fixed", "iteration"):
+        out[f"{key}_over_adaptive"] = {
+            clock: out["geodesic"][clock][key] / out["adaptive"][clock][key] for clock in CLOCKS
+        }
+    return out
 
 
 def _batch_shape(batch) -> tuple:
@@ -416,6 +461,11 @@ def main(argv=None) -> Dict[str, Any]:
     )
     parser.add_argument(
         "--base-repeats", type=int, default=2, help="--calls: rounds of BERT-base (2)"
+    )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="--calls: also a third of the iterations, and the fixed work apart",
     )
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)

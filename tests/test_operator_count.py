@@ -41,15 +41,15 @@ class OperatorCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def bert(layers: int):
+def bert(layers: int, width: int = 256):
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
         vocab_size=100,
-        hidden_size=256,
+        hidden_size=width,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        intermediate_size=1024,
+        intermediate_size=4 * width,
         max_position_embeddings=32,
         num_labels=3,
     )
@@ -136,6 +136,71 @@ def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
         passes = forward_backward_operators(model, batch, loss_fn)
         extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
     assert 0 < extra[12] <= 1.25 * extra[4]
+
+
+#: Linear-algebra operators (factorisations, inverses and solves), by their ATen names.
+LINALG = frozenset(
+    "linalg_qr linalg_eigh _linalg_eigh linalg_cholesky_ex cholesky_inverse cholesky_solve "
+    "linalg_solve_triangular _linalg_solve_ex linalg_lu_factor_ex linalg_lu_solve "
+    "linalg_inv_ex geqrf linalg_householder_product _linalg_svd".split()
+)
+
+
+def linalg_operators(counter: OperatorCount) -> int:
+    return sum(n for name, n in counter.by_name.items() if name.split(".")[1] in LINALG)
+
+
+def fixed_operators(model, batch, loss_fn, measure: str, plan) -> tuple:
+    """``(operators, linear-algebra operators)`` of one call that no Auto-PGD iteration
+    accounts for: the checks, the layout, the factorisations at the base point, the
+    final evaluation and the estimate, ``2 c(2) - c(4)`` of calls of 2 and 4 iterations.
+    Geodesic measures take their bound plan (a caller measuring every few steps keeps it:
+    discovery is not part of the count)."""
+
+    def run(iters: int) -> OperatorCount:
+        options = dict(rho=0.01, iters=iters, progress=False)
+        with OperatorCount() as counter:
+            if measure == "adaptive":
+                gq.adaptive_sharpness(model, loss_fn, [batch], **options)
+            else:
+                gq.geodesic_sharpness(
+                    model, loss_fn, [batch], metric=measure, symmetries=plan, **options
+                )
+        return counter
+
+    short, long = run(2), run(4)
+    return 2 * short.count - long.count, 2 * linalg_operators(short) - linalg_operators(long)
+
+
+#: The fixed operators of a call may grow with depth by this multiple of the operators of
+#: the model's forward and backward pass: the call's own forward pass at the maximiser,
+#: and per parameter tensor a few views and copies (0.7 counted for adaptive and 1.3 for
+#: geodesic sharpness from 2 to 8 layers; 1.75 and 2.3 while the finiteness check of the
+#: weights took five operators per parameter tensor).
+FIXED_PER_PASS = 1.5
+#: ... and beyond that by at most this many operators from 2 to 8 layers.
+FIXED_SLACK = 64
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])
+def test_the_fixed_work_of_a_call_grows_with_depth_as_the_pass_at_most(measure):
+    """What a call does once (checks of the weights and the base point, the layout, the
+    factorisations at the base point, the final evaluation, the path gap's estimate) is
+    paid in full by a short call (a training callback's few iterations): its operators
+    grow with the number of layers as at most 1.5 forward and backward passes, and its
+    linear-algebra operators not at all (the layers' matrices are factorised in batches)."""
+    beyond, linalg = {}, {}
+    for layers in (2, 4, 8):
+        model, batch, loss_fn = bert(layers, width=64)
+        plan = None
+        if measure != "adaptive":
+            plan = gq.find_symmetries(model, metric=measure).bind(model)
+        passes = forward_backward_operators(model, batch, loss_fn)
+        fixed, linalg[layers] = fixed_operators(model, batch, loss_fn, measure, plan)
+        beyond[layers] = fixed - FIXED_PER_PASS * passes
+    assert beyond[4] <= beyond[2] + FIXED_SLACK and beyond[8] <= beyond[2] + FIXED_SLACK, beyond
+    assert linalg[2] == linalg[4] == linalg[8], linalg
+    assert (linalg[2] > 0) == (measure != "adaptive")  # the base point's factorisations
 
 
 #: Operators of one ``geodesic_sharpness`` call's path gap on the 4-layer BERT (the exact

@@ -231,6 +231,25 @@ def test_the_finiteness_check_of_the_weights_is_isfinite_all(dtype, size):
             assert not bool(is_finite(spoiled.view(1, -1).expand(2, -1).mT))  # strided
 
 
+def test_the_finiteness_check_of_the_weights_reads_them_in_one_call_and_names_the_culprit():
+    """``check_parameters`` reads all parameters of a dtype at once (their l1 norms): a
+    finite parameter whose norm overflows (float32 entries near the largest float, a
+    float16 sum above 65504) passes, and the non-finite one among many is named."""
+    from geoopt_quotient.sharpness.ball import check_parameters
+
+    params = {
+        "huge": torch.full((8,), 3e38),
+        "half": torch.full((4096,), 60.0, dtype=torch.float16),
+        "empty": torch.zeros(0),
+        **{f"w{i}": torch.randn(3, 3, dtype=F64) for i in range(5)},
+    }
+    check_parameters(params)
+    params["w3"] = params["w3"].clone()
+    params["w3"][1, 1] = math.inf
+    with raises(ValueError, "parameter 'w3'", "NaN/Inf"):
+        check_parameters(params)
+
+
 @pytest.mark.parametrize(
     "manifold",
     [GLQuotient(3, 3), DiagonalQuotient(), AdaptiveEuclidean()],

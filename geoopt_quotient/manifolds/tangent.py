@@ -39,6 +39,13 @@ class TangentSpace:
         self.manifold = manifold
         self.x = x
 
+    def at_same_point(self) -> TangentSpace:
+        """A new tangent space at this point that shares what this one computed from the
+        point alone (for this package's manifolds: Gram matrices and their
+        factorisations), and nothing it derived from tangent vectors: its results are
+        those of a space made afresh, without factorising the point again."""
+        return tangent_space(self.manifold, self.x)
+
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         """The inner product, summed over batch dimensions (a scalar)."""
         return self.manifold.inner(self.x, u, v).sum()
@@ -144,6 +151,9 @@ class CachedTangentSpace(TangentSpace):
     def __init__(self, manifold: Manifold, x: torch.Tensor, state: Any):
         super().__init__(manifold, x)
         self.state = state
+
+    def at_same_point(self) -> CachedTangentSpace:
+        return type(self)(self.manifold, self.x, self.state)
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         summed = getattr(self.manifold, "_inner_sum", None)

@@ -25,7 +25,7 @@ from .._checks import PATHS, check_choice, check_positive_float, check_positive_
 from ..errors import GeooptQuotientError
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.adaptive import GRAM_BLOCK, GradientSweep
-from ..manifolds.tangent import tangent_space
+from ..manifolds.tangent import TangentSpace, tangent_space
 from . import buffers
 from .buffers import AutoPGDVectors
 from .functional import check_depends_on_perturbation, check_loss_value
@@ -105,6 +105,11 @@ class BallMaxResult:
         With ``keep_initial_gradient``: the Riemannian gradient of the objective at the
         initial iterate (at the base point for ``init="zero"``), one horizontal vector
         per group; else ``None``.
+    spaces : list of TangentSpace or None
+        The tangent spaces at the groups' points, sharing the factorisations the search
+        made there (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.at_same_point`):
+        further computation at the same points (the path gap's estimate) need not
+        factorise them again.
     """
 
     value: float
@@ -115,6 +120,7 @@ class BallMaxResult:
     evaluations: int = 0
     gradients: int = 0
     initial_gradient: Optional[List[torch.Tensor]] = None
+    spaces: Optional[List[TangentSpace]] = field(default=None, repr=False, compare=False)
 
 
 def path_function(manifold: Manifold, path: str) -> Path:
@@ -160,9 +166,18 @@ class TangentBall:
     and only the perturbed point is rounded to the model's dtype.
     """
 
-    def __init__(self, groups: Sequence[BallGroup], rho: float):
+    def __init__(
+        self,
+        groups: Sequence[BallGroup],
+        rho: float,
+        spaces: Sequence[TangentSpace] | None = None,
+    ):
         self.points = [g.point.detach() for g in groups]
-        self.spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
+        if spaces is None:
+            spaces = [tangent_space(g.manifold, x) for g, x in zip(groups, self.points)]
+        #: The tangent spaces at the points: given (e.g. another ball's
+        #: :meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.at_same_point`), or made
+        self.spaces = list(spaces)
         self.dtypes = [compute_dtype(x.dtype) for x in self.points]
         #: Per group, whether its vectors get buffers of their own
         #: (:func:`~geoopt_quotient.sharpness.buffers.joint_buffer`)
@@ -362,7 +377,10 @@ class TangentBall:
 
 
 def prepare_ball(
-    groups: Sequence[Union[BallGroup, Tuple[torch.Tensor, Manifold]]], rho: float, path: str
+    groups: Sequence[Union[BallGroup, Tuple[torch.Tensor, Manifold]]],
+    rho: float,
+    path: str,
+    spaces: Sequence[TangentSpace] | None = None,
 ) -> Tuple[TangentBall, List[Path]]:
     """The ball of radius ``rho`` at the groups' points, and each group's path.
 
@@ -370,7 +388,8 @@ def prepare_ball(
     :class:`BallGroup` or ``(point, manifold)`` pairs, ``rho > 0``, ``path`` one of
     :data:`PATHS`) and resolves each group's path: its own ``path``, else the named one
     at the ball's tangent space (:func:`straight_path` where the retraction is the
-    straight line, so that the evaluation writes the point into a buffer).
+    straight line, so that the evaluation writes the point into a buffer). ``spaces``:
+    the tangent spaces at the groups' points where already made (:class:`TangentBall`).
     """
     groups = [g if isinstance(g, BallGroup) else BallGroup(*g) for g in groups]
     if not groups:
@@ -383,7 +402,7 @@ def prepare_ball(
                 f"base points must be floating-point tensors, got {g.point.dtype}; "
                 "convert the model with .float() or .double()"
             )
-    ball = TangentBall(groups, float(rho))
+    ball = TangentBall(groups, float(rho), spaces)
     paths = [g.path or _space_path(space, path) for g, space in zip(groups, ball.spaces)]
     return ball, paths
 
@@ -729,13 +748,15 @@ def _maximize(
     iters = check_positive_int(iters, "iters")
     vectors = AutoPGDVectors(_initial_vector(ball, init, seed), ball.apart, keep)
     passes = BallPasses(ball, paths, objective, autocast, vectors)
-    return auto_pgd(
+    result = auto_pgd(
         passes,
         iters=iters,
         momentum=momentum,
         check_finite=check_finite,
         keep_initial_gradient=keep_initial_gradient,
     )
+    result.spaces = [space.at_same_point() for space in ball.spaces]
+    return result
 
 
 #: Auto-PGD halves its step at a checkpoint where the objective rose in fewer than this

@@ -74,11 +74,16 @@ def ball_groups(
 
 
 def check_parameters(params: Mapping[str, torch.Tensor]) -> None:
-    """Floating-point and finite (one host read per device, not one per parameter).
+    r"""Floating-point and finite: a constant number of operators and one host read per
+    device and dtype, whatever the number of parameters.
 
-    A parameter is finite when its smallest and largest entries are
-    (:func:`~geoopt_quotient.manifolds._validation.is_finite`): one read of it, no
-    boolean tensor of its size.
+    The parameters of one device and dtype are read in one call
+    (``torch._foreach_norm``, one multi-tensor kernel on an accelerator): each one's
+    :math:`\ell_1` norm :math:`\sum_i |w_i|`, accumulated in float32 at least, is finite
+    only where every entry is (a NaN or an infinity makes the sum NaN or infinite). A
+    norm that overflows a finite parameter is told apart by the exact test of that
+    parameter alone (its smallest and largest entries,
+    :func:`~geoopt_quotient.manifolds._validation.is_finite`), which names the culprit.
 
     Raises
     ------
@@ -90,17 +95,25 @@ def check_parameters(params: Mapping[str, torch.Tensor]) -> None:
     for name, p in params.items():
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; sharpness needs floats")
-    by_device: Dict[torch.device, List[str]] = {}
+    by_kind: Dict[tuple, List[str]] = {}
     for name, p in params.items():
-        by_device.setdefault(p.device, []).append(name)
-    for names in by_device.values():
-        finite = torch.stack([is_finite(params[n]) for n in names]).tolist()
+        by_kind.setdefault((p.device, p.dtype), []).append(name)
+    for (_, dtype), names in by_kind.items():
+        tensors = [params[n] for n in names]
+        norms = torch._foreach_norm(tensors, 1, dtype=_norm_dtype(dtype))
+        finite = torch.isfinite(torch.stack(norms)).tolist()
         for name, ok in zip(names, finite):
-            if not ok:
+            if not ok and not bool(is_finite(params[name])):
                 raise ValueError(
                     f"parameter {name!r} has NaN/Inf entries: sharpness is undefined; check the "
                     "checkpoint or the training run that produced it"
                 )
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of :func:`check_parameters`'s norms: float32 at least (a sum of float16
+    magnitudes overflows at 65504)."""
+    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
 def warn_if_low_precision(params: Mapping[str, torch.Tensor]) -> None:
@@ -201,7 +214,7 @@ class LocalBall:
         self.base = trainable_parameters(model)
         check_parameters(self.base)
         warn_if_low_precision(self.base)
-        points = [p.detach() for p in plan.gather(self.base)]
+        points = [p.detach() if p.requires_grad else p for p in plan.gather(self.base)]
         check_points(plan.groups, points)
         groups = ball_groups(plan.groups, points, path, norm)
         self.layout = BallLayout(plan, self.base, groups) if kind == "worst" else None

@@ -318,7 +318,7 @@ def _maximize_over_radii(
         best_value, best_xi = top, xi
         gap = exact_loss = estimate = None
         if exact is not None:
-            estimate = estimated_path_gap(groups, exact, xi)
+            estimate = estimated_path_gap(groups, exact, xi, run.spaces)
         if exact is not None and report:
             gap, exact_loss = path_gap(groups, exact, objective, xi)
             passes[0] += not math.isnan(gap)  # no forward where the geodesic broke down

@@ -446,8 +446,17 @@ class _Rest:
         return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
 
 
+def written_once(destination: torch.Tensor, flat: FlatBuffer) -> bool:
+    """Whether every parameter entry of ``flat`` is the position of exactly one entry of
+    ``destination`` (the gaps, the stacks' padding among them, of any number): a count
+    per buffer entry, less one, zero everywhere once the gaps' counts are zeroed."""
+    written = torch.bincount(destination, minlength=flat.size).sub_(1)
+    _zero(flat.pieces(written)[1])
+    return not bool(written.any())
+
+
 def index_maps(
-    destination: torch.Tensor, flat: FlatBuffer
+    destination: torch.Tensor, flat: FlatBuffer, once: bool | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """``(destination, source)`` of :class:`_Rest` from the buffer position of each
     entry of the joined points (int64), in int32 where every position fits.
@@ -456,14 +465,12 @@ def index_maps(
     gather (``index_select``) from them, but costs about twice the time on the CPU, and
     int64 indices read twice the bytes of int32 ones. ``source`` inverts
     ``destination`` where every entry of a parameter is written by exactly one entry of
-    the points (the gaps, the stacks' padding among them, by any: they are zeroed after
+    the points (:func:`written_once`; ``once``: its answer where already known; the
+    gaps, the stacks' padding among them, are written by any: they are zeroed after
     the gather); ``None`` otherwise (the index copy is kept)."""
     small = max(flat.size, destination.numel()) < 2**31
     index_dtype = torch.int32 if small else torch.int64
-    is_parameter = torch.ones(flat.size, dtype=torch.bool, device=destination.device)
-    _zero(flat.pieces(is_parameter)[1])
-    written = torch.bincount(destination, minlength=flat.size)
-    if not bool((written[is_parameter] == 1).all()):
+    if not (written_once(destination, flat) if once is None else once):
         return destination.to(index_dtype), None
     source = torch.zeros(flat.size, dtype=torch.int64, device=destination.device)
     source[destination] = torch.arange(destination.numel(), device=destination.device)
@@ -647,14 +654,15 @@ class BallLayout:
             start = dict(zip(flat.names, flat.starts))
             trash = flat.size - trailing
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
-            destination, source = index_maps(torch.cat(destinations), flat)
+            joined = torch.cat(destinations)
+            once = written_once(joined, flat)
             shapes = [groups[p].point.shape for p in positions]
-            blocks = None
-            if source is not None:  # every parameter entry written once: blocks may do
+            blocks = destination = source = None
+            if once:  # every parameter entry written once: blocks may do
                 batches = [stacks[p].batch_shapes(plan, groups[p]) for p in positions]
                 blocks = strided_blocks(destinations, shapes, batches, flat, trash)
-            if blocks is not None:
-                destination = source = None
+            if blocks is None:  # the index maps only where no blocks do
+                destination, source = index_maps(joined, flat, once)
             out.append(_Rest(flat, positions, shapes, destination, source, blocks))
         return out
 

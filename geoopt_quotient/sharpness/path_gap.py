@@ -64,6 +64,7 @@ from ..errors import GeooptQuotientWarning
 from ..manifolds import GeodesicDomainError
 from ..manifolds._linalg import block_length, capped, compute_dtype
 from ..manifolds.base import acts_per_point, has_elementwise_metric
+from ..manifolds.tangent import TangentSpace
 from .apgd import BallGroup, as_scalar, prepare_ball, straight_path
 from .precision import AutocastState
 
@@ -537,7 +538,10 @@ ESTIMATE_BLOCK = 1 << 20
 
 
 def estimated_path_gap(
-    groups: Sequence[BallGroup], exact: Sequence[BallGroup], xi: Sequence[torch.Tensor]
+    groups: Sequence[BallGroup],
+    exact: Sequence[BallGroup],
+    xi: Sequence[torch.Tensor],
+    spaces: Sequence[TangentSpace] | None = None,
 ) -> float:
     r"""An estimate of the relative path gap :math:`g` of :func:`path_gap` at ``xi``,
     from the second-order term of the path alone: no geodesic integrated, no forward
@@ -579,6 +583,10 @@ def estimated_path_gap(
       float64 (:func:`_group_gap`; none such in the layouts of the package's
       symmetries with :math:`\varepsilon = 0`).
 
+    ``spaces``: the tangent spaces at the groups' points where already made (those of
+    the search that found ``xi``, :attr:`~geoopt_quotient.sharpness.apgd.BallMaxResult.spaces`):
+    their factorisations of the points serve again.
+
     Returns :math:`(\sum_g |R - \operatorname{Exp}|_{w_g}^2)^{1/2} / |\xi|_w`; 0 for
     :math:`\xi = 0`, NaN where a fallback integration breaks down. :math:`c` carries
     the rounding of the weights' dtype (:math:`\epsilon |w|`): the estimate matters
@@ -588,22 +596,29 @@ def estimated_path_gap(
     squared = step = 0.0
     try:
         with autocast.disabled(), torch.no_grad():
-            for group, exact_group, v in zip(groups, exact, xi):
-                difference_sq, step_sq = _estimated_group_gap(group, exact_group, v.detach())
+            for index, (group, exact_group, v) in enumerate(zip(groups, exact, xi)):
+                space = None if spaces is None else spaces[index]
+                difference_sq, step_sq = _estimated_group_gap(group, exact_group, v.detach(), space)
                 squared, step = squared + difference_sq, step + step_sq
     except GeodesicDomainError:
         return math.nan
     return math.sqrt(squared) / math.sqrt(step) if step > 0 else 0.0
 
 
-def _estimated_group_gap(group: BallGroup, exact: BallGroup, v: torch.Tensor):
+def _estimated_group_gap(
+    group: BallGroup, exact: BallGroup, v: torch.Tensor, space: TangentSpace | None = None
+):
     r"""(estimated :math:`|R - \operatorname{Exp}|^2`, :math:`|v|^2`) of one group, in
-    float64 (:func:`estimated_path_gap`)."""
+    float64 (:func:`estimated_path_gap`); ``space``: the tangent space at its point
+    where already made."""
     x = group.point.detach()
     if _closed_form_applies(group, exact):
         return _adaptive_estimate(x, v)
     (ball, (retract,)) = prepare_ball(
-        [BallGroup(x, group.manifold, group.path)], 1.0, "second_order"
+        [BallGroup(x, group.manifold, group.path)],
+        1.0,
+        "second_order",
+        None if space is None else [space.at_same_point()],
     )
     if retract is straight_path or group.path is not None:
         difference_sq, step_sq, _ = _group_gap(group, exact, v)
