@@ -344,3 +344,24 @@ def test_strided_views_follow_pytorch_views(program):
         if tensor.numel():
             assert view.strides == tensor.stride()
         assert view.offset == tensor.storage_offset()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=SHAPES, seed=st.integers(0, 10**6), steps=st.integers(1, 6))
+def test_runs_listed_as_integers_or_tensors_agree(shapes, seed, steps):
+    """Boxes of a few runs list them as Python integers, others as tensors; every mix of
+    the two gives the same sorted, coalesced runs."""
+    layout = random_layout(seed, steps)
+    structure = structured.trace(layout, [torch.Size(s) for s in shapes])
+    assert structure is not None
+    found = {}
+    for small in (0, 1, 2, structured.SMALL_RUNS):
+        original = structured.SMALL_RUNS
+        structured.SMALL_RUNS = small
+        try:
+            found[small] = structure.runs([torch.Size(s) for s in shapes])
+        finally:
+            structured.SMALL_RUNS = original
+    for runs in found.values():
+        for (starts, lengths), (expected_starts, expected_lengths) in zip(runs, found[0]):
+            assert torch.equal(starts, expected_starts) and torch.equal(lengths, expected_lengths)

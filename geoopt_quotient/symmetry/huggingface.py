@@ -874,10 +874,9 @@ def _separate_projections(
 def _projection(module: torch.nn.Module, name: str) -> Optional[Tuple[str, torch.nn.Linear]]:
     """``(relative path, nn.Linear)`` of child ``name``: the child itself, or the one
     ``nn.Linear`` a parameter-free wrapper holds as ``linear`` (Moshi's ``MoshiLinear``)."""
-    linear = _linear(module, name)
-    if linear is not None:
-        return name, linear
     child = module_attribute(module, name)
+    if isinstance(child, torch.nn.Linear):
+        return name, child
     inner = _linear(child, "linear") if isinstance(child, torch.nn.Module) else None
     if inner is None or any(True for _ in child.parameters(recurse=False)):
         return None

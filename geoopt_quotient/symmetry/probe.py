@@ -481,26 +481,29 @@ def _planes(maps: torch.Tensor, tol: float) -> Optional[Tuple[List[Tuple[int, in
     are not rotations of disjoint planes (and the identity elsewhere)."""
     r = maps.shape[-1]
     eye = torch.eye(r, dtype=maps.dtype)
-    off = ((maps - eye * maps).abs().amax(dim=0) > tol).tolist()  # couplings i <- j
-    scaled = ((maps.diagonal(dim1=-2, dim2=-1) - 1).abs().amax(dim=0) > tol).tolist()
+    # moved[i][j]: entry (i, j) leaves the identity at some position (i != j: a coupling
+    # i <- j; i == j: a scaling of dimension j)
+    moved = ((maps - eye).abs().amax(dim=0) > tol).tolist()
     planes, fixed = [], []
     for j in range(r):
-        partners = [i for i in range(r) if off[i][j]]
+        partners = [i for i in range(r) if i != j and moved[i][j]]
         if not partners:
-            if scaled[j]:
+            if moved[j][j]:
                 return None  # scaled, not rotated
             fixed.append(j)
             continue
-        if len(partners) != 1 or [i for i in range(r) if off[j][i]] != partners:
+        if len(partners) != 1 or [i for i in range(r) if i != j and moved[j][i]] != partners:
             return None
         if j < partners[0]:
             planes.append((j, partners[0]))
     if planes:  # each plane's block is [[c, -s], [s, c]] at every position
-        first, second = [j for j, _ in planes], [i for _, i in planes]
+        first = torch.tensor([j for j, _ in planes])
+        second = torch.tensor([i for _, i in planes])
         c, s = maps[:, first, first], maps[:, second, first]
-        if (maps[:, second, second] - c).abs().max() > tol:
-            return None
-        if (maps[:, first, second] + s).abs().max() > tol:
+        mismatch = torch.maximum(
+            (maps[:, second, second] - c).abs().amax(), (maps[:, first, second] + s).abs().amax()
+        )
+        if mismatch > tol:
             return None
     return planes, fixed
 
@@ -508,11 +511,15 @@ def _planes(maps: torch.Tensor, tol: float) -> Optional[Tuple[List[Tuple[int, in
 def _cached_planes(
     record: ForwardRecord, maps: torch.Tensor, tol: float
 ) -> Optional[Tuple[List[Tuple[int, int]], List[int]]]:
-    """:func:`_planes`, read once per map (every layer of a model shares its rotary maps)."""
-    key = ("rotary planes", id(maps), tol)  # the maps stay alive in the record's cache
-    if key not in record.replays:
-        record.replays[key] = _planes(maps, tol)
-    return record.replays[key]
+    """:func:`_planes`, read once per map: every layer of a model shares its rotary maps,
+    and the queries' and keys' maps are most often equal."""
+    cached = record.replays.setdefault("rotary planes", [])
+    for seen, at, planes in cached:
+        if at == tol and (seen is maps or (seen.shape == maps.shape and torch.equal(seen, maps))):
+            return planes
+    planes = _planes(maps, tol)
+    cached.append((maps, tol, planes))  # the maps stay alive in the record's cache
+    return planes
 
 
 def rotary_planes(

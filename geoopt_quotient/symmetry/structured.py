@@ -43,6 +43,9 @@ MAX_BLOCKS = 1 << 16
 #: A parameter whose boxes make more runs of consecutive entries than this has its
 #: overlap checked on a mask of its entries instead.
 MAX_RUNS = 1 << 20
+#: A box with at most this many runs lists them as Python integers (a few tensor
+#: operations per box would cost more than the arithmetic).
+SMALL_RUNS = 256
 
 
 class _Unsupported(Exception):
@@ -81,9 +84,10 @@ class Block:
         """The box's entries, a strided view of a flattened parameter."""
         return flat.as_strided(self.shape, self.strides, flat.storage_offset() + self.offset)
 
-    def runs(self) -> Tuple[torch.Tensor, int] | None:
+    def runs(self) -> Tuple[torch.Tensor | List[int], int] | None:
         """(first positions, length) of the runs of consecutive parameter positions the
-        box covers, in increasing order; ``None`` if its view may repeat an entry or
+        box covers, in increasing order (a list where there are at most
+        :data:`SMALL_RUNS`, else a tensor); ``None`` if its view may repeat an entry or
         makes more than :data:`MAX_RUNS` runs."""
         dims = sorted((s, n) for s, n in zip(self.strides, self.shape) if n > 1)
         merged: List[List[int]] = []
@@ -100,12 +104,18 @@ class Block:
         length = 1
         if merged and merged[0][0] == 1:
             length = merged.pop(0)[1]
-        if math.prod(size for _, size in merged) > MAX_RUNS:
+        count = math.prod(size for _, size in merged)
+        if count > MAX_RUNS:
             return None
-        starts = torch.tensor([self.offset], dtype=torch.long)
-        for stride, size in reversed(merged):  # outermost first: increasing order
-            starts = (starts[:, None] + stride * torch.arange(size)).reshape(-1)
-        return starts, length
+        if count <= SMALL_RUNS:  # a few runs: Python integers cost less than tensor ops
+            starts = [self.offset]
+            for stride, size in reversed(merged):  # outermost first: increasing order
+                starts = [first + stride * i for first in starts for i in range(size)]
+            return starts, length
+        found = torch.tensor([self.offset], dtype=torch.long)
+        for stride, size in reversed(merged):
+            found = (found[:, None] + stride * torch.arange(size)).reshape(-1)
+        return found, length
 
 
 @dataclass(frozen=True)
@@ -142,22 +152,41 @@ class PointStructure:
         entries the point covers, sorted by start. Runs overlap exactly where the point
         repeats an entry (:func:`overlap`). Boxes whose view may repeat an entry, or
         that make too many runs, are listed entry by entry."""
+        small: List[List[Tuple[int, int]]] = [[] for _ in shapes]
         parts: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in shapes]
         for block in self.blocks:
             found = block.runs()
             if found is None:
                 positions = block.view(torch.arange(shapes[block.param].numel()))
-                found = runs_of(positions.reshape(-1).sort().values)
+                parts[block.param].append(runs_of(positions.reshape(-1).sort().values))
+            elif isinstance(found[0], list):
+                small[block.param] += [(start, found[1]) for start in found[0]]
             else:
-                found = (found[0], torch.full_like(found[0], found[1]))
-            parts[block.param].append(found)
-        out = []
-        for found in parts:
-            starts = torch.cat([s for s, _ in found]) if found else torch.zeros(0, dtype=torch.long)
-            lengths = torch.cat([n for _, n in found]) if found else starts
-            order = torch.argsort(starts)
-            out.append(coalesced(starts[order], lengths[order]))
-        return out
+                parts[block.param].append((found[0], torch.full_like(found[0], found[1])))
+        return [_sorted_runs(few, many) for few, many in zip(small, parts)]
+
+
+def _sorted_runs(
+    few: List[Tuple[int, int]], many: List[Tuple[torch.Tensor, torch.Tensor]]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One parameter's runs, sorted and coalesced: ``few`` as Python pairs (sorted and
+    joined in Python where they are all there is), ``many`` as tensors."""
+    if not many:
+        starts, lengths = [], []
+        for start, length in sorted(few):
+            if starts and starts[-1] + lengths[-1] == start:
+                lengths[-1] += length  # starts where its predecessor ends: one run
+            else:
+                starts.append(start)
+                lengths.append(length)
+        return torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+    if few:
+        starts, lengths = zip(*few)
+        many = [*many, (torch.tensor(starts), torch.tensor(lengths))]
+    starts = torch.cat([s for s, _ in many])
+    lengths = torch.cat([n for _, n in many])
+    order = torch.argsort(starts)
+    return coalesced(starts[order], lengths[order])
 
 
 def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
