@@ -6,7 +6,10 @@ reports :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`
 points beside the model's own parameters, the perturbed parameters' flat buffers, the three
 iterates, the gradients (the best iterate's kept or not), the unfused groups' staging
 buffers and index maps, in bytes per trainable parameter, and the kept gradient's size
-against ``KEEP_GRADIENT_MAX_BYTES``. No timing: the figures are exact.
+against ``KEEP_GRADIENT_MAX_BYTES``. No timing: the figures are exact. The float32 model's
+rows are under ``measures``; the same model cast to bfloat16 under ``dtypes.bfloat16``
+(its base point and perturbed parameters in bfloat16; the iterates and gradients in
+float32, the precision Auto-PGD computes in for a half-precision model).
 
     python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json
     python benchmarks/bench_ball_memory.py --quick
@@ -44,13 +47,8 @@ def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
     return layout
 
 
-def main(argv=None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny BERT (CI)")
-    parser.add_argument("--json", help="write the figures to this file")
-    args = parser.parse_args(argv)
-    model, _ = build_model(args.quick, "cpu", torch.float32)
-    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+def measure_rows(model: torch.nn.Module, dtype: str) -> Dict[str, Any]:
+    """Per measure, the ball's bytes per parameter of ``model`` (in its dtype)."""
     rows = {}
     for measure in MEASURES:
         layout = layout_for(model, measure)
@@ -62,16 +60,29 @@ def main(argv=None) -> Dict[str, Any]:
         }
         kept = rows[measure]["kept"]
         print(
-            f"{measure:9s} bytes/parameter: "
+            f"{dtype:8s} {measure:9s} bytes/parameter: "
             + ", ".join(f"{k} {v:.2f}" for k, v in kept.items())
             + f" (best gradient kept; one vector {rows[measure]['vector_mib']:.0f} MiB)"
         )
+    return rows
+
+
+def main(argv=None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny BERT (CI)")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args(argv)
+    model, _ = build_model(args.quick, "cpu", torch.float32)
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rows = measure_rows(model, "float32")
+    low = {"bfloat16": measure_rows(model.to(torch.bfloat16), "bfloat16")}
     document = {
         "benchmark": "ball_memory",
         "model": "tiny BERT" if args.quick else "BERT-base (random weights)",
         "parameters": parameters,
         "keep_gradient_max_mib": KEEP_GRADIENT_MAX_BYTES / 2**20,
         "measures": rows,
+        "dtypes": low,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

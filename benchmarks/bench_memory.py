@@ -143,6 +143,10 @@ def summarize(runs: dict, args: argparse.Namespace) -> dict:
         "excess_over_training_step_in_parameter_copies": {
             m: (r["peak_mib"] - train["peak_mib"]) / parameters for m, r in runs.items()
         },
+        # a copy of the (float32) parameters is 4 bytes per parameter
+        "excess_over_training_step_bytes_per_parameter": {
+            m: 4 * (r["peak_mib"] - train["peak_mib"]) / parameters for m, r in runs.items()
+        },
     }
 
 

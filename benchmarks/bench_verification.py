@@ -15,7 +15,9 @@ tiny Llama and on a randomly initialised model of SmolLM2-135M's shape (30 layer
 
 and counts the model's forward passes during default discovery. Each discovery runs on a
 fresh copy of the model (nothing cached from an earlier call), timed as process time (CPU
-seconds of this process), 1 thread by default, medians of ``--repeats`` interleaved rounds.
+seconds of this process) with the garbage collector run before and paused during each
+timed function (as :mod:`timeit` does), 1 thread by default, medians of ``--repeats``
+interleaved rounds.
 The figure asked for is ``proven / call`` (at most 0.10), with ``(proven - structure) /
 call`` beside it (less than the proof's own cost, as ``structure`` runs the replays).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 from typing import Any, Callable, Dict, List
@@ -74,14 +77,22 @@ def next_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def process_seconds(fns: Dict[str, Callable[[], Any]], repeats: int) -> Dict[str, List[float]]:
     """Process time of each function, ``repeats`` rounds in turn (after one warm-up call
     of ``call``): the CPU time of this process, which other work on the machine does not
-    inflate."""
+    inflate. As :mod:`timeit` does, the garbage collector runs before each function and
+    not during it: a collection of the whole interpreter (torch and transformers loaded)
+    costs tens of milliseconds, falls in whichever call allocates at that moment, and
+    would otherwise decide a median of a few rounds."""
     fns["call"]()
     seconds: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            seconds[name].append(time.process_time() - start)
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.process_time()
+                fn()
+                seconds[name].append(time.process_time() - start)
+            finally:
+                gc.enable()
     return seconds
 
 
@@ -110,14 +121,16 @@ def measure(name: str, args) -> Dict[str, Any]:
             model, next_token_loss, [batch], symmetries=plan, iters=iters, progress=False
         )
 
-    fresh = [copy.deepcopy(model) for _ in range(2 * args.repeats)]  # nothing cached
+    small = not args.quick and sum(p.numel() for p in model.parameters()) < 1_000_000
+    repeats = max(args.repeats, args.small_repeats) if small else args.repeats
+    fresh = [copy.deepcopy(model) for _ in range(2 * repeats)]  # nothing cached
     seconds = process_seconds(
         {
             "structure": lambda: gq.find_symmetries(fresh.pop(), verify=False),
             "proven": lambda: gq.find_symmetries(fresh.pop()),
             "call": call,
         },
-        args.repeats,
+        repeats,
     )
     med = {k: statistics.median(v) for k, v in seconds.items()}
     return {
@@ -139,6 +152,13 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (4)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence (64)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
+    parser.add_argument(
+        "--small-repeats",
+        type=int,
+        default=15,
+        help="interleaved rounds for a model under 1M parameters, whose call takes a "
+        "fraction of a second (15)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 iterations")
     parser.add_argument("--json", help="write the results here")

@@ -174,6 +174,35 @@ def test_monitor_measures_every_ablation_in_eval_mode():
 
 
 # ------------------------------------------------------------------ the callback
+def test_monitor_discovers_the_symmetries_once_and_again_when_the_parameters_change(
+    monkeypatch,
+):
+    from geoopt_quotient.integrations import measures as measures_module
+
+    calls = []
+    discover = measures_module.discover
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return discover(*args, **kwargs)
+
+    monkeypatch.setattr(measures_module, "discover", counted)
+    model = tiny_bert()
+    monitor = SharpnessMonitor(held_out(), 1, ("geodesic_inv", "geodesic_mix"), 0.01, iters=1)
+    first = monitor.measure(model)
+    assert len(calls) == 1 and set(monitor.plans) == {"inv", "mix"}
+    plans = dict(monitor.plans)
+    assert monitor.measure(model) == first  # same weights, same plans: same values
+    assert len(calls) == 1 and all(monitor.plans[m] is plans[m] for m in plans)
+    model.classifier.weight.requires_grad_(False)  # the bound plans no longer fit
+    monitor.measure(model)
+    assert len(calls) == 2
+    assert all("classifier.weight" not in p.param_names for p in monitor.plans.values())
+    monitor.plans.clear()
+    monitor.measure(model)
+    assert len(calls) == 3
+
+
 def logged_steps(trainer, key):
     return [entry["step"] for entry in trainer.state.log_history if key in entry]
 

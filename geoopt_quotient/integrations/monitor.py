@@ -19,7 +19,18 @@ evaluated. The modes are restored afterwards.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 
@@ -27,6 +38,7 @@ from .._checks import check_positive_int
 from .._model_state import preserved_model_state
 from ..measures import NAMED_MEASURES
 from ..sharpness import SharpnessResult
+from ..symmetry import BoundPlan
 from .measures import Radii, measure_radii, measure_sharpness
 
 __all__ = ["SharpnessMonitor", "default_loss", "measure_during_training"]
@@ -146,6 +158,13 @@ class SharpnessMonitor:
         One entry per measurement: ``step`` and the values.
     results : dict of str to SharpnessResult
         The full results of the last measurement.
+    plans : dict of str to BoundPlan
+        The symmetry plan of each metric, discovered and proven at the first geodesic
+        measurement and reused by the later ones while the model's trainable parameters
+        keep their names, shapes and dtypes (else discovered again): a measurement then
+        pays for its Auto-PGD iterations only, and every measurement of a run uses one
+        geometry. Clear it to discover again (e.g. once a LoRA adapter's second factor,
+        zero at initialisation, has left zero).
 
     Raises
     ------
@@ -198,6 +217,8 @@ class SharpnessMonitor:
         self._batches: Optional[List[Any]] = None
         self.history: List[Dict[str, Any]] = []
         self.results: Dict[str, SharpnessResult] = {}
+        self.plans: Dict[str, BoundPlan] = {}
+        self._plans_for: Optional[Tuple] = None
         self._last_step: Optional[int] = None
 
     def due(self, step: int) -> bool:
@@ -217,10 +238,20 @@ class SharpnessMonitor:
     def measure(self, model: torch.nn.Module) -> Dict[str, float]:
         """Measure now: ``{prefix + measure: value}``, training left untouched."""
         device = model_device(model)
+        trainable = _trainable_signature(model)
+        if trainable != self._plans_for:  # another model, or parameters (un)frozen
+            self.plans.clear()
+            self._plans_for = trainable
         with training_untouched(model):
             batches = [to_device(b, device) for b in self._held_out()]
             self.results = measure_sharpness(
-                model, self.loss_fn, batches, self.measures, self.rho, **self.options
+                model,
+                self.loss_fn,
+                batches,
+                self.measures,
+                self.rho,
+                plans=self.plans,
+                **self.options,
             )
         return {f"{self.prefix}{m}": r.value for m, r in self.results.items()}
 
@@ -230,6 +261,13 @@ class SharpnessMonitor:
             if not self._batches:
                 raise ValueError("SharpnessMonitor: `batches` is empty")
         return self._batches
+
+
+def _trainable_signature(model: torch.nn.Module) -> Tuple:
+    """Name, shape and dtype of each trainable parameter: what a bound plan depends on."""
+    return tuple(
+        (name, tuple(p.shape), p.dtype) for name, p in model.named_parameters() if p.requires_grad
+    )
 
 
 def measure_during_training(

@@ -694,6 +694,27 @@ class _Prover:
         moved = self.bound.act(lifted, elements, first_factor_only=first_factor_only)
         return {n: moved[n].to(p.dtype) for n, p in self.params.items() if n in names}
 
+    def acted_pair(
+        self, elements: Sequence[Optional[torch.Tensor]]
+    ) -> Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]:
+        """``(acted(elements), acted(elements, first_factor_only=True))`` from one gather
+        per group, where the acting groups have no parameter in common (else ``None``):
+        the same weights, bit for bit, as the two calls."""
+        names = [n for g, a in zip(self.groups, elements) if a is not None for n in g.param_names]
+        if len(set(names)) != len(names):
+            return None
+        lifted = {n: self.params[n].to(self.compute) for n in names}
+        full, first = dict(lifted), dict(lifted)
+        for group, a in zip(self.groups, elements):
+            if a is None:
+                continue
+            point = group.gather(lifted)
+            full.update(group.scatter(group.manifold.act(point, a), full))
+            first.update(group.scatter(group.manifold.act_on_first_factor(point, a), first))
+        return tuple(
+            {n: moved[n].to(self.params[n].dtype) for n in names} for moved in (full, first)
+        )
+
     def reference(self) -> Tuple[List[torch.Tensor], torch.dtype, List[Dict[str, torch.Tensor]]]:
         """The outputs at the weights, the lowest precision they were computed in, and the
         gradient of a random projection of them with respect to the groups' weights."""
@@ -743,7 +764,12 @@ class _Prover:
         parts = torch.autograd.grad(leaves, roots, cotangents, retain_graph=True, allow_unused=True)
         return [{n: g for n, g in zip(names, parts) if g is not None}]
 
-    def controls(self, elements: Sequence[Optional[torch.Tensor]], grads) -> List[float]:
+    def controls(
+        self,
+        elements: Sequence[Optional[torch.Tensor]],
+        grads,
+        together: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> List[float]:
         """Per group, the first-order output change (projected) when its element
         moves its first factor alone: 0 for a group without an element, ``inf`` when no
         gradient could be taken.
@@ -755,8 +781,7 @@ class _Prover:
         if not grads or not acting:
             return out
         names = [n for i in acting for n in self.groups[i].param_names]
-        together = None
-        if len(set(names)) == len(names):
+        if together is None and len(set(names)) == len(names):
             together = self.acted(elements, first_factor_only=True)
         for i in acting:
             alone = [a if j == i else None for j, a in enumerate(elements)]
@@ -920,8 +945,9 @@ def _prove(
     tol = rtol * max(scale, 1e-30)
     elements = prover.draw(max_condition)
 
-    def change(acting: Sequence[Optional[torch.Tensor]]) -> float:
-        moved = [t.detach().to(torch.float64) for t in prover.outputs(prover.acted(acting))]
+    def change(acting: Sequence[Optional[torch.Tensor]], weights=None) -> float:
+        weights = prover.acted(acting) if weights is None else weights
+        moved = [t.detach().to(torch.float64) for t in prover.outputs(weights)]
         return _deviation(reference, moved)
 
     def changes(acting) -> bool:
@@ -931,12 +957,13 @@ def _prove(
         return [a if i in indices else None for i, a in enumerate(elements)]
 
     checked = [i for i, a in enumerate(elements) if a is not None]
-    largest = change(only(checked)) if checked else 0.0
+    pair = prover.acted_pair(elements) if checked else None  # every group, and the controls
+    largest = change(elements, pair and pair[0]) if checked else 0.0
     if largest > tol and not localise:
         return None
     failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
     checks = []
-    controls = prover.controls(elements, grads)
+    controls = prover.controls(elements, grads, pair and pair[1])
     for i, (group, a) in enumerate(zip(prover.groups, elements)):
         control = controls[i]
         members = _failing_members(prover, i, a, changes) if i in failing else ()
