@@ -317,6 +317,25 @@ def test_grouped_query_heads_are_strided_blocks_split_by_head():
     assert shape == (2, 3, 3) and offset == 0 and strides == (50, 1, 200)
 
 
+def test_gradients_read_by_index_maps_are_tensors_of_their_own():
+    """The index gather reads each group's gradient into a tensor of its own (not views
+    of one, which would share a version counter: writing one in place would invalidate
+    what the tangent spaces keep of the others), with the strided blocks' values."""
+    import dataclasses
+
+    layout = inv_layout(tiny_llama_causal_lm())
+    (rest,) = layout._rests
+    destination, source = layout_module.index_maps(entry_positions(layout, rest), rest.flat)
+    indexed = dataclasses.replace(rest, destination=destination, source=source, blocks=None)
+    grad = torch.randn(rest.flat.size, dtype=torch.float64)
+    for gap in rest.flat.pieces(grad)[1]:
+        gap.zero_()
+    read = indexed.read(grad)
+    assert len({r.untyped_storage().data_ptr() for r in read}) == len(read) > 1
+    for a, b in zip(read, rest.read(grad)):
+        assert torch.equal(a, b)
+
+
 def test_several_groups_perturbed_points_are_joined_where_they_are_written():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
     their perturbed points are views of one buffer of the layout's own, the same at every

@@ -438,12 +438,13 @@ class _Rest:
             _zero([_strided(flats[j], view) for j, views in enumerate(padding) for view in views])
             return list(out)
         sizes = [s.numel() for s in self.shapes]
-        if out is not None:  # checked by BallLayout.fits
-            for o, destination in zip(out, self.destination.split(sizes)):
-                torch.index_select(grad, 0, destination, out=o.view(-1))
-            return list(out)
-        joined = grad.index_select(0, self.destination)
-        return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
+        if out is None:  # tensors of their own: views of one would share a version
+            # counter, so that writing one in place would invalidate what the tangent
+            # spaces keep of the others (their products with the point)
+            out = [grad.new_empty(shape) for shape in self.shapes]
+        for o, destination in zip(out, self.destination.split(sizes)):  # fits, if given
+            torch.index_select(grad, 0, destination, out=o.view(-1))
+        return list(out)
 
 
 def written_once(destination: torch.Tensor, flat: FlatBuffer) -> bool:
