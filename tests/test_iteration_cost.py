@@ -283,6 +283,59 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_strided_blocks()
     assert source is None and destination.dtype == torch.int32
 
 
+def test_grouped_query_heads_are_strided_blocks_split_by_head():
+    """Where a factor's run of rows holds several heads of one parameter (a Llama's query
+    heads sharing a key/value head), the run's positions are not affine in the row but
+    are in (head, row): the layout splits it into equal runs and keeps strided blocks
+    (no index maps); the points written and the gradient read back are the index
+    copy's and gather's, bit for bit. A run whose rows break at uneven places is no
+    block."""
+    layout = inv_layout(tiny_llama_causal_lm())
+    (rest,) = layout._rests
+    assert rest.blocks is not None and rest.destination is None and rest.source is None
+    blocks, _ = rest.blocks
+    groups = [layout.groups[p] for p in rest.groups]
+    assert any(len(b.flat[1]) > groups[b.group].point.dim() for b in blocks)
+    points = [torch.randn_like(layout.groups[p].point) for p in rest.groups]
+    positions = entry_positions(layout, rest)
+    gathered = torch.full((rest.flat.size,), float("nan"), dtype=torch.float64)
+    rest.write(points, gathered)
+    copied = torch.zeros(rest.flat.size, dtype=torch.float64)
+    copied.index_copy_(0, positions, torch.cat([p.reshape(-1) for p in points]))
+    for written, reference in zip(rest.flat.pieces(gathered)[0], rest.flat.pieces(copied)[0]):
+        assert torch.equal(written, reference)
+    grad = torch.randn(rest.flat.size, dtype=torch.float64)
+    for gap in rest.flat.pieces(grad)[1]:
+        gap.zero_()
+    read = rest.read(grad, [torch.full_like(p, float("nan")) for p in points])
+    expected = grad.index_select(0, positions)
+    assert torch.equal(torch.cat([r.reshape(-1) for r in read]), expected)
+    uneven = torch.tensor([0, 1, 2, 50, 51, 90])[:, None] + 200 * torch.arange(3)
+    assert layout_module._affine_rows(uneven) is None
+    even = torch.tensor([0, 1, 2, 50, 51, 52])[:, None] + 200 * torch.arange(3)
+    shape, (offset, strides) = layout_module._affine_rows(even)
+    assert shape == (2, 3, 3) and offset == 0 and strides == (50, 1, 200)
+
+
+def test_gradients_read_by_index_maps_are_tensors_of_their_own():
+    """The index gather reads each group's gradient into a tensor of its own (not views
+    of one, which would share a version counter: writing one in place would invalidate
+    what the tangent spaces keep of the others), with the strided blocks' values."""
+    import dataclasses
+
+    layout = inv_layout(tiny_llama_causal_lm())
+    (rest,) = layout._rests
+    destination, source = layout_module.index_maps(entry_positions(layout, rest), rest.flat)
+    indexed = dataclasses.replace(rest, destination=destination, source=source, blocks=None)
+    grad = torch.randn(rest.flat.size, dtype=torch.float64)
+    for gap in rest.flat.pieces(grad)[1]:
+        gap.zero_()
+    read = indexed.read(grad)
+    assert len({r.untyped_storage().data_ptr() for r in read}) == len(read) > 1
+    for a, b in zip(read, rest.read(grad)):
+        assert torch.equal(a, b)
+
+
 def test_several_groups_perturbed_points_are_joined_where_they_are_written():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
     their perturbed points are views of one buffer of the layout's own, the same at every

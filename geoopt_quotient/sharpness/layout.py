@@ -438,12 +438,13 @@ class _Rest:
             _zero([_strided(flats[j], view) for j, views in enumerate(padding) for view in views])
             return list(out)
         sizes = [s.numel() for s in self.shapes]
-        if out is not None:  # checked by BallLayout.fits
-            for o, destination in zip(out, self.destination.split(sizes)):
-                torch.index_select(grad, 0, destination, out=o.view(-1))
-            return list(out)
-        joined = grad.index_select(0, self.destination)
-        return [part.view(s) for part, s in zip(joined.split(sizes), self.shapes)]
+        if out is None:  # tensors of their own: views of one would share a version
+            # counter, so that writing one in place would invalidate what the tangent
+            # spaces keep of the others (their products with the point)
+            out = [grad.new_empty(shape) for shape in self.shapes]
+        for o, destination in zip(out, self.destination.split(sizes)):  # fits, if given
+            torch.index_select(grad, 0, destination, out=o.view(-1))
+        return list(out)
 
 
 def written_once(destination: torch.Tensor, flat: FlatBuffer) -> bool:
@@ -479,21 +480,67 @@ def index_maps(
 
 def _affine(positions: torch.Tensor) -> Tuple[int, Tuple[int, ...]] | None:
     """``(offset, strides)`` with ``positions[i] = offset + sum_k i_k strides_k`` (non-
-    negative strides), else ``None``."""
+    negative strides), else ``None``: the offset and strides read from the entries next
+    to the first, then every entry compared with that strided view of a range (no
+    tensor of the positions' size made where the range is not much longer)."""
     if positions.numel() == 0:
         return None
-    offset = int(positions.reshape(-1)[0])
-    strides, expected = [], torch.full_like(positions, offset)
+    origin = [0] * positions.dim()
+    offset = int(positions[tuple(origin)])
+    strides = []
     for dim, size in enumerate(positions.shape):
-        index = [0] * positions.dim()
+        index = list(origin)
         index[dim] = min(1, size - 1)
         stride = int(positions[tuple(index)]) - offset if size > 1 else 0
         if stride < 0:
             return None
-        steps = torch.arange(size, device=positions.device) * stride
-        expected += steps.view([-1 if d == dim else 1 for d in range(positions.dim())])
         strides.append(stride)
+    span = sum((n - 1) * step for n, step in zip(positions.shape, strides)) + 1
+    device = positions.device
+    if span <= 2 * positions.numel():
+        line = torch.arange(offset, offset + span, dtype=positions.dtype, device=device)
+        expected = line.as_strided(positions.shape, strides)
+    else:
+        expected = torch.full_like(positions, offset)
+        for dim, (size, stride) in enumerate(zip(positions.shape, strides)):
+            steps = torch.arange(size, device=device) * stride
+            expected += steps.view([-1 if d == dim else 1 for d in range(positions.dim())])
     return (offset, tuple(strides)) if torch.equal(positions, expected) else None
+
+
+def _affine_rows(
+    positions: torch.Tensor,
+) -> Tuple[Tuple[int, ...], Tuple[int, Tuple[int, ...]]] | None:
+    r"""``(shape, (offset, strides))`` of the run of rows ``positions`` (shaped ``(...,
+    rows, columns)``) as one strided view of the flat buffer: the run whole where its
+    positions are affine (:func:`_affine`), else its rows split into ``rows / k`` equal
+    runs of ``k`` (``(..., rows / k, k, columns)``), ``k`` the rows before the first
+    break in the rows' step, where that is affine: the rows of several heads of one
+    parameter in one factor (a grouped-query attention's query heads sharing a key
+    head: the positions of row :math:`r` are
+    :math:`o + (r / k)\, s_h + (r \bmod k)\, s_r + c\, s_c`); else ``None``."""
+    rows = positions.shape[-2]
+    steps = positions[(0,) * (positions.dim() - 2)][:, 0].diff()
+    breaks = (steps != steps[0]).nonzero() if rows > 2 else steps.new_empty(0)
+    if not breaks.numel():  # the rows' step is constant: the run whole, if at all
+        affine = _affine(positions)
+        return None if affine is None else (tuple(positions.shape), affine)
+    k = int(breaks[0]) + 1
+    if rows % k:
+        return None
+    split = positions.unflatten(-2, (rows // k, k))  # a view
+    affine = _affine(split)
+    return None if affine is None else (tuple(split.shape), affine)
+
+
+def _split_strides(strides: Tuple[int, ...], shape: Sequence[int]) -> Tuple[int, ...]:
+    """The strides of a contiguous point's view ``shape`` of a run of rows whose own
+    strides are ``strides`` (``(..., rows, columns)``): the same where the run is not
+    split (:func:`_affine_rows`), else those of its rows split into equal runs."""
+    if len(shape) == len(strides):
+        return strides
+    k = shape[-2]
+    return (*strides[:-2], k * strides[-2], strides[-2], strides[-1])
 
 
 def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -519,7 +566,9 @@ def strided_blocks(
     members' ``batches`` (their leading dimensions, e.g. layers and heads). In each
     member, a run of consecutive rows whose entries belong to one parameter is one block
     where its positions are affine in (member's batch, row, column), as the rows of a
-    factor are where every layer's parameters are laid out alike: then the write into
+    factor are where every layer's parameters are laid out alike, or in (member's
+    batch, head, row, column) where the run holds several heads' rows
+    (:func:`_affine_rows`): then the write into
     the flat buffer and the read of the gradient are one strided copy per block, with
     no index per entry, and as many copies whatever the depth. Rows all of whose
     positions are ``trash`` are padding (zeroed in the gradient)."""
@@ -544,11 +593,12 @@ def strided_blocks(
                 if is_padding:
                     pads.append((base + begin * width, extent, strides))
                     continue
-                affine = _affine(part[..., begin:end, :])
-                if affine is None:
+                found = _affine_rows(part[..., begin:end, :])
+                if found is None:
                     return None
-                view = (base + begin * width, extent, strides)
-                blocks.append(_Block(group, view, (affine[0], extent, affine[1])))
+                shape, (offset, flat_strides) = found
+                view = (base + begin * width, shape, _split_strides(strides, shape))
+                blocks.append(_Block(group, view, (offset, shape, flat_strides)))
             first += count
         if first != cube.shape[0]:
             return None
