@@ -88,19 +88,24 @@ def forward_backward_operators(model, batch, loss_fn) -> int:
     return counter.count
 
 
+def counted_call(model, batch, loss_fn, measure: str, iters: int, plan=None) -> OperatorCount:
+    """The operators of one sharpness call of ``measure`` (geodesic: with ``plan``, else
+    discovering its own)."""
+    options = dict(rho=0.01, iters=iters, progress=False)
+    with OperatorCount() as counter:
+        if measure == "adaptive":
+            gq.adaptive_sharpness(model, loss_fn, [batch], **options)
+        else:
+            gq.geodesic_sharpness(
+                model, loss_fn, [batch], metric=measure, symmetries=plan, **options
+            )
+    return counter
+
+
 def operators_per_iteration(model, batch, loss_fn, measure: str) -> float:
     """Operators of one more Auto-PGD iteration: the difference of two runs."""
-
-    def run(iters: int) -> int:
-        options = dict(rho=0.01, iters=iters, progress=False)
-        with OperatorCount() as counter:
-            if measure == "adaptive":
-                gq.adaptive_sharpness(model, loss_fn, [batch], **options)
-            else:
-                gq.geodesic_sharpness(model, loss_fn, [batch], metric=measure, **options)
-        return counter.count
-
-    return (run(6) - run(3)) / 3
+    runs = [counted_call(model, batch, loss_fn, measure, iters).count for iters in (6, 3)]
+    return (runs[0] - runs[1]) / 3
 
 
 @pytest.mark.parametrize("build", [bert, llama], ids=["bert", "llama"])
@@ -156,19 +161,7 @@ def fixed_operators(model, batch, loss_fn, measure: str, plan) -> tuple:
     final evaluation and the estimate, ``2 c(2) - c(4)`` of calls of 2 and 4 iterations.
     Geodesic measures take their bound plan (a caller measuring every few steps keeps it:
     discovery is not part of the count)."""
-
-    def run(iters: int) -> OperatorCount:
-        options = dict(rho=0.01, iters=iters, progress=False)
-        with OperatorCount() as counter:
-            if measure == "adaptive":
-                gq.adaptive_sharpness(model, loss_fn, [batch], **options)
-            else:
-                gq.geodesic_sharpness(
-                    model, loss_fn, [batch], metric=measure, symmetries=plan, **options
-                )
-        return counter
-
-    short, long = run(2), run(4)
+    short, long = (counted_call(model, batch, loss_fn, measure, n, plan) for n in (2, 4))
     return 2 * short.count - long.count, 2 * linalg_operators(short) - linalg_operators(long)
 
 

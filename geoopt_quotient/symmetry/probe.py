@@ -350,7 +350,7 @@ def _column_offset(
 def _cached_maps(
     record: ForwardRecord, call: RotaryCall, slot: int, slots: List[int]
 ) -> Optional[torch.Tensor]:
-    """:func:`_replay_maps` of ``slot``, the maps of every slot computed at once and once
+    """:func:`_replay_maps_of_slots`' map of ``slot``, every slot's computed at once and once
     for calls of one function on equal position inputs (every layer of a model shares its
     rotary tables)."""
 
@@ -381,8 +381,11 @@ def _cached_maps(
 
 
 def _replay_maps_of_slots(call: RotaryCall, slots: List[int]) -> List[Optional[torch.Tensor]]:
-    """:func:`_replay_maps` of every slot: the basis vectors of all slots through one call
-    mapped over them where the function can be mapped, else slot by slot."""
+    """Per slot, matrices ``(positions, r, r)`` of the call's map on that argument: basis
+    vectors in, the output of the same slot out (the other data arguments zero), or
+    ``None`` where it is not a map of its own. The basis vectors of all slots go through
+    one call mapped over them (:func:`torch.vmap`), or through one call per vector where
+    the function cannot be mapped."""
     try:
         with warnings.catch_warnings():  # vmap's note on operators it loops over
             warnings.filterwarnings("ignore", message=".*batching rule.*")
@@ -391,45 +394,20 @@ def _replay_maps_of_slots(call: RotaryCall, slots: List[int]) -> List[Optional[t
         return [_looped_maps(call, slot, slots) for slot in slots]
 
 
-def _replay_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
-    """Matrices ``(positions, r, r)`` of the call's map on argument ``slot``: basis vectors
-    in, the output of the same slot out (the other data arguments zero).
-
-    The ``r`` basis vectors go through one call mapped over them (:func:`torch.vmap`:
-    the same arithmetic, element by element, as ``r`` calls), or through ``r`` calls where
-    the function cannot be mapped."""
-    try:
-        with warnings.catch_warnings():  # vmap's note on operators it loops over
-            warnings.filterwarnings("ignore", message=".*batching rule.*")
-            return _mapped_maps(call, slot, slots)
-    except Exception:  # a function vmap cannot follow (data-dependent control flow...)
-        return _looped_maps(call, slot, slots)
-
-
-def _mapped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
-    """:func:`_replay_maps` in one call mapped over the basis vectors."""
-    return _mapped_maps_of_slots(call, slots, only=slot)[slots.index(slot)]
-
-
-def _mapped_maps_of_slots(
-    call: RotaryCall, slots: List[int], only: Optional[int] = None
-) -> List[Optional[torch.Tensor]]:
-    """The maps of every slot (of ``only``, the others ``None``) in one call mapped over
-    the basis vectors of all of them: sample ``(s, j)`` has basis vector ``j`` in slot
-    ``s`` and zeros in the other slots, whose outputs must stay zero (else the data
-    arguments mix, and no slot has a map of its own)."""
-    moved = [s for s in slots if only is None or s == only]
-    sizes = [call.args[s].shape[-1] for s in moved]
-    total = sum(sizes)
+def _mapped_maps_of_slots(call: RotaryCall, slots: List[int]) -> List[Optional[torch.Tensor]]:
+    """:func:`_replay_maps_of_slots` in one call mapped over the basis vectors of every
+    slot: sample ``(s, j)`` has basis vector ``j`` in slot ``s`` and zeros in the other
+    slots, whose outputs must stay zero (else the data arguments mix, and slot ``s`` has
+    no map of its own: ``None``). Each slot's map is the same arithmetic, element by
+    element, as one call per vector (:func:`_looped_maps`)."""
+    sizes = [call.args[s].shape[-1] for s in slots]
+    starts = [sum(sizes[:k]) for k in range(len(slots))]
     inputs = []
-    for s in slots:
+    for s, at, r in zip(slots, starts, sizes):
         data = call.args[s]
-        batch = torch.zeros(total, *data.shape, dtype=data.dtype, device=data.device)
-        if s in moved:
-            at = sum(sizes[: moved.index(s)])
-            r = data.shape[-1]
-            eye = torch.eye(r, dtype=data.dtype, device=data.device)
-            batch[at : at + r] = eye.reshape(r, *([1] * (data.dim() - 1)), r)
+        batch = torch.zeros(sum(sizes), *data.shape, dtype=data.dtype, device=data.device)
+        eye = torch.eye(r, dtype=data.dtype, device=data.device)
+        batch[at : at + r] = eye.reshape(r, *([1] * (data.dim() - 1)), r)
         inputs.append(batch)
 
     def column(*vectors: torch.Tensor) -> List[torch.Tensor]:
@@ -442,11 +420,8 @@ def _mapped_maps_of_slots(
     out: List[Optional[torch.Tensor]] = [None] * len(slots)
     if len(outputs) != len(slots):
         return out
-    at = 0
-    for s, r in zip(moved, sizes):
-        k = slots.index(s)
+    for k, (at, r) in enumerate(zip(starts, sizes)):
         rows = slice(at, at + r)
-        at += r
         if any(o[rows].abs().max() > 0 for i, o in enumerate(outputs) if i != k):
             continue  # this slot's data reaches another output: not a rotation of its own
         mapped = outputs[k][rows].reshape(r, -1, r).to(torch.float64)  # (columns, positions, r)
@@ -455,7 +430,7 @@ def _mapped_maps_of_slots(
 
 
 def _looped_maps(call: RotaryCall, slot: int, slots: List[int]) -> Optional[torch.Tensor]:
-    """:func:`_replay_maps`, one call per basis vector."""
+    """The map of ``slot`` (:func:`_replay_maps_of_slots`), one call per basis vector."""
     data = call.args[slot]
     r = data.shape[-1]
     out_index = slots.index(slot)

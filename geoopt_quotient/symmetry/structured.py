@@ -216,12 +216,6 @@ class StridedView:
     def contiguous(cls, shape: Sequence[int]) -> StridedView:
         return cls(shape, contiguous_strides(shape))
 
-    def stride(self) -> Tuple[int, ...]:
-        return self.strides
-
-    def storage_offset(self) -> int:
-        return self.offset
-
     def numel(self) -> int:
         return math.prod(self.shape)
 

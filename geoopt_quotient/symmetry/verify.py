@@ -768,21 +768,19 @@ class _Prover:
         self,
         elements: Sequence[Optional[torch.Tensor]],
         grads,
-        together: Optional[Dict[str, torch.Tensor]] = None,
+        together: Optional[Dict[str, torch.Tensor]],
     ) -> List[float]:
         """Per group, the first-order output change (projected) when its element
         moves its first factor alone: 0 for a group without an element, ``inf`` when no
         gradient could be taken.
 
-        Groups on disjoint parameters are moved in one pass (each moves its own
-        parameters only, exactly as alone), others one at a time."""
+        ``together``: the weights every element moves on its first factor alone, where
+        the groups have no parameter in common (:meth:`acted_pair`: each moves its own
+        parameters only, exactly as alone); ``None``: each group is moved alone."""
         acting = [i for i, a in enumerate(elements) if a is not None]
         out = [0.0 if a is None else float("inf") for a in elements]
         if not grads or not acting:
             return out
-        names = [n for i in acting for n in self.groups[i].param_names]
-        if together is None and len(set(names)) == len(names):
-            together = self.acted(elements, first_factor_only=True)
         for i in acting:
             alone = [a if j == i else None for j, a in enumerate(elements)]
             moved = together or self.acted(alone, first_factor_only=True)
