@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import geoopt_quotient as gq  # noqa: E402
 from geoopt_quotient.manifolds.base import group_label, random_group_element  # noqa: E402
-from geoopt_quotient.symmetry import PlanError, SymmetryPlan  # noqa: E402
+from geoopt_quotient.symmetry import PlanError, SymmetryPlan, verify  # noqa: E402
 from geoopt_quotient.symmetry.verify import (  # noqa: E402
     SymmetryNotProvenWarning,
     WeightPrecision,
@@ -62,6 +62,9 @@ def test_the_manifolds_own_group_keeps_the_product_and_one_factor_alone_does_not
     )
     one = manifold.identity_element((2,), h=rank, dtype=F64)
     torch.testing.assert_close(manifold.act(x, one), x, rtol=0, atol=0)
+    back = manifold.act(manifold.act(x, a), manifold.inverse_element(a))
+    atol = 1e3 * condition * torch.finfo(F64).eps * float(x.abs().max())
+    torch.testing.assert_close(back, x, rtol=0, atol=atol)
     if condition > 2:  # the control: moving one factor changes the product
         broken = manifold.product(manifold.act_on_first_factor(x, a))
         assert (broken - manifold.product(x)).abs().max() > 1e-3 * scale
@@ -168,6 +171,61 @@ def test_prove_at_once_says_nothing_of_a_plan_that_fails():
     assert [c.holds for c in prove_plan(model, broken).checks] == [
         g is not general for g in broken.groups
     ]
+
+
+def _float32_plan():
+    model = tiny_llama().float()
+    return model, gq.find_symmetries(model, verify=False)
+
+
+def test_outputs_that_rounding_moves_beyond_the_default_raise_the_tolerance(monkeypatch):
+    """A model whose outputs move by rounding beyond the default tolerance (here: a default
+    far below float32's rounding): a third pass measures that rounding on a round trip
+    (the elements, then their inverses), the true groups hold at ten times it, and a
+    general GL(h) on the rotary pairs is still refuted far beyond it."""
+    model, plan = _float32_plan()
+    usual = prove_plan(model, plan)
+    assert usual.rounding is None and usual.forward_calls == 2  # the default suffices
+    scale = usual.tolerance / usual.rtol
+    below = usual.largest_change / scale / 2  # a default that rounding alone exceeds
+    monkeypatch.setitem(verify.RTOL, torch.float32, below)
+    proof = prove_plan(model, plan)
+    assert proof.rounding is not None and proof.rounding > 0
+    assert not proof.failed and proof.forward_calls == 3
+    raised = min(verify.ROUND_TRIP_FACTOR * proof.rounding, verify.MAX_RAISE * below * scale)
+    assert proof.tolerance == pytest.approx(raised, rel=1e-12)
+    assert "round trip" in proof.notes()[0]
+    qk = next(g for g in plan.groups if g.kind == "query-key")
+    general = qk.with_manifold(gq.GLQuotient(qk.manifold.n, qk.manifold.m))
+    refuted = prove_plan(model, SymmetryPlan([general]))
+    assert refuted.checks[0].deviation > 1e3 * refuted.tolerance
+
+
+def test_a_tolerance_given_is_not_raised():
+    model, plan = _float32_plan()
+    proof = prove_plan(model, plan, rtol=1e-12)
+    assert proof.rounding is None and proof.failed and proof.tolerance < 1e-9
+
+
+def test_outputs_too_sensitive_to_rounding_prove_nothing():
+    """The raised tolerance stops at MAX_RAISE default tolerances: where the outputs move
+    more than that without any group acting (here: noise added to every pass), the
+    groups are refuted."""
+    model, plan = _float32_plan()
+    inputs = probe_inputs_for(model)
+    noise = torch.Generator().manual_seed(0)
+
+    def noisy(m):
+        logits = m(**inputs).logits
+        return logits + 0.1 * logits.detach().abs().max() * torch.randn(
+            logits.shape, generator=noise
+        )
+
+    proof = prove_plan(model, plan, noisy)
+    default = verify.default_rtol(torch.float32) * proof.tolerance / proof.rtol
+    assert proof.rounding > verify.MAX_RAISE * default
+    assert proof.tolerance == pytest.approx(verify.MAX_RAISE * default, rel=1e-12)
+    assert len(proof.failed) == len(proof.checks)
 
 
 def test_weight_precision_reads_each_roots_own_precision():

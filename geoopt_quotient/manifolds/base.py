@@ -129,6 +129,11 @@ class QuotientManifold(Manifold):
         """The group element ``a`` applied to the point (or tangent vector) ``x``."""
         raise NotImplementedError(f"{type(self).__name__} has no group action")
 
+    def inverse_element(self, a: torch.Tensor) -> torch.Tensor:
+        """The inverse of the group element ``a``, in the shape :meth:`act` takes:
+        ``act(act(x, a), inverse_element(a))`` is ``x`` up to rounding."""
+        raise NotImplementedError(f"{type(self).__name__} has no group action")
+
     def act_on_first_factor(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """``a`` applied to the first factor of ``x`` only, the second left as it is.
 

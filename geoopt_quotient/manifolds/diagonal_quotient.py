@@ -118,6 +118,10 @@ class DiagonalQuotient(QuotientManifold):
         u, v = self.factors(x)
         return self.from_factors(u * alpha, v / alpha)
 
+    def inverse_element(self, alpha: torch.Tensor) -> torch.Tensor:
+        r""":math:`1 / \alpha`."""
+        return alpha.reciprocal()
+
     def act_on_first_factor(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         r""":math:`(u, v) \mapsto (\alpha u, v)`: no symmetry of :math:`u \odot v` (a control)."""
         u, v = self.factors(x)

@@ -307,6 +307,10 @@ class GLQuotient(QuotientManifold):
         g, h = self.factors(x)
         return torch.cat((torch.linalg.solve(a, g, left=False), h @ a.mT), dim=-2)
 
+    def inverse_element(self, a: torch.Tensor) -> torch.Tensor:
+        r""":math:`A^{-1}`."""
+        return torch.linalg.inv(a)
+
     def act_on_first_factor(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         r""":math:`(G, H) \mapsto (G A^{-1}, H)`: not a symmetry of :math:`G H^\top` (a control)."""
         g, h = self.factors(x)

@@ -1135,7 +1135,8 @@ def _iterates_gram(gram: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     (float64, exact but for the rounding of :math:`\xi_{next}`'s entries, a relative
     :math:`\varepsilon` of its dtype)."""
     product = gram @ weights
-    return torch.stack((weights @ product, product[0], product[0], gram[0, 0])).view(2, 2)
+    cross = product[0]
+    return torch.stack((weights @ product, cross, cross, gram[0, 0])).view(2, 2)
 
 
 def _with_column(iterates: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -1158,13 +1159,17 @@ def update_weights(
     otherwise put the iterate outside the ball by a few parts in :math:`10^6` (float32).
     The intermediate :math:`z` is never evaluated and is scaled by its Gram-based norm.
     """
-    xx, xg, gg = gram[0, 0], gram[0, 1], gram[1, 1]
+    xx, xg, _, _, gg, *_ = gram.reshape(-1).unbind()  # two operators, not six
     grad_norm = gg.clamp_min(0).sqrt()
     length = torch.where(grad_norm > 0, step / grad_norm.clamp_min(1e-300), 0.0)
     z_norm = (xx + 2 * length * xg + length * length * gg).clamp_min(0).sqrt()
     z_scale = _clip_scale(z_norm, rho)
     weights = torch.stack(
-        (2 * (1 - alpha) + alpha * z_scale, alpha * z_scale * length, -(1 - alpha) + 0 * z_scale)
+        (
+            2 * (1 - alpha) + alpha * z_scale,
+            alpha * z_scale * length,
+            torch.full_like(z_scale, -(1 - alpha)),
+        )
     )
     spread = weights.abs() @ gram.diagonal().clamp_min(0).sqrt()
     bound = error.bound(weights @ gram @ weights, spread)

@@ -1006,7 +1006,7 @@ class _Stack:
     ) -> torch.Tensor:
         """Position in the flat buffer of each entry of the stack's point (flattened), on
         ``device``; ``trash`` for the padding."""
-        own = [_destination(plan.groups[i], start, device) for i in self.members]
+        own = [plan.groups[i].positions(start, trash, device).reshape(-1) for i in self.members]
         if not self.padded:
             return own[0]
         pieces = [d.view(plan.groups[i].shape) for d, i in zip(own, self.members)]
@@ -1042,16 +1042,6 @@ def _padding(group: BallGroup, rows: int) -> float:
     """The fraction of zero entries that padding ``group``'s factors to ``rows`` adds."""
     manifold = group.manifold
     return 2 * rows / (manifold.n + manifold.m) - 1
-
-
-def _destination(group: SymmetryGroup, start: Dict[str, int], device) -> torch.Tensor:
-    """Position in the flat buffer of each entry of ``group``'s point (flattened), built
-    on ``device`` by gathering the point from the buffer's positions."""
-    positions = {
-        n: torch.arange(start[n], start[n] + s.numel(), device=device).view(s)
-        for n, s in zip(group.param_names, group.param_shapes)
-    }
-    return group.gather(positions).reshape(-1)
 
 
 class LayoutObjective:

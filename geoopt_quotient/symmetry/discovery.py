@@ -113,12 +113,14 @@ def find_symmetries(
         every floating-point output unchanged within the precision the model computes
         in (:func:`~geoopt_quotient.symmetry.verify.prove_plan`; two forward passes when
         every group holds, the first of them the rotary probe's recorded pass where the
-        probe inputs are built from the config). A group the outputs refute, or the
-        modules of a stacked group that break it, are left to the adaptive geometry with
-        a :class:`SymmetryNotProvenWarning`, and the plan's notes say so; pairs that
-        their own module breaks (a norm of the values between V and O...) are replayed on
-        it then and dropped with a note. ``False`` skips the proof (the plan then rests on
-        module structure alone and on those replays, run on every such pair). A model on
+        probe inputs are built from the config, and a third where rounding alone moves
+        the outputs beyond the default tolerance, which that pass measures). A group the
+        outputs refute, or the modules of a stacked group that break it, are left to the
+        adaptive geometry with a :class:`SymmetryNotProvenWarning`, and the plan's notes
+        say so; pairs that their own module breaks (a norm of the values between V and
+        O...) are replayed on it then and dropped with a note. ``False`` skips the proof
+        (the plan then rests on module structure alone and on those replays, run on every
+        such pair). A model on
         the meta device or sharded with FSDP2 cannot be run here: its plan is returned
         unproven, with a note; prove it with :func:`verify_plan` on the loaded (or an
         unsharded) model.
@@ -261,7 +263,7 @@ def _proven_plan(model, found, pairs, pair_groups, extra, probe_inputs, metric, 
 
 
 def _proof_at_once(model, groups: List[SymmetryGroup], probe: Dict) -> Optional[PlanProof]:
-    """The proof of ``groups`` if they hold together (two forward passes), else ``None``;
+    """The proof of ``groups`` if they hold together (two or three forward passes), else ``None``;
     ``probe``: ``probe_inputs=`` or ``reference=`` of :func:`prove_at_once`."""
     return prove_at_once(model, SymmetryPlan(groups), **probe) if groups else None
 

@@ -161,6 +161,17 @@ class SymmetryGroup:
             start += shape.numel()
         return out
 
+    def positions(self, starts: Mapping[str, int], size: int, device) -> torch.Tensor:
+        """Each entry's position in a flat buffer of ``size`` entries that holds parameter
+        ``n``'s flattened entries from ``starts[n]`` on (``torch.long``, on ``device``)."""
+        flat = torch.cat(
+            [
+                torch.arange(starts[n], starts[n] + s.numel(), device=device)
+                for n, s in zip(self.param_names, self.param_shapes)
+            ]
+        )
+        return flat[self.index.to(device)]
+
     def covered(self) -> Dict[str, torch.Tensor]:
         """Per parameter, the flat entry indices this group covers."""
         flat = self.index.reshape(-1)
@@ -248,6 +259,9 @@ class StructuredGroup(SymmetryGroup):
         tensors = self.structure.scatter(point, [params[n] for n in self.param_names])
         return dict(zip(self.param_names, tensors))
 
+    def positions(self, starts, size, device):
+        return self.structure.positions([starts[n] for n in self.param_names], size, device)
+
     def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         cached = self.__dict__.get("_runs")  # a few runs per tensor once coalesced
         if cached is None:
@@ -329,6 +343,10 @@ class WholeParameterGroup(SymmetryGroup):
 
     def scatter(self, point, params):
         return {self.param_names[0]: point}
+
+    def positions(self, starts, size, device):
+        start = starts[self.param_names[0]]
+        return torch.arange(start, start + self.index.numel(), device=device).view(self.shape)
 
     def covered(self) -> Dict[str, torch.Tensor]:
         return {self.param_names[0]: torch.arange(self.index.numel())}

@@ -126,17 +126,40 @@ class PointStructure:
     blocks: Tuple[Block, ...]
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The point, read from the group's parameters in order (differentiable)."""
+        """The point, read from the group's parameters in order (differentiable; without
+        gradients, one foreach copy of all its boxes)."""
         flats = [t.reshape(-1) for t in tensors]
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in flats])
-        out = torch.empty(self.shape, dtype=dtype, device=flats[0].device)
-        for block in self.blocks:
-            out[block.box].copy_(block.view(flats[block.param]))
+        out = torch.empty(self.shape, dtype=_common_dtype(flats), device=flats[0].device)
+        sources = [block.view(flats[block.param]) for block in self.blocks]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in flats):
+            for block, source in zip(self.blocks, sources):
+                out[block.box].copy_(source)
+        else:
+            torch._foreach_copy_([self.box_view(out, block) for block in self.blocks], sources)
+        return out
+
+    @staticmethod
+    def box_view(point: torch.Tensor, block: Block) -> torch.Tensor:
+        """The box of ``block`` in ``point``, one strided view (no slice per dimension)."""
+        offset = sum(s * t for s, t in zip(block.start, point.stride()))
+        return point.as_strided(block.shape, point.stride(), point.storage_offset() + offset)
+
+    def positions(self, starts: Sequence[int], size: int, device) -> torch.Tensor:
+        """Each entry's position in a flat buffer of ``size`` entries where parameter
+        ``k``'s flattened entries start at ``starts[k]``: one ``arange`` and one foreach
+        copy, whatever the number of boxes."""
+        everything = torch.arange(size, device=device)
+        out = torch.empty(self.shape, dtype=torch.long, device=device)
+        sources = [
+            everything.as_strided(b.shape, b.strides, starts[b.param] + b.offset)
+            for b in self.blocks
+        ]
+        torch._foreach_copy_([self.box_view(out, block) for block in self.blocks], sources)
         return out
 
     def scatter(self, point: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """New parameter tensors: ``tensors`` with the point written in (differentiable)."""
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        dtype = _common_dtype(tensors)
         point = point.to(dtype)
         touched = {block.param for block in self.blocks}
         flats = [
@@ -164,6 +187,14 @@ class PointStructure:
             else:
                 parts[block.param].append((found[0], torch.full_like(found[0], found[1])))
         return [_sorted_runs(few, many) for few, many in zip(small, parts)]
+
+
+def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The tensors' promoted dtype (their own where they share one: no dispatch)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
 
 
 def _sorted_runs(

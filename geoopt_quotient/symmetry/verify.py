@@ -3,16 +3,21 @@
 :func:`prove_plan` draws a random, well-conditioned element of every symmetric group's own
 group (``manifold.random_element``: GL(h), its rotary-commuting subgroup, scalings), applies
 all of them at once to the weights and runs the model on probe inputs. When the outputs do
-not move beyond the model's precision, every group holds: two forward passes in all. When
-they do, the groups are bisected (half of them acted on, then half of those...) down to
-the groups, and within a stacked group down to its members (modules), that change the
-outputs.
+not move beyond the model's precision, every group holds: two forward passes in all (three
+where the tolerance is raised to the model's rounding, below). When they do, the groups
+are bisected (half of them acted on, then half of those...) down to the groups, and
+within a stacked group down to its members (modules), that change the outputs.
 
 **Tolerance.** Relative to the largest output magnitude: :data:`RTOL` of the precision in
 which the model actually computes what depends on its weights, read during the reference
 pass (a float64 model whose norms or softmax compute in float32 is checked at float32's
 tolerance, one that computes in float64 throughout at 1e-6), or :data:`HALF_RTOL_EPS` machine
-epsilons of a bfloat16 or float16 model.
+epsilons of a bfloat16 or float16 model. Where the acted outputs move beyond it, the
+model's own rounding on the probe is measured by a third pass, on the weights acted on by
+every element and then by its inverse (the weights themselves in exact arithmetic): the
+tolerance is raised to :data:`ROUND_TRIP_FACTOR` times that change, up to
+:data:`MAX_RAISE` default tolerances (a deep float32 model at positions far apart moves
+its outputs by rounding alone beyond the default, SmolLM2-135M by ten times it).
 
 **Control.** The reference pass also takes the gradient of a random (Gaussian) projection
 of the outputs, and each group's element applied to its first factor alone (not a
@@ -77,6 +82,13 @@ FLOAT32_IN_FLOAT64_RTOL = 64 * torch.finfo(torch.float32).eps
 #: transformed weight is rounded to the dtype (relative error up to eps/2), and so is
 #: every activation of the forward pass, layer after layer.
 HALF_RTOL_EPS = 8
+#: Where the outputs move beyond the default tolerance, it is raised to this many times
+#: the change of a round trip (every element, then its inverse: the weights themselves in
+#: exact arithmetic, whatever the model), the model's own rounding on the probe inputs.
+ROUND_TRIP_FACTOR = 10
+#: ... but to at most this many default tolerances: outputs that rounding moves more are
+#: too sensitive to prove anything on (pass other ``probe_inputs=``).
+MAX_RAISE = 100
 #: A group whose first factor alone moves the outputs (to first order) by less than this
 #: many tolerances is reported as weakly checked.
 CONTROL_FACTOR = 10
@@ -535,6 +547,9 @@ class PlanProof:
         The output change with every group that holds acted on at once.
     forward_calls : int
         Number of forward passes of the model the proof made.
+    rounding : float or None
+        The output change of the round trip (every element, then its inverse) that raised
+        the tolerance, where the default was exceeded; else ``None``.
     """
 
     checks: List[GroupCheck] = field(default_factory=list)
@@ -543,6 +558,7 @@ class PlanProof:
     precision: torch.dtype = torch.float32
     largest_change: float = 0.0
     forward_calls: int = 0
+    rounding: Optional[float] = None
 
     @property
     def failed(self) -> List[GroupCheck]:
@@ -554,14 +570,23 @@ class PlanProof:
         """The groups that hold but whose control barely moved the outputs."""
         return [c for c in self.checks if c.holds and c.control <= CONTROL_FACTOR * self.tolerance]
 
+    def _raised(self) -> str:
+        if self.rounding is None:
+            return ""
+        return (
+            f", raised to {ROUND_TRIP_FACTOR} x the change {self.rounding:.2g} of a round trip "
+            f"(the elements, then their inverses: rounding alone), at most {MAX_RAISE} x the "
+            "default"
+        )
+
     def notes(self) -> List[str]:
         """Plan notes: what was verified, to which tolerance, and any weak check."""
         held = sum(c.holds for c in self.checks)
         notes = [
             f"verified {held} symmetric groups on probe inputs: largest output change "
-            f"{self.largest_change:.2g} (tolerance {self.tolerance:.2g} = {self.rtol:g} x max "
-            f"|output|, the model computing in {str(self.precision).replace('torch.', '')}; "
-            f"{self.forward_calls} forward passes)"
+            f"{self.largest_change:.2g} (tolerance {self.tolerance:.2g} = {self.rtol:.2g} x max "
+            f"|output|{self._raised()}, the model computing in "
+            f"{str(self.precision).replace('torch.', '')}; {self.forward_calls} forward passes)"
         ]
         if self.weak:
             weak = "; ".join(f"{c.name} ({c.control:.2g})" for c in self.weak)
@@ -714,6 +739,30 @@ class _Prover:
         return tuple(
             {n: moved[n].to(self.params[n].dtype) for n in names} for moved in (full, first)
         )
+
+    def round_trip(
+        self, elements: Sequence[Optional[torch.Tensor]], acted: Mapping[str, torch.Tensor]
+    ) -> Optional[Dict[str, torch.Tensor]]:
+        """The weights ``acted`` (moved by ``elements``) moved back by the inverse elements,
+        group by group in reverse order: the weights themselves in exact arithmetic, for
+        any model, so the outputs they give differ from the reference by rounding alone;
+        ``None`` where a group's manifold has no inverse (``inverse_element``)."""
+        try:
+            inverses = [
+                None if a is None else g.manifold.inverse_element(a)
+                for g, a in zip(self.groups, elements)
+            ]
+        except NotImplementedError:
+            return None
+        back = {n: p.to(self.compute) for n, p in acted.items()}
+        lifted = {**self.params, **back}
+        for i in reversed(range(len(self.groups))):
+            inverse = inverses[i]
+            if inverse is None:
+                continue
+            alone = [inverse if j == i else None for j in range(len(self.groups))]
+            lifted = self.bound.act(lifted, alone)
+        return {n: lifted[n].to(self.params[n].dtype) for n in acted}
 
     def reference(self) -> Tuple[List[torch.Tensor], torch.dtype, List[Dict[str, torch.Tensor]]]:
         """The outputs at the weights, the lowest precision they were computed in, and the
@@ -885,8 +934,9 @@ def prove_at_once(
     rtol: Optional[float] = None,
     reference: Optional[ReferencePass] = None,
 ) -> Optional[PlanProof]:
-    """:func:`prove_plan` when every group holds, in two forward passes; ``None`` when
-    the outputs refute the plan, with nothing localised (no bisection).
+    """:func:`prove_plan` when every group holds, in two forward passes (three where the
+    tolerance is raised to the model's rounding); ``None`` when the outputs refute the
+    plan, with nothing localised (no bisection).
 
     The reference pass and the pass with every group acted on are those of
     :func:`prove_plan` (same seed, same elements): where every group holds, the two
@@ -939,6 +989,7 @@ def _prove(
     prover, reference, precision, grads, max_condition, rtol, localise
 ) -> Optional[PlanProof]:
     scale = _scale(reference)
+    calibrate = rtol is None
     rtol = default_rtol(precision, prover.dtype) if rtol is None else rtol
     tol = rtol * max(scale, 1e-30)
     elements = prover.draw(max_condition)
@@ -956,7 +1007,14 @@ def _prove(
 
     checked = [i for i, a in enumerate(elements) if a is not None]
     pair = prover.acted_pair(elements) if checked else None  # every group, and the controls
-    largest = change(elements, pair and pair[0]) if checked else 0.0
+    acted = (pair and pair[0]) or (prover.acted(elements) if checked else {})
+    largest = change(elements, acted) if checked else 0.0
+    rounding = None
+    trip = prover.round_trip(elements, acted) if largest > tol and calibrate else None
+    if trip is not None:
+        rounding = change(elements, trip)
+        tol = max(tol, min(ROUND_TRIP_FACTOR * rounding, MAX_RAISE * tol))
+        rtol = tol / max(scale, 1e-30)
     if largest > tol and not localise:
         return None
     failing = _bisect(checked, lambda part: changes(only(part))) if largest > tol else []
@@ -969,7 +1027,7 @@ def _prove(
         checks.append(GroupCheck(group.name, i not in failing, deviation, control, members))
     if failing:
         largest = change(only([i for i in checked if i not in failing])) if checked else 0.0
-    return PlanProof(checks, tol, rtol, precision, largest, prover.forward_calls)
+    return PlanProof(checks, tol, rtol, precision, largest, prover.forward_calls, rounding)
 
 
 def verify_plan(
