@@ -584,7 +584,7 @@ class PlanProof:
         held = sum(c.holds for c in self.checks)
         notes = [
             f"verified {held} symmetric groups on probe inputs: largest output change "
-            f"{self.largest_change:.2g} (tolerance {self.tolerance:.2g} = {self.rtol:.2g} x max "
+            f"{self.largest_change:.2g} (tolerance {self.tolerance:.2g} = {self.rtol:g} x max "
             f"|output|{self._raised()}, the model computing in "
             f"{str(self.precision).replace('torch.', '')}; {self.forward_calls} forward passes)"
         ]
