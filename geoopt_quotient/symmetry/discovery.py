@@ -120,10 +120,9 @@ def find_symmetries(
         say so; pairs that their own module breaks (a norm of the values between V and
         O...) are replayed on it then and dropped with a note. ``False`` skips the proof
         (the plan then rests on module structure alone and on those replays, run on every
-        such pair). A model on
-        the meta device or sharded with FSDP2 cannot be run here: its plan is returned
-        unproven, with a note; prove it with :func:`verify_plan` on the loaded (or an
-        unsharded) model.
+        such pair). A model on the meta device or sharded with FSDP2 cannot be run here:
+        its plan is returned unproven, with a note; prove it with :func:`verify_plan` on
+        the loaded (or an unsharded) model.
     probe_inputs : dict, tuple, torch.Tensor, callable or None
         Inputs of the proof: keyword arguments, positional arguments, one tensor, or a
         function ``model -> outputs`` (e.g. the loss on the first batch). ``None``
