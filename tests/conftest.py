@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 import pytest
 import torch
 from device_mode import TensorsOnDevice
@@ -225,3 +228,19 @@ def token_batches():
     tokens = torch.randint(0, 11, (16, 6), generator=g)
     labels = torch.randint(0, 2, (16,), generator=g)
     return [(tokens[:8], labels[:8]), (tokens[8:], labels[8:])]
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def smollm2_bench():
+    """``benchmarks/bench_smollm2.py``, the loader of the real SmolLM2-135M-Instruct, or a
+    skip that says which part of the ``llm`` extra is missing."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        module = importlib.import_module("bench_smollm2")
+        reason = module.missing()
+        if reason:
+            pytest.skip(f"SmolLM2-135M: {reason}")
+        yield module

