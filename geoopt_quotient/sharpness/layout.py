@@ -447,6 +447,19 @@ class _Rest:
         return list(out)
 
 
+def covered_once(groups: Sequence[SymmetryGroup], flat: FlatBuffer) -> bool:
+    """Whether ``groups`` (of a bound plan: no entry in two of them, none twice in one)
+    cover every entry of ``flat``'s parameters: their runs' lengths add up to each
+    parameter's size. Read from the groups' runs, a few per parameter, where
+    :func:`written_once` counts every entry."""
+    covered = dict.fromkeys(flat.names, 0)
+    for group in groups:
+        for name, (_, lengths) in zip(group.param_names, group.runs()):
+            if name in covered:
+                covered[name] += int(lengths.sum())
+    return all(covered[n] == shape.numel() for n, shape in zip(flat.names, flat.shapes))
+
+
 def written_once(destination: torch.Tensor, flat: FlatBuffer) -> bool:
     """Whether every parameter entry of ``flat`` is the position of exactly one entry of
     ``destination`` (the gaps, the stacks' padding among them, of any number): a count
@@ -557,6 +570,7 @@ def strided_blocks(
     batches: Sequence[List[Tuple[int, ...]]],
     flat: FlatBuffer,
     trash: int,
+    padded: Sequence[bool] | None = None,
 ) -> Tuple[List[_Block], List[List[View]]] | None:
     """The :attr:`_Rest.blocks` of groups whose entries go to the flat buffer positions
     ``destinations`` (one flattened tensor per group, of the group's ``shapes``; the
@@ -571,10 +585,12 @@ def strided_blocks(
     (:func:`_affine_rows`): then the write into
     the flat buffer and the read of the gradient are one strided copy per block, with
     no index per entry, and as many copies whatever the depth. Rows all of whose
-    positions are ``trash`` are padding (zeroed in the gradient)."""
+    positions are ``trash`` are padding (zeroed in the gradient); ``padded[g]`` ``False``
+    says that group ``g`` has none (its rows are not searched for it)."""
     starts = torch.tensor(flat.starts, dtype=torch.int64)
     blocks: List[_Block] = []
     padding: List[List[View]] = []
+    padded = [True] * len(destinations) if padded is None else padded
     for group, (destination, shape, members) in enumerate(zip(destinations, shapes, batches)):
         if len(shape) < 2:
             return None
@@ -585,7 +601,7 @@ def strided_blocks(
             part = cube[first : first + count].view(*leading, rows, width)
             strides = _contiguous_strides(part.shape)
             base = first * rows * width
-            runs = _row_runs(part, starts, trash)
+            runs = _row_runs(part, starts, trash if padded[group] else None)
             if runs is None:
                 return None
             for begin, end, is_padding in runs:
@@ -607,19 +623,24 @@ def strided_blocks(
 
 
 def _row_runs(
-    part: torch.Tensor, starts: torch.Tensor, trash: int
+    part: torch.Tensor, starts: torch.Tensor, trash: int | None
 ) -> List[Tuple[int, int, bool]] | None:
     """Runs ``(begin, end, padding)`` of consecutive rows of ``part`` (positions shaped
     ``(..., rows, columns)``) whose entries all belong to one parameter (the one whose
     start precedes the row's first entry), or are all ``trash``; ``None`` where a row
-    mixes padding and entries."""
+    mixes padding and entries. ``trash`` ``None``: no padding (no row is searched)."""
     rows = part.shape[-2]
-    by_row = part.movedim(-2, 0).reshape(rows, -1)
-    is_trash = by_row == trash
-    if not bool((is_trash.all(1) | ~is_trash.any(1)).all()):
-        return None
-    owner = torch.searchsorted(starts, by_row[:, 0].contiguous(), right=True).tolist()
-    padding_rows = is_trash.all(1).tolist()
+    if trash is None:
+        first = part[(0,) * (part.dim() - 2)][:, 0].contiguous()
+        padding_rows = [False] * rows
+    else:
+        by_row = part.movedim(-2, 0).reshape(rows, -1)
+        is_trash = by_row == trash
+        if not bool((is_trash.all(1) | ~is_trash.any(1)).all()):
+            return None
+        first = by_row[:, 0].contiguous()
+        padding_rows = is_trash.all(1).tolist()
+    owner = torch.searchsorted(starts, first, right=True).tolist()
     runs: List[Tuple[int, int, bool]] = []
     for row in range(rows):
         key = (padding_rows[row], -1 if padding_rows[row] else owner[row])
@@ -704,15 +725,16 @@ class BallLayout:
             start = dict(zip(flat.names, flat.starts))
             trash = flat.size - trailing
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
-            joined = torch.cat(destinations)
-            once = written_once(joined, flat)
+            members = [plan.groups[i] for p in positions for i in stacks[p].members]
+            once = covered_once(members, flat) or written_once(torch.cat(destinations), flat)
             shapes = [groups[p].point.shape for p in positions]
             blocks = destination = source = None
             if once:  # every parameter entry written once: blocks may do
                 batches = [stacks[p].batch_shapes(plan, groups[p]) for p in positions]
-                blocks = strided_blocks(destinations, shapes, batches, flat, trash)
+                padded = [stacks[p].padded for p in positions]
+                blocks = strided_blocks(destinations, shapes, batches, flat, trash, padded)
             if blocks is None:  # the index maps only where no blocks do
-                destination, source = index_maps(joined, flat, once)
+                destination, source = index_maps(torch.cat(destinations), flat, once)
             out.append(_Rest(flat, positions, shapes, destination, source, blocks))
         return out
 
