@@ -448,16 +448,23 @@ class _Rest:
 
 
 def covered_once(groups: Sequence[SymmetryGroup], flat: FlatBuffer) -> bool:
-    """Whether ``groups`` (of a bound plan: no entry in two of them, none twice in one)
-    cover every entry of ``flat``'s parameters: their runs' lengths add up to each
-    parameter's size. Read from the groups' runs, a few per parameter, where
-    :func:`written_once` counts every entry."""
-    covered = dict.fromkeys(flat.names, 0)
+    """Whether ``groups`` write every entry of ``flat``'s parameters exactly once: per
+    parameter, their runs of entries (a few each, :meth:`SymmetryGroup.runs`), sorted
+    together, are disjoint and add up to its size: :func:`written_once` of the groups'
+    positions, from a few runs instead of a count per buffer entry."""
+    runs: Dict[str, List[Tuple[int, int]]] = {n: [] for n in flat.names}
     for group in groups:
-        for name, (_, lengths) in zip(group.param_names, group.runs()):
-            if name in covered:
-                covered[name] += int(lengths.sum())
-    return all(covered[n] == shape.numel() for n, shape in zip(flat.names, flat.shapes))
+        for name, (starts, lengths) in zip(group.param_names, group.runs()):
+            runs[name] += zip(starts.tolist(), lengths.tolist())
+    for name, shape in zip(flat.names, flat.shapes):
+        end = 0
+        for start, length in sorted(runs[name]):
+            if start < end:
+                return False  # an entry written twice
+            end = start + length
+        if sum(length for _, length in runs[name]) != shape.numel():
+            return False
+    return True
 
 
 def written_once(destination: torch.Tensor, flat: FlatBuffer) -> bool:
@@ -479,9 +486,9 @@ def index_maps(
     gather (``index_select``) from them, but costs about twice the time on the CPU, and
     int64 indices read twice the bytes of int32 ones. ``source`` inverts
     ``destination`` where every entry of a parameter is written by exactly one entry of
-    the points (:func:`written_once`; ``once``: its answer where already known; the
-    gaps, the stacks' padding among them, are written by any: they are zeroed after
-    the gather); ``None`` otherwise (the index copy is kept)."""
+    the points (:func:`written_once`; ``once``: its answer where already known, e.g.
+    from :func:`covered_once`; the gaps, the stacks' padding among them, are written by
+    any: they are zeroed after the gather); ``None`` otherwise (the index copy is kept)."""
     small = max(flat.size, destination.numel()) < 2**31
     index_dtype = torch.int32 if small else torch.int64
     if not (written_once(destination, flat) if once is None else once):
@@ -726,7 +733,7 @@ class BallLayout:
             trash = flat.size - trailing
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
             members = [plan.groups[i] for p in positions for i in stacks[p].members]
-            once = covered_once(members, flat) or written_once(torch.cat(destinations), flat)
+            once = covered_once(members, flat)
             shapes = [groups[p].point.shape for p in positions]
             blocks = destination = source = None
             if once:  # every parameter entry written once: blocks may do
