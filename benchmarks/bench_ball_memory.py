@@ -5,11 +5,13 @@ BERT-base-size classifier (random weights from its config; nothing is downloaded
 reports :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`: the base
 points beside the model's own parameters, the perturbed parameters' flat buffers, the three
 iterates, the gradients (the best iterate's kept or not), the unfused groups' staging
-buffers and index maps, in bytes per trainable parameter, and the kept gradient's size
-against ``KEEP_GRADIENT_MAX_BYTES``. No timing: the figures are exact. The float32 model's
-rows are under ``measures``; the same model cast to bfloat16 under ``dtypes.bfloat16``
-(its base point and perturbed parameters in bfloat16; the iterates and gradients in
-float32, the precision Auto-PGD computes in for a half-precision model).
+buffers and index maps, in bytes per trainable parameter, the kept gradient's size
+against ``KEEP_GRADIENT_MAX_BYTES``, and (``shared_not_kept``) the same with the base point
+in the model's own storage (``share_storage=True``; the best gradient not kept). No
+timing: the figures are exact. The float32 model's rows are under ``measures``; the same
+model cast to bfloat16 under ``dtypes.bfloat16`` (its base point and perturbed parameters
+in bfloat16; the iterates and gradients in float32, the precision Auto-PGD computes in for
+a half-precision model).
 
     python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json
     python benchmarks/bench_ball_memory.py --quick
@@ -35,16 +37,19 @@ from geoopt_quotient.symmetry.plan import SymmetryPlan
 MEASURES = ("adaptive", "inv", "mix")
 
 
-def layout_for(model: torch.nn.Module, measure: str) -> BallLayout:
-    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it."""
+def layout_for(model: torch.nn.Module, measure: str, share: bool = False) -> BallLayout:
+    """The worst case's layout, as ``adaptive_sharpness`` / ``geodesic_sharpness`` build it
+    (with ``share``: as with ``share_storage=True``, the parameters moved into it)."""
     if measure == "adaptive":
         plan = SymmetryPlan().bind(model)
     else:
         plan = resolve_plan(model, None, measure)
     base = trainable_parameters(model)
     points = [p.detach() for p in plan.gather(base)]
-    layout = BallLayout(plan, base, ball_groups(plan.groups, points, "second_order", True))
-    return layout
+    groups = ball_groups(plan.groups, points, "second_order", True)
+    if share:
+        return BallLayout(plan, base, groups, parameters=dict(model.named_parameters()))
+    return BallLayout(plan, base, groups)
 
 
 def measure_rows(model: torch.nn.Module, dtype: str) -> Dict[str, Any]:
@@ -57,6 +62,9 @@ def measure_rows(model: torch.nn.Module, dtype: str) -> Dict[str, Any]:
             "not_kept": layout.bytes_per_parameter(keep_best_gradient=False),
             "vector_mib": layout.vector_bytes() / 2**20,
             "gradient_kept_by_default": layout.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES,
+            "shared_not_kept": layout_for(model, measure, share=True).bytes_per_parameter(
+                keep_best_gradient=False
+            ),
         }
         kept = rows[measure]["kept"]
         print(

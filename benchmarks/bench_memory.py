@@ -32,7 +32,13 @@ KEEP = {"auto": None, "yes": True, "no": False}
 
 
 def child(
-    mode: str, quick: bool, batch_size: int, seq_len: int, iters: int, keep: str = "auto"
+    mode: str,
+    quick: bool,
+    batch_size: int,
+    seq_len: int,
+    iters: int,
+    keep: str = "auto",
+    share: bool = False,
 ) -> dict:
     import torch
     from bench_sharpness_iteration import build_model, loss_fn, make_batch
@@ -57,6 +63,7 @@ def child(
             iters=iters,
             progress=False,
             keep_best_gradient=KEEP[keep],
+            share_storage=share,
         )
     else:
         metric = mode.split("-")[1]
@@ -69,6 +76,7 @@ def child(
             metric=metric,
             progress=False,
             keep_best_gradient=KEEP[keep],
+            share_storage=share,
         )
     return {"baseline_mib": baseline, "peak_mib": peak_mib(), "parameters_mib": parameters}
 
@@ -78,6 +86,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", mode, "--iters", str(args.iters)]
     command += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     command += ["--keep-best-gradient", args.keep_best_gradient]
+    command += ["--share-storage"] if args.share_storage else []
     command += ["--quick"] if args.quick else []
     runs = []
     for _ in range(args.repeats):
@@ -100,6 +109,11 @@ def main(argv=None) -> dict:
         default="auto",
         help="keep Auto-PGD's best gradient (auto: up to 1 GiB, BERT-base included)",
     )
+    parser.add_argument(
+        "--share-storage",
+        action="store_true",
+        help="the ball's base point shares the model's storage (share_storage=True)",
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -107,7 +121,7 @@ def main(argv=None) -> dict:
         args.batch_size, args.seq_len = min(args.batch_size, 4), min(args.seq_len, 16)
     if args.child:
         sizes = (args.batch_size, args.seq_len, args.iters, args.keep_best_gradient)
-        print(json.dumps(child(args.child, args.quick, *sizes)))
+        print(json.dumps(child(args.child, args.quick, *sizes, share=args.share_storage)))
         return {}
     runs = {mode: measure(mode, args) for mode in MODES}
     report = summarize(runs, args)
@@ -128,6 +142,7 @@ def summarize(runs: dict, args: argparse.Namespace) -> dict:
         "iters": args.iters,
         "repeats": args.repeats,
         "keep_best_gradient": args.keep_best_gradient,
+        "share_storage": args.share_storage,
         "parameters_mib": parameters,
         "runs": runs,
         "peak_ratio_to_training_step": {
@@ -155,6 +170,7 @@ def print_report(report: dict) -> None:
     print(
         f"{report['model']}, batch {batch_size}x{seq_len}, {report['iters']} Auto-PGD "
         f"iterations, best gradient kept: {report.get('keep_best_gradient', 'auto')}, "
+        f"storage shared: {report.get('share_storage', False)}, "
         f"parameters {report['parameters_mib']:.1f} MiB: peak resident memory"
         + (f" (median of {report['repeats']} processes)" if report["repeats"] > 1 else "")
     )

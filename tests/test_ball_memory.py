@@ -61,3 +61,178 @@ def test_joined_points_and_flat_gradient_share_one_buffer():
     assert points[0].data_ptr() == gradient.data_ptr() == rest.scratch().data_ptr()
     joined = sum(p.numel() for p in points)
     assert rest.scratch().numel() == max(joined, rest.flat.size)
+
+
+def call_for(measure):
+    if measure == "adaptive":
+        return gq.adaptive_sharpness
+    return lambda *args, **kwargs: gq.geodesic_sharpness(*args, metric=measure, **kwargs)
+
+
+def measured(model, measure, **options):
+    return call_for(measure)(model, loss_fn, [BATCH], rho=0.05, iters=4, progress=False, **options)
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])
+def test_sharing_the_storage_moves_the_parameters_and_changes_no_value(measure):
+    model = tiny_bert().double()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    objects = dict(model.named_parameters())
+    plain = measured(model, measure)
+    shared = measured(model, measure, share_storage=True)
+    assert shared.value == plain.value  # bit for bit: the same arithmetic
+    assert shared.histories == plain.histories
+    assert dict(model.named_parameters()) == objects  # the same Parameter objects
+    for name, param in model.named_parameters():
+        assert torch.equal(param, values[name]), name
+        assert param.requires_grad
+    moved = [p for p in model.parameters() if not owns_storage(p)]
+    assert moved, "no parameter moved into the ball's buffer"
+    assert len({p.untyped_storage().data_ptr() for p in moved}) == 1
+
+
+def test_a_later_call_reuses_the_buffer_the_parameters_moved_into():
+    model = tiny_bert().double()
+    first = measured(model, "adaptive", share_storage=True)
+    storages = {
+        n: (p.untyped_storage().data_ptr(), p.data_ptr()) for n, p in model.named_parameters()
+    }
+    second = measured(model, "adaptive", share_storage=True)
+    assert {
+        n: (p.untyped_storage().data_ptr(), p.data_ptr()) for n, p in model.named_parameters()
+    } == storages
+    assert second.value == first.value
+    # training in between moves values, not storages, and the next call sees them
+    with torch.no_grad():
+        model.classifier.weight.mul_(1.5)
+    third = measured(model, "adaptive", share_storage=True)
+    assert third.value != first.value
+    copy = tiny_bert().double()
+    copy.load_state_dict(model.state_dict())
+    assert measured(copy, "adaptive").value == third.value
+
+
+def test_a_parameter_sharing_its_storage_with_another_stays_where_it_is():
+    model = tiny_bert().double()
+    weight = model.classifier.weight
+    twin = torch.nn.Parameter(weight.data)  # a second Parameter over the same storage
+    model.classifier.register_parameter("twin", twin)
+    model.classifier.forward = lambda x, c=model.classifier: torch.nn.functional.linear(
+        x, c.weight + 0 * c.twin, c.bias
+    )
+    measured(model, "adaptive", share_storage=True)
+    assert owns_storage(weight) and owns_storage(twin)
+    assert weight.untyped_storage().data_ptr() == twin.untyped_storage().data_ptr()
+
+
+def test_the_base_point_is_counted_once_when_shared():
+    model = tiny_bert()
+    plan = gq.SymmetryPlan().bind(model)
+    copied = LocalBall(
+        model, plan, loss_fn, kind="worst", path="straight", norm=True, keep_best_gradient=False
+    ).layout.bytes_per_parameter(keep_best_gradient=False)
+    shared = LocalBall(
+        model,
+        plan,
+        loss_fn,
+        kind="worst",
+        path="straight",
+        norm=True,
+        keep_best_gradient=False,
+        share_storage=True,
+    ).layout.bytes_per_parameter(keep_best_gradient=False)
+    assert copied["base"] == pytest.approx(4.0, rel=0.01)
+    assert shared["base"] == 0.0
+    assert shared["total"] == pytest.approx(copied["total"] - copied["base"])
+
+
+def test_share_storage_is_for_the_worst_case():
+    with pytest.raises(ValueError, match="share_storage"):
+        gq.adaptive_sharpness(
+            tiny_bert(), loss_fn, [BATCH], rho=0.05, iters=2, kind="average", share_storage=True
+        )
+
+
+def test_a_stale_reference_is_still_caught_and_named_when_shared():
+    model = tiny_bert()
+    held = model.classifier.weight  # the unperturbed parameter, held outside loss_fn
+
+    def stale_loss(m, batch):
+        return m(**batch).loss + 0 * held.sum()
+
+    measured(model, "adaptive", share_storage=True)  # the parameters move first
+    with pytest.raises(gq.StaleParameterError, match=r"classifier\.weight"):
+        gq.adaptive_sharpness(
+            model, stale_loss, [BATCH], rho=0.05, iters=2, progress=False, share_storage=True
+        )
+
+
+def test_measures_in_turn_move_the_parameters_between_their_buffers():
+    """adaptive (every parameter fused), then inv (the attention weights in symmetry
+    groups: left out of its buffer), then adaptive again: each call's fused parameters
+    share one buffer, the others own their storages (the earlier buffer is freed), and
+    every value is that of a model that was never moved."""
+    model, reference = tiny_bert().double(), tiny_bert().double()
+    for measure in ["adaptive", "inv", "adaptive"]:
+        assert (
+            measured(model, measure, share_storage=True).value == measured(reference, measure).value
+        )
+        storages = {}
+        for param in model.parameters():
+            storages.setdefault(param.untyped_storage().data_ptr(), []).append(param)
+        shared = [group for group in storages.values() if len(group) > 1]
+        assert len(shared) == 1
+        assert all(owns_storage(group[0]) for group in storages.values() if len(group) == 1)
+        fused = len(shared[0])
+        assert fused == len(list(model.parameters())) if measure == "adaptive" else fused < 30
+
+
+def test_a_monitor_sharing_the_storage_measures_as_one_that_does_not():
+    """Training between measurements (an optimizer holding the parameters) updates the
+    moved parameters in place; each measurement equals that of a model never moved."""
+    from geoopt_quotient.integrations import SharpnessMonitor
+
+    models = [tiny_bert().double(), tiny_bert().double()]
+    monitors = [
+        SharpnessMonitor([BATCH], 1, ["adaptive"], loss_fn=loss_fn, iters=3, **o)
+        for o in ({}, {"share_storage": True})
+    ]
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+    for step in (1, 2, 3):
+        values = [monitor.step(m, step) for monitor, m in zip(monitors, models)]
+        assert values[0] == values[1]
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            loss_fn(model, BATCH).backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert not all(owns_storage(p) for p in models[1].parameters())
+
+
+def test_a_calls_gradient_leaves_are_freed_without_the_cycle_collector(monkeypatch):
+    """The leaves' hooks hold no reference back to the leaves: their buffers go with the
+    call, not at the next garbage collection (a model-sized buffer per call otherwise)."""
+    import gc
+    import weakref
+
+    from geoopt_quotient.sharpness import layout
+
+    made = []
+    init = layout._GradientLeaves.__init__
+
+    def recorded(self, *args):
+        init(self, *args)
+        made.append(weakref.ref(self.leaves[0]))
+
+    monkeypatch.setattr(layout._GradientLeaves, "__init__", recorded)
+    model = tiny_bert()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for measure in ("adaptive", "inv"):
+            measured(model, measure)
+        assert made and all(leaf() is None for leaf in made)
+    finally:
+        if enabled:
+            gc.enable()

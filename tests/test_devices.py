@@ -154,6 +154,32 @@ def test_under_autocast_the_loss_runs_in_low_precision_and_the_geometry_in_full(
     assert float(squared.sqrt()) <= 0.3 * (1 + 1e-5)
 
 
+def test_under_autocast_every_evaluation_casts_the_current_perturbed_weights(device):
+    """The perturbed parameters are leaves whose values change between evaluations inside
+    the caller's autocast region, whose cache would keep a leaf's first cast until the
+    region ends: the loss runs with the cache off, and the sharpness under autocast is
+    that of fresh casts (the same as with autocast entered anew for every evaluation)."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    batches = wide_batch(device)
+    cached = []
+
+    def loss(m, batch):
+        cached.append(torch.is_autocast_cache_enabled())
+        return float_loss(m, batch)
+
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        outer = gq.geodesic_sharpness(model, loss, batches, rho=0.2, iters=5, metric="mix")
+    assert cached and not any(cached)
+
+    def fresh_casts(m, batch):  # its own region per evaluation: an empty cache each time
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return float_loss(m, batch)
+
+    fresh = gq.geodesic_sharpness(model, fresh_casts, batches, rho=0.2, iters=5, metric="mix")
+    assert outer.value == fresh.value and outer.histories == fresh.histories
+
+
 def test_hessian_under_autocast_keeps_the_geometry_in_full_precision(device):
     torch.manual_seed(0)
     model = TinyTransformer().to(device)

@@ -949,10 +949,12 @@ def test_the_gradient_converted_as_it_arrives_changes_no_value(build, keep, dtyp
     """The fused adaptive group's gradient swept block by block during the backward pass
     (blocks of 64 entries: most blocks span parameters, some span the gradient's
     segments, some lie in segments without gradient) gives the run of the sweep after the
-    pass, bit for bit, and the blocks are mostly done in the backward pass."""
+    pass, bit for bit, and many blocks are first swept in the backward pass (those of a
+    segment with an unused parameter only after it: a third of the unused tail's)."""
     from geoopt_quotient.manifolds import adaptive
 
     monkeypatch.setattr(adaptive, "GRAM_BLOCK", 64)
+    monkeypatch.setattr(layout_module, "GRADIENT_SEGMENT_BYTES", 1)  # a segment a parameter
     if build == "bert":
         model, batches = tiny_bert()
         model, loss = model.to(dtype), loss_fn
@@ -962,7 +964,8 @@ def test_the_gradient_converted_as_it_arrives_changes_no_value(build, keep, dtyp
     block = adaptive.GradientSweep.block
 
     def counted(self, index):
-        during.append(torch._C._current_graph_task_id() != -1 and self._parts[index] is None)
+        if self._parts[index] is None:  # a block's first sweep: during the pass, or after
+            during.append(torch._C._current_graph_task_id() != -1)
         return block(self, index)
 
     def run():
@@ -998,6 +1001,7 @@ def test_a_gradient_of_few_blocks_is_swept_after_the_pass(monkeypatch):
 
     monkeypatch.setattr(adaptive.GradientSweep, "block", counted)
     monkeypatch.setattr(adaptive, "GRAM_BLOCK", 64)  # many blocks: swept on arrival
+    monkeypatch.setattr(layout_module, "GRADIENT_SEGMENT_BYTES", 1)  # a segment a parameter
     assert size > 8 * 64
     many = run()
     assert any(during)

@@ -148,6 +148,7 @@ def measure_sharpness(
     plans: Optional[Dict[str, BoundPlan]] = None,
     on_measure: Optional[Callable[[str], None]] = None,
     distributed: Optional[bool] = False,
+    share_storage: bool = False,
 ) -> Dict[str, Union[SharpnessResult, List[SharpnessResult]]]:
     r"""Every measure in ``measures`` of ``model`` on ``batches``, in that order.
 
@@ -198,6 +199,9 @@ def measure_sharpness(
     distributed : bool or None
         As for :func:`~geoopt_quotient.geodesic_sharpness` (default ``False``: this
         process measures every batch).
+    share_storage : bool
+        As for :func:`~geoopt_quotient.geodesic_sharpness`: the worst case's base point
+        in the model's own storage, which the parameters move into (default ``False``).
 
     Returns
     -------
@@ -214,6 +218,8 @@ def measure_sharpness(
     plans = {} if plans is None else plans
     found: List[SymmetryPlan] = []
     common = dict(iters=iters, kind=kind, seed=seed, progress=False, distributed=distributed)
+    if share_storage:
+        common["share_storage"] = True
     results: Dict[str, Union[SharpnessResult, List[SharpnessResult]]] = {}
     for measure, radius in radii.items():
         if on_measure is not None:

@@ -148,6 +148,12 @@ class SharpnessMonitor:
     iters, kind, path, seed, eps
         As for :func:`~geoopt_quotient.geodesic_sharpness` (default 10 Auto-PGD
         iterations per batch: cheaper than the paper's 20).
+    share_storage : bool
+        As for :func:`~geoopt_quotient.geodesic_sharpness`: the worst case's base point in
+        the model's own storage, one parameter-sized vector less at each measurement
+        (default ``False``). The trainable parameters move, once, into one buffer per
+        dtype and device (the same objects and values, which the optimizer keeps
+        updating); the weights' values stay untouched.
     prefix : str
         Prefix of the keys of the values (default ``"sharpness/"``; e.g.
         ``"sharpness/geodesic_mix"``).
@@ -204,6 +210,7 @@ class SharpnessMonitor:
         seed: int = 0,
         eps: float = 0.0,
         prefix: str = "sharpness/",
+        share_storage: bool = False,
     ):
         self.every_n_steps = check_positive_int(every_n_steps, "every_n_steps")
         self.measures = tuple(measures)
@@ -212,6 +219,8 @@ class SharpnessMonitor:
             raise ValueError("`rho`: the monitor takes one radius per measure, not a grid")
         self.loss_fn = default_loss if loss_fn is None else loss_fn
         self.options = dict(iters=iters, kind=kind, path=path, seed=seed, eps=eps)
+        if share_storage:
+            self.options["share_storage"] = True
         self.prefix = prefix
         self._source = batches
         self._batches: Optional[List[Any]] = None

@@ -180,6 +180,10 @@ class LocalBall:
         Passed on to Auto-PGD (:func:`~geoopt_quotient.maximize_in_ball`).
     shares : bool
         Worst case: keep :attr:`shares_of`, the maximiser's shares per block and kind.
+    share_storage : bool
+        Worst case: the model's parameters that the layout fuses move into its base
+        point's flat buffers (:class:`~geoopt_quotient.sharpness.layout.BallLayout`'s
+        ``parameters``), instead of being copied there.
 
     Attributes
     ----------
@@ -208,6 +212,7 @@ class LocalBall:
         norm: bool,
         keep_best_gradient: bool | None,
         shares: bool = False,
+        share_storage: bool = False,
     ):
         self.plan = plan
         self.loss = PerturbedLoss(model, loss_fn)
@@ -217,7 +222,13 @@ class LocalBall:
         points = [p.detach() if p.requires_grad else p for p in plan.gather(self.base)]
         check_points(plan.groups, points)
         groups = ball_groups(plan.groups, points, path, norm)
-        self.layout = BallLayout(plan, self.base, groups) if kind == "worst" else None
+        self.layout = None
+        if kind == "worst" and share_storage:
+            owned = dict(model.named_parameters())
+            self.layout = BallLayout(plan, self.base, groups, parameters=owned)
+            self.base = trainable_parameters(model)  # not the storage they left
+        elif kind == "worst":
+            self.layout = BallLayout(plan, self.base, groups)
         self.exact = self.shares_of = on_exact = None
         if self.layout is not None:
             if shares:

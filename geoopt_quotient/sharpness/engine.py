@@ -102,6 +102,9 @@ class Search:
         maximiser (:func:`~geoopt_quotient.sharpness.path_gap.path_gap`: its float64
         integration and one forward pass); without it only the estimate
         (:func:`~geoopt_quotient.sharpness.path_gap.estimated_path_gap`).
+    share_storage : bool
+        Worst case: the ball's base point shares the model's storage instead of copying
+        it (:class:`~geoopt_quotient.sharpness.layout.BallLayout`).
     """
 
     kind: str
@@ -113,6 +116,7 @@ class Search:
     keep_best_gradient: bool | None = None
     shares: bool = False
     path_report: bool = False
+    share_storage: bool = False
 
     def __post_init__(self) -> None:
         self.iters = check_positive_int(self.iters, "iters")
@@ -125,6 +129,11 @@ class Search:
             raise ValueError(
                 "`path_report` is on the worst case's maximiser: use kind='worst', or leave "
                 "path_report=False"
+            )
+        if self.share_storage and self.kind != "worst":
+            raise ValueError(
+                "`share_storage` shares the worst case's base point with the model: use "
+                "kind='worst', or leave share_storage=False"
             )
         check_choice(self.path, PATHS, "path")
         check_choice(self.kind, KINDS, "kind")
@@ -381,6 +390,7 @@ class Placement:
             norm=search.norm,
             keep_best_gradient=search.keep_best_gradient,
             shares=search.shares,
+            share_storage=search.share_storage,
         )
 
     def local(self, batches: Iterable[Any]) -> Iterable[Any]:

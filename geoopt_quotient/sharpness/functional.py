@@ -227,19 +227,28 @@ class _StaleParameterGuard(TorchFunctionMode):
 
     def __init__(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]):
         super().__init__()
-        self.swapped_out: Dict[int, str] = {}
+        # by storage, the swapped-out parameters in it (several where they share one)
+        self.swapped_out: Dict[int, List[Tuple[int, str]]] = {}
         for name, original in model.named_parameters():
             new = params.get(name)
             if new is not None and _storage(new) != _storage(original):
-                self.swapped_out[_storage(original)] = name
+                entry = (original.data_ptr(), name)
+                self.swapped_out.setdefault(_storage(original), []).append(entry)  # type: ignore[arg-type]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in self.METADATA:
             for item in tree_flatten((args, kwargs))[0]:
                 if isinstance(item, torch.Tensor) and _storage(item) in self.swapped_out:
-                    raise StaleParameterError(self._message(self.swapped_out[_storage(item)]))
+                    raise StaleParameterError(self._message(self._name(item)))
         return func(*args, **kwargs)
+
+    def _name(self, item: torch.Tensor) -> str:
+        """The swapped-out parameter whose entries ``item`` reads (the last that starts
+        at or before it, in the storage it shares with others)."""
+        entries = sorted(self.swapped_out[_storage(item)])  # type: ignore[index]
+        before = [name for start, name in entries if start <= item.data_ptr()]
+        return before[-1] if before else entries[0][1]
 
     @staticmethod
     def _message(name: str) -> str:

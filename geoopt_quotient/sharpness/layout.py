@@ -19,7 +19,8 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   whose two factors have equal rows (:class:`_Stack`), so that the geometry's operations
   are one batched product each;
 - the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
-  one flat buffer per buffer (:class:`_SegmentViews`: one copy per segment), read
+  one flat buffer per buffer (:class:`_GradientLeaves`: one copy per segment, during
+  the backward pass), read
   back into the groups' shapes with the same blocks (or one index gather); the fused
   adaptive buffer's gradient is written block by block instead, each block converted
   to the Riemannian gradient with its Gram entries as soon as it is complete, while in
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import has_elementwise_metric, stack_key
@@ -188,10 +190,18 @@ def segment_blocks(start: int, size: int, chunks: List[int], step: int) -> List[
 #: (on the tiny ViT of 18k parameters, 120 operators more per iteration).
 ARRIVAL_MIN_BLOCKS = 8
 
-#: The flat buffers are handed to autograd in this many segments each: a segment's
-#: gradients are copied into the flat gradient as soon as all of them are computed (one
-#: copy operation), so at most about one segment's worth of them waits at once.
-GRADIENT_SEGMENTS = 4
+#: The flat gradient is written segment by segment: a segment's gradients are copied
+#: into it (one copy operation) as soon as the backward pass has made all of them, so at
+#: most about one segment's worth waits at once. A buffer has one segment per this many
+#: bytes (whole parameters each), at least one and at most :data:`GRADIENT_SEGMENTS`.
+GRADIENT_SEGMENT_BYTES = 8 << 20
+
+#: The most segments of one flat buffer.
+GRADIENT_SEGMENTS = 64
+
+
+def _segment_count(flat: FlatBuffer) -> int:
+    return max(1, min(GRADIENT_SEGMENTS, flat.size * flat.dtype.itemsize // GRADIENT_SEGMENT_BYTES))
 
 
 def _zero(tensors: List[torch.Tensor]) -> None:
@@ -199,30 +209,90 @@ def _zero(tensors: List[torch.Tensor]) -> None:
         torch._foreach_zero_(tensors)
 
 
-class _SegmentViews(torch.autograd.Function):
-    """A segment of a flat buffer to the parameter views the loss sees; backward: the
-    parameters' gradients copied into the segment of the flat gradient ``out`` (zero
-    where a parameter has no gradient and in the gaps), one copy operation for all, or,
-    with an ``arrival``, block by block (:class:`_Arrival`)."""
+def _write_segment(
+    segment: _Segment, out: torch.Tensor, grads: Sequence[torch.Tensor | None], arrival=None
+) -> None:
+    """The gradients of ``segment``'s parameters (``None``: zero) written into its part of
+    the flat gradient ``out``, zeros in its gaps: one copy operation for all, or, with an
+    ``arrival``, block by block (:class:`_Arrival`)."""
+    if arrival is not None:
+        arrival.write(segment, grads)
+        return
+    views, gaps = segment.pieces(segment.of(out))
+    present = [(v, g) for v, g in zip(views, grads) if g is not None]
+    if present:
+        torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+    _zero([v for v, g in zip(views, grads) if g is None] + gaps)
 
-    @staticmethod
-    def forward(ctx, segment: _Segment, out: torch.Tensor, leaf: torch.Tensor, arrival=None):
-        ctx.segment, ctx.out, ctx.arrival = segment, out, arrival
-        return tuple(segment.pieces(leaf)[0])
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        segment = ctx.segment
-        target = segment.of(ctx.out)
-        if ctx.arrival is not None:
-            ctx.arrival.write(segment, grads)
-            return None, None, target, None
-        views, gaps = segment.pieces(target)
-        present = [(v, g) for v, g in zip(views, grads) if g is not None]
-        if present:
-            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
-        _zero([v for v, g in zip(views, grads) if g is None] + gaps)
-        return None, None, target, None
+class _Receiver:
+    """One evaluation's gradients of one flat buffer's parameters, taken as the backward
+    pass makes them (:class:`_GradientLeaves`) and written segment by segment
+    (:func:`_write_segment`) as soon as a segment's are complete; :meth:`finish` writes the
+    rest (zero where a parameter got no gradient)."""
+
+    def __init__(self, segments: List[_Segment], out: torch.Tensor, arrival=None):
+        self.segments, self.out, self.arrival = segments, out, arrival
+        self.waiting: List[List | None] = [[None] * len(s.shapes) for s in segments]
+        self.missing = [len(s.shapes) for s in segments]
+
+    def take(self, segment: int, index: int, grad: torch.Tensor) -> None:
+        waiting = self.waiting[segment]
+        if waiting is None or waiting[index] is not None:
+            raise RuntimeError(
+                "a perturbed parameter's gradient arrived twice in one backward pass: "
+                "loss_fn must return one scalar, differentiated once"
+            )
+        waiting[index] = grad
+        self.missing[segment] -= 1
+        if self.missing[segment] == 0:
+            self._write(segment)
+
+    def _write(self, segment: int) -> None:
+        grads, self.waiting[segment] = self.waiting[segment], None
+        _write_segment(self.segments[segment], self.out, grads, self.arrival)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        for segment, grads in enumerate(self.waiting):
+            if grads is not None:
+                self._write(segment)
+
+
+class _Inbox:
+    """Where a :class:`_GradientLeaves`' hooks hand their gradients: the current
+    evaluation's :class:`_Receiver`, else ``None`` (the hooks hold this, not the leaves,
+    so that the leaves and their buffer are freed with the layout, without a cycle)."""
+
+    receiver: _Receiver | None = None
+
+
+def _hand_over(inbox: _Inbox, segment: int, index: int, zero: torch.Tensor, grad: torch.Tensor):
+    """A leaf's hook: its gradient to the receiver, an expanded zero to autograd."""
+    if inbox.receiver is None:  # differentiated outside an evaluation: keep it
+        return grad
+    inbox.receiver.take(segment, index, grad)
+    return zero
+
+
+class _GradientLeaves:
+    """The leaves the loss differentiates for one flat buffer: one per parameter, a view
+    of the buffer, made once. Each carries a hook that hands its gradient to the current
+    :class:`_Receiver` and gives autograd an expanded zero (no memory) in its place, so
+    that the gradient is freed once written, during the backward pass: autograd runs a
+    leaf's hooks as soon as its gradient is complete, whereas a node made before the
+    forward pass (a view of a segment) would run only after all the model's own."""
+
+    def __init__(self, flat: FlatBuffer, buffer: torch.Tensor, segments: List[_Segment]):
+        self.inbox = _Inbox()
+        views = flat.pieces(buffer)[0]
+        self.leaves = [v.detach().requires_grad_() for v in views]
+        zero = buffer.new_zeros(())
+        where = [(s, i) for s, segment in enumerate(segments) for i in range(len(segment.shapes))]
+        for leaf, (segment, index) in zip(self.leaves, where):
+            hook = functools.partial(
+                _hand_over, self.inbox, segment, index, zero.expand(leaf.shape)
+            )
+            leaf.register_hook(hook)
 
 
 class _Arrival:
@@ -675,9 +745,24 @@ class BallLayout:
         The base parameters (detached), by name.
     groups : list of BallGroup
         One ball group per group of ``plan``, with the gathered base points.
+    parameters : dict of str to torch.Tensor, optional
+        The model's own parameters, by name: the fused groups' base point then shares
+        their storage instead of copying it (:func:`shared_base`): each parameter that
+        owns its storage alone moves into the flat buffer (the same object, the same
+        values, now a view of it), and parameters that are already views of an earlier
+        call's buffer laid out alike are used where they are. One parameter-sized
+        vector less (:meth:`bytes_per_parameter`); the base point is only read, never
+        written. Parameters that cannot move (a tensor subclass such as a sharded
+        ``DTensor``, storage shared with another tensor of the model) are copied.
     """
 
-    def __init__(self, plan: BoundPlan, base: Dict[str, torch.Tensor], groups: List[BallGroup]):
+    def __init__(
+        self,
+        plan: BoundPlan,
+        base: Dict[str, torch.Tensor],
+        groups: List[BallGroup],
+        parameters: Dict[str, torch.Tensor] | None = None,
+    ):
         fused: Dict[Tuple, List[int]] = {}
         rest: List[int] = []
         for index, (group, ball_group) in enumerate(zip(plan.groups, groups)):
@@ -692,17 +777,25 @@ class BallLayout:
         self._fused_members = list(fused.values())
         self.groups: List[BallGroup] = [stack.group(groups) for stack in stacks]
         self._fused: List[FlatBuffer] = []
+        self.shared_bytes = 0
         for (dtype, device, eps), members in fused.items():
             names = [plan.groups[i].param_names[0] for i in members]
             flat = FlatBuffer(names, [base[n].shape for n in names], dtype, device)
-            point = flat.filled([base[n] for n in names])
+            if parameters is None:
+                point = flat.filled([base[n] for n in names])
+            else:
+                point, shared = shared_base(flat, parameters)
+                self.shared_bytes += shared
             self.groups.append(BallGroup(point, AdaptiveEuclidean(eps=eps)))
             self._fused.append(flat)
+        if parameters is not None:
+            release_left_behind(parameters, [g.point for g in self.groups[len(stacks) :]])
         self._rests = self._rest_buffers(plan, base, self.groups, stacks)
         self.flats: List[FlatBuffer] = self._fused + [r.flat for r in self._rests]
         self.names = [n for flat in self.flats for n in flat.names]
         self._buffers: List[torch.Tensor] | None = None
-        self._segments = [flat.segments(GRADIENT_SEGMENTS) for flat in self.flats]
+        self._segments = [flat.segments(_segment_count(flat)) for flat in self.flats]
+        self._leaves: List[_GradientLeaves] | None = None
         self._grads: List[torch.Tensor] = []
         self._rest_grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
@@ -800,8 +893,10 @@ class BallLayout:
         return {part: size / parameters for part, size in parts.items()}
 
     def base_bytes(self) -> int:
-        """Memory of the groups' base points beside the model's own parameters."""
-        return sum(g.point.numel() * g.point.element_size() for g in self.groups)
+        """Memory of the groups' base points beside the model's own parameters (less
+        what shares their storage)."""
+        points = sum(g.point.numel() * g.point.element_size() for g in self.groups)
+        return points - self.shared_bytes
 
     def _perturbed_buffers(self) -> List[torch.Tensor]:
         if self._buffers is None:
@@ -859,20 +954,23 @@ class BallLayout:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
             return [], dict(zip(self.names, views))
         self._grads = self.gradient_buffers(spare)
-        leaves, views = [], []
-        for position, (segments, buffer, out) in enumerate(
-            zip(self._segments, buffers, self._grads)
+        if self._leaves is None:
+            self._leaves = [
+                _GradientLeaves(flat, buffer, segments)
+                for flat, buffer, segments in zip(self.flats, buffers, self._segments)
+            ]
+        leaves = []
+        for position, (made, segments, out) in enumerate(
+            zip(self._leaves, self._segments, self._grads)
         ):
             arrival = None
             if sweep is not None and position < len(self._fused):
-                made = sweep(unfused + position, out)
-                pays = made is not None and made.blocks >= ARRIVAL_MIN_BLOCKS
-                arrival = _Arrival(made, out) if pays else None
-            for segment in segments:
-                leaf = segment.of(buffer).detach().requires_grad_()
-                leaves.append(leaf)
-                views += _SegmentViews.apply(segment, out, leaf, arrival)
-        return leaves, dict(zip(self.names, views))
+                sweeping = sweep(unfused + position, out)
+                pays = sweeping is not None and sweeping.blocks >= ARRIVAL_MIN_BLOCKS
+                arrival = _Arrival(sweeping, out) if pays else None
+            made.inbox.receiver = _Receiver(segments, out, arrival)
+            leaves += made.leaves
+        return leaves, dict(zip(self.names, leaves))
 
     def gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
         """Where the flat gradients go: the fused groups' vectors of ``spare`` (which
@@ -901,12 +999,13 @@ class BallLayout:
             for p, shape in zip(rest.groups, rest.shapes)
         )
 
-    def flat_gradients(self, grads: Sequence[torch.Tensor | None]) -> List[torch.Tensor]:
-        """The flat gradients of the last :meth:`parameters` call with ``grad=True``, from
-        autograd's gradients of its leaves (``None``: that segment got none: zero)."""
-        grads = iter(grads)
-        for segments, out in zip(self._segments, self._grads):
-            _zero([segment.of(out) for segment in segments if next(grads) is None])
+    def flat_gradients(self) -> List[torch.Tensor]:
+        """The flat gradients of the last :meth:`parameters` call with ``grad=True``, after
+        its backward pass (zero for the parameters that got no gradient)."""
+        for made in self._leaves or []:
+            if made.inbox.receiver is not None:
+                made.inbox.receiver.finish()
+                made.inbox.receiver = None
         flat, self._grads = self._grads, []
         return flat
 
@@ -927,6 +1026,127 @@ class BallLayout:
             for position, g in zip(rest.groups, rest.read(grad, targets)):
                 out[position] = g
         return out  # type: ignore[return-value]
+
+
+#: The parameters that :func:`shared_base` moved, and the storage each moved into: a
+#: later call may move them again, out of a buffer that holds nothing else.
+_MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shared_base(flat: FlatBuffer, parameters: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, int]:
+    """A flat base point of ``flat``'s layout that shares the storage of the model's
+    ``parameters`` (by name), and the bytes of it that do.
+
+    Where the parameters of ``flat`` are already views of one buffer laid out as
+    ``flat`` (an earlier call's), that buffer is the point: nothing is copied. Otherwise
+    the point is a new buffer holding their values, and each parameter that may move
+    (:func:`_movable`) moves into it (``param.data`` becomes its view, so the old storage
+    is freed once nothing else holds it); the others stay where they are, their entries
+    copied.
+    """
+    params = [parameters[n] for n in flat.names]
+    owners = _storage_owners(parameters)
+    point = _laid_out(flat, params, owners)
+    if point is not None:
+        _zero(flat.pieces(point)[1])
+        return point, flat.size * flat.dtype.itemsize
+    point = flat.filled([p.detach() for p in params])
+    ours = _moved_counts(parameters)
+    shared = 0
+    with torch.no_grad():
+        for param, view in zip(params, flat.pieces(point)[0]):
+            if _movable(param, view, owners, ours):
+                param.data = view
+                _MOVED[param] = _storage_key(view)
+                shared += view.numel() * view.element_size()
+    return point, shared
+
+
+def release_left_behind(parameters: Dict[str, torch.Tensor], points: Sequence[torch.Tensor]):
+    """Each parameter that an earlier call moved into a buffer that is not among this
+    call's ``points`` gets a storage of its own (a copy), so that the earlier buffer is
+    freed once none of its parameters is left in it."""
+    keep = {_storage_key(p) for p in points}
+    with torch.no_grad():
+        for param in {id(p): p for p in parameters.values()}.values():
+            key = _MOVED.get(param)
+            if key is not None and key not in keep and _storage_key(param) == key:
+                param.data = param.data.clone()
+                del _MOVED[param]
+
+
+def _storage_key(tensor: torch.Tensor) -> Tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def _storage_owners(parameters: Dict[str, torch.Tensor]) -> Dict[Tuple[str, int], int]:
+    """How many of the model's parameter objects use each storage."""
+    owners: Dict[Tuple[str, int], int] = {}
+    for param in {id(p): p for p in parameters.values()}.values():
+        if _plain(param):
+            key = _storage_key(param)
+            owners[key] = owners.get(key, 0) + 1
+    return owners
+
+
+def _moved_counts(parameters: Dict[str, torch.Tensor]) -> Dict[Tuple[str, int], int]:
+    """How many of the model's parameter objects are in each storage they were moved into."""
+    counts: Dict[Tuple[str, int], int] = {}
+    for param in {id(p): p for p in parameters.values()}.values():
+        key = _MOVED.get(param)
+        if key is not None and _plain(param) and _storage_key(param) == key:
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _plain(param: torch.Tensor) -> bool:
+    """A dense tensor of torch's own (not a subclass such as ``DTensor``), with storage."""
+    data = param.data
+    return type(data) is torch.Tensor and data.layout == torch.strided and not data.is_meta
+
+
+def _movable(param: torch.Tensor, view: torch.Tensor, owners: Dict, ours: Dict) -> bool:
+    """Whether ``param`` may move into ``view``: plain, contiguous, in the view's dtype,
+    device and shape, and alone in a storage of its own size, or in a buffer an earlier
+    call moved it into that holds no other parameter but those moved there."""
+    data = param.data
+    if not (
+        _plain(param)
+        and data.dtype == view.dtype
+        and data.device == view.device
+        and data.shape == view.shape
+        and data.is_contiguous()
+    ):
+        return False
+    key = _storage_key(param)
+    if _MOVED.get(param) == key:
+        return owners.get(key) == ours.get(key)
+    alone = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+    return alone and data.storage_offset() == 0 and owners.get(key) == 1
+
+
+def _laid_out(flat: FlatBuffer, params: List[torch.Tensor], owners: Dict) -> torch.Tensor | None:
+    """The buffer that ``params`` are views of, if they are laid out as ``flat`` in one
+    storage of ``flat``'s size that no other parameter uses; else ``None``."""
+    if not params or not all(_plain(p) for p in params):
+        return None
+    first = params[0].data
+    key, nbytes = _storage_key(first), flat.size * flat.dtype.itemsize
+    if first.untyped_storage().nbytes() != nbytes:
+        return None
+    for param, start, shape in zip(params, flat.starts, flat.shapes):
+        data = param.data
+        if (
+            _storage_key(data) != key
+            or data.dtype != flat.dtype
+            or data.storage_offset() != start
+            or data.shape != shape
+            or not data.is_contiguous()
+        ):
+            return None
+    if owners.get(key) != len({id(p) for p in params}):
+        return None
+    return first.as_strided((flat.size,), (1,), 0)
 
 
 def _fits(vector: torch.Tensor, flat: FlatBuffer) -> bool:
@@ -1128,7 +1348,7 @@ class LayoutObjective:
             check_depends_on_perturbation(value, grads_found=True)
             flat_grads = torch.autograd.grad(value, leaves, allow_unused=True)
         check_depends_on_perturbation(value, any(g is not None for g in flat_grads))
-        grads = layout.point_gradients(layout.flat_gradients(flat_grads), spare)
+        grads = layout.point_gradients(layout.flat_gradients(), spare)
         for index, leaf in traced.items():
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]

@@ -476,6 +476,7 @@ def geodesic_sharpness(
     restarts: int = 0,
     shares: bool = False,
     path_report: bool = False,
+    share_storage: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -504,7 +505,8 @@ def geodesic_sharpness(
         swapped into it (:func:`torch.func.functional_call`) and the original parameters
         put back on every exit, so it is bitwise unchanged afterwards; train/eval mode,
         ``requires_grad`` flags and the global RNG state are restored on return (also
-        after an exception). It runs in eval mode.
+        after an exception). It runs in eval mode. Its values are never written; with
+        ``share_storage=True`` its parameters' storage changes (below).
     loss_fn : callable
         ``loss_fn(model, batch) -> scalar tensor``. Every use of the model's parameters
         inside the call sees the perturbed values: calls of the model or of any
@@ -617,6 +619,18 @@ def geodesic_sharpness(
         correction (no pass), which still gives :class:`PathGapWarning`. Worst case
         only (``kind="average"`` raises ``ValueError``); not available for an
         FSDP2-sharded model (``None``).
+    share_storage : bool
+        Worst case: the ball's base point shares the model's storage instead of holding
+        a copy of it, one parameter-sized vector less (4 bytes per float32 parameter
+        outside the symmetry groups; :ref:`memory`). The model's trainable parameters
+        outside the symmetry groups move into one flat buffer per dtype and device: the
+        same :class:`~torch.nn.Parameter` objects and values, each now a view of that
+        buffer, which they keep after the call (a later call reuses it without a copy).
+        Only the storage changes, never a value; but a tensor taken earlier that
+        aliases a parameter's old storage (e.g. from ``model.state_dict()``) no longer
+        follows the model. Parameters that share their storage with another parameter,
+        and tensor subclasses (a sharded ``DTensor``), stay and are copied. Default
+        ``False``; worst case only (``kind="average"`` raises ``ValueError``).
 
     Returns
     -------
@@ -761,6 +775,7 @@ def geodesic_sharpness(
         keep_best_gradient=keep_best_gradient,
         shares=shares,
         path_report=path_report,
+        share_storage=share_storage,
     )
 
 
@@ -780,6 +795,7 @@ def adaptive_sharpness(
     process_group: Any = None,
     restarts: int = 0,
     shares: bool = False,
+    share_storage: bool = False,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -838,6 +854,9 @@ def adaptive_sharpness(
     shares : bool
         Worst case: each block's share of the maximiser, as for
         :func:`geodesic_sharpness` (default ``False``).
+    share_storage : bool
+        Worst case: share the model's storage as the ball's base point instead of
+        copying it, as for :func:`geodesic_sharpness` (default ``False``).
 
     Returns
     -------
@@ -914,4 +933,5 @@ def adaptive_sharpness(
         restarts=restarts,
         keep_best_gradient=keep_best_gradient,
         shares=shares,
+        share_storage=share_storage,
     )

@@ -50,8 +50,11 @@ class AutocastState:
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
-        """Autocast on again, with the recorded dtypes (else: nothing)."""
+        """Autocast on again, with the recorded dtypes (else: nothing), without its cache of
+        casts: the cache keeps the cast of a leaf tensor until the outermost autocast
+        region ends, and the perturbed parameters are leaves whose values change between
+        evaluations inside one region."""
         with contextlib.ExitStack() as stack:
             for device, dtype in self.enabled:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
             yield
