@@ -433,7 +433,6 @@ def _run(
         print()
     radii = radii_from_args(args, StudySettings())
     common = dict(iters=args.iters, seed=args.seed, progress=False if silent else None)
-    common["share_storage"] = True  # the command's own model: no one else aliases it
     if args.fsdp:
         share, common["process_group"] = batches, None
     else:
