@@ -217,9 +217,14 @@ def measure_sharpness(
     radii = measure_radii(measures, rho)
     plans = {} if plans is None else plans
     found: List[SymmetryPlan] = []
-    common = dict(iters=iters, kind=kind, seed=seed, progress=False, distributed=distributed)
-    if share_storage:
-        common["share_storage"] = True
+    common = dict(
+        iters=iters,
+        kind=kind,
+        seed=seed,
+        progress=False,
+        distributed=distributed,
+        share_storage=share_storage,
+    )
     results: Dict[str, Union[SharpnessResult, List[SharpnessResult]]] = {}
     for measure, radius in radii.items():
         if on_measure is not None:

@@ -218,9 +218,9 @@ class SharpnessMonitor:
         if any(isinstance(radius, list) for radius in self.rho.values()):
             raise ValueError("`rho`: the monitor takes one radius per measure, not a grid")
         self.loss_fn = default_loss if loss_fn is None else loss_fn
-        self.options = dict(iters=iters, kind=kind, path=path, seed=seed, eps=eps)
-        if share_storage:
-            self.options["share_storage"] = True
+        self.options = dict(
+            iters=iters, kind=kind, path=path, seed=seed, eps=eps, share_storage=share_storage
+        )
         self.prefix = prefix
         self._source = batches
         self._batches: Optional[List[Any]] = None

@@ -223,12 +223,11 @@ class LocalBall:
         check_points(plan.groups, points)
         groups = ball_groups(plan.groups, points, path, norm)
         self.layout = None
-        if kind == "worst" and share_storage:
-            owned = dict(model.named_parameters())
-            self.layout = BallLayout(plan, self.base, groups, parameters=owned)
-            self.base = trainable_parameters(model)  # not the storage they left
-        elif kind == "worst":
-            self.layout = BallLayout(plan, self.base, groups)
+        if kind == "worst":
+            owned = dict(model.named_parameters()) if share_storage else None
+            self.layout = BallLayout(plan, self.base, groups, owned)
+            if share_storage:  # views of the storage they moved into, not of the old one
+                self.base = trainable_parameters(model)
         self.exact = self.shares_of = on_exact = None
         if self.layout is not None:
             if shares:

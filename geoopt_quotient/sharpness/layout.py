@@ -1068,7 +1068,7 @@ def release_left_behind(parameters: Dict[str, torch.Tensor], points: Sequence[to
     freed once none of its parameters is left in it."""
     keep = {_storage_key(p) for p in points}
     with torch.no_grad():
-        for param in {id(p): p for p in parameters.values()}.values():
+        for param in _distinct(parameters):
             key = _MOVED.get(param)
             if key is not None and key not in keep and _storage_key(param) == key:
                 param.data = param.data.clone()
@@ -1079,10 +1079,15 @@ def _storage_key(tensor: torch.Tensor) -> Tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
+def _distinct(parameters: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    """The parameter objects of ``parameters``, each once (a tied one has several names)."""
+    return list({id(p): p for p in parameters.values()}.values())
+
+
 def _storage_owners(parameters: Dict[str, torch.Tensor]) -> Dict[Tuple[str, int], int]:
     """How many of the model's parameter objects use each storage."""
     owners: Dict[Tuple[str, int], int] = {}
-    for param in {id(p): p for p in parameters.values()}.values():
+    for param in _distinct(parameters):
         if _plain(param):
             key = _storage_key(param)
             owners[key] = owners.get(key, 0) + 1
@@ -1092,7 +1097,7 @@ def _storage_owners(parameters: Dict[str, torch.Tensor]) -> Dict[Tuple[str, int]
 def _moved_counts(parameters: Dict[str, torch.Tensor]) -> Dict[Tuple[str, int], int]:
     """How many of the model's parameter objects are in each storage they were moved into."""
     counts: Dict[Tuple[str, int], int] = {}
-    for param in {id(p): p for p in parameters.values()}.values():
+    for param in _distinct(parameters):
         key = _MOVED.get(param)
         if key is not None and _plain(param) and _storage_key(param) == key:
             counts[key] = counts.get(key, 0) + 1
@@ -1346,8 +1351,10 @@ class LayoutObjective:
             if not grad:
                 return value.detach().reshape(()), None
             check_depends_on_perturbation(value, grads_found=True)
-            flat_grads = torch.autograd.grad(value, leaves, allow_unused=True)
-        check_depends_on_perturbation(value, any(g is not None for g in flat_grads))
+            # the gradients go to the layout during the pass (the leaves' hooks); autograd
+            # returns what the hooks left it: expanded zeros, or None for an unused leaf
+            captured = torch.autograd.grad(value, leaves, allow_unused=True)
+        check_depends_on_perturbation(value, any(g is not None for g in captured))
         grads = layout.point_gradients(layout.flat_gradients(), spare)
         for index, leaf in traced.items():
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
