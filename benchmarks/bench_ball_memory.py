@@ -11,7 +11,8 @@ in the model's own storage (``share_storage=True``; the best gradient not kept).
 timing: the figures are exact. The float32 model's rows are under ``measures``; the same
 model cast to bfloat16 under ``dtypes.bfloat16`` (its base point and perturbed parameters
 in bfloat16; the iterates and gradients in float32, the precision Auto-PGD computes in for
-a half-precision model).
+a half-precision model), and (``shared_not_kept_bfloat16_state``) with those stored in
+bfloat16 too (``state_dtype=torch.bfloat16``).
 
     python benchmarks/bench_ball_memory.py --json benchmarks/results/cpu/ball_memory.json
     python benchmarks/bench_ball_memory.py --quick
@@ -66,6 +67,11 @@ def measure_rows(model: torch.nn.Module, dtype: str) -> Dict[str, Any]:
                 keep_best_gradient=False
             ),
         }
+        if dtype == "bfloat16":  # its iterates and gradients in bfloat16 (state_dtype)
+            shared = layout_for(model, measure, share=True)
+            rows[measure]["shared_not_kept_bfloat16_state"] = shared.bytes_per_parameter(
+                keep_best_gradient=False, state_dtype=torch.bfloat16
+            )
         kept = rows[measure]["kept"]
         print(
             f"{dtype:8s} {measure:9s} bytes/parameter: "

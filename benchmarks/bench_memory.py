@@ -11,12 +11,20 @@ the allocator's free but unreturned memory, so it varies by a few percent betwee
 
     python benchmarks/bench_memory.py --json benchmarks/results/cpu/memory.json
     python benchmarks/bench_memory.py --quick
+
+``--dtype bfloat16`` casts the model to bfloat16 (the training step too), and
+``--state-dtype bfloat16`` stores Auto-PGD's iterates and gradients in bfloat16
+(``state_dtype=torch.bfloat16``; by default float32). glibc keeps freed memory for
+reuse, which peak RSS counts; ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment (passed
+on to the processes, recorded in the file) returns every freed block of 128 KiB or more,
+so that the peak is that of the memory in use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -39,15 +47,29 @@ def child(
     iters: int,
     keep: str = "auto",
     share: bool = False,
+    dtype: str = "float32",
+    state_dtype: str | None = None,
 ) -> dict:
     import torch
-    from bench_sharpness_iteration import build_model, loss_fn, make_batch
+    from bench_sharpness_iteration import build_model, make_batch
 
     import geoopt_quotient as gq
 
-    model, config = build_model(quick, "cpu", torch.float32)
+    def loss_fn(model, batch):  # in float32 at least
+        ids, labels = batch
+        return torch.nn.functional.cross_entropy(model(input_ids=ids).logits.float(), labels)
+
+    # made in its dtype (no float32 model first, whose peak would hide the training step's)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model, config = build_model(quick, "cpu", getattr(torch, dtype))
+    finally:
+        torch.set_default_dtype(default)
     batch = make_batch(config, batch_size, seq_len, "cpu")
     parameters = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    count = sum(p.numel() for p in model.parameters())
+    state = None if state_dtype is None else getattr(torch, state_dtype)
     baseline = peak_mib()
     if mode == "train":
         model.train()
@@ -64,6 +86,7 @@ def child(
             progress=False,
             keep_best_gradient=KEEP[keep],
             share_storage=share,
+            state_dtype=state,
         )
     else:
         metric = mode.split("-")[1]
@@ -77,8 +100,14 @@ def child(
             progress=False,
             keep_best_gradient=KEEP[keep],
             share_storage=share,
+            state_dtype=state,
         )
-    return {"baseline_mib": baseline, "peak_mib": peak_mib(), "parameters_mib": parameters}
+    return {
+        "baseline_mib": baseline,
+        "peak_mib": peak_mib(),
+        "parameters_mib": parameters,
+        "parameters": count,
+    }
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict:
@@ -87,6 +116,8 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     command += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     command += ["--keep-best-gradient", args.keep_best_gradient]
     command += ["--share-storage"] if args.share_storage else []
+    command += ["--dtype", args.dtype]
+    command += ["--state-dtype", args.state_dtype] if args.state_dtype else []
     command += ["--quick"] if args.quick else []
     runs = []
     for _ in range(args.repeats):
@@ -114,6 +145,14 @@ def main(argv=None) -> dict:
         action="store_true",
         help="the ball's base point shares the model's storage (share_storage=True)",
     )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype"
+    )
+    parser.add_argument(
+        "--state-dtype",
+        choices=("bfloat16",),
+        help="Auto-PGD's iterates and gradients in this dtype (default: float32)",
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -121,7 +160,8 @@ def main(argv=None) -> dict:
         args.batch_size, args.seq_len = min(args.batch_size, 4), min(args.seq_len, 16)
     if args.child:
         sizes = (args.batch_size, args.seq_len, args.iters, args.keep_best_gradient)
-        print(json.dumps(child(args.child, args.quick, *sizes, share=args.share_storage)))
+        options = dict(share=args.share_storage, dtype=args.dtype, state_dtype=args.state_dtype)
+        print(json.dumps(child(args.child, args.quick, *sizes, **options)))
         return {}
     runs = {mode: measure(mode, args) for mode in MODES}
     report = summarize(runs, args)
@@ -143,6 +183,10 @@ def summarize(runs: dict, args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "keep_best_gradient": args.keep_best_gradient,
         "share_storage": args.share_storage,
+        # glibc returns freed blocks above this size to the system (None: its default)
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "dtype": args.dtype,
+        "state_dtype": args.state_dtype or "float32",
         "parameters_mib": parameters,
         "runs": runs,
         "peak_ratio_to_training_step": {
@@ -158,9 +202,9 @@ def summarize(runs: dict, args: argparse.Namespace) -> dict:
         "excess_over_training_step_in_parameter_copies": {
             m: (r["peak_mib"] - train["peak_mib"]) / parameters for m, r in runs.items()
         },
-        # a copy of the (float32) parameters is 4 bytes per parameter
         "excess_over_training_step_bytes_per_parameter": {
-            m: 4 * (r["peak_mib"] - train["peak_mib"]) / parameters for m, r in runs.items()
+            m: (r["peak_mib"] - train["peak_mib"]) * 2**20 / train["parameters"]
+            for m, r in runs.items()
         },
     }
 

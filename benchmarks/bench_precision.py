@@ -8,7 +8,14 @@ precision's resolution of the loss, ``eps × clean loss`` (eps = 2⁻⁸ for bfl
 for float16, 2⁻¹¹ for TF32's 10-bit mantissa, 2⁻²⁴ for float32): a sharpness value is a
 difference of two losses, so its absolute error is set by how finely the loss is
 resolved, whatever the value. In every mode the geometry (ball, paths, iterates) runs in
-float32 or better; only the model's arithmetic changes.
+float32 or better; only the model's arithmetic changes, except in ``bf16-model-bf16-state``:
+the bfloat16 model's Auto-PGD iterates and gradients are stored in bfloat16
+(``state_dtype=torch.bfloat16``; still computed in float32), which shrinks the ball by up
+to 2⁻⁸ of its radius. Its cost in accuracy is its error beside ``bf16-model``'s.
+
+    python benchmarks/bench_precision.py --device cpu --models tiny --iters 10 \
+        --modes float64,float32,bf16-model,bf16-model-bf16-state \
+        --json benchmarks/results/cpu/precision_state.json
 
     python benchmarks/bench_precision.py --json benchmarks/results/gpu/precision.json  # on a GPU
     python benchmarks/bench_precision.py --quick --device cpu               # tiny, for CI
@@ -38,6 +45,7 @@ EPS = {
     "bf16-autocast": 2.0**-8,
     "fp16-autocast": 2.0**-11,
     "bf16-model": 2.0**-8,
+    "bf16-model-bf16-state": 2.0**-8,
     "fp16-model": 2.0**-11,
 }
 RADII = {"adaptive": (0.02, 0.2), "inv": (0.1, 1.0), "mix": (0.02, 0.2)}
@@ -62,8 +70,8 @@ def loss_fn(model, batch):
 @contextlib.contextmanager
 def precision(mode: str, model: torch.nn.Module, device: torch.device) -> Iterator[None]:
     """The model and the ambient settings of ``mode``; the model back in float32 after."""
-    dtypes = {"float64": torch.float64, "bf16-model": torch.bfloat16, "fp16-model": torch.float16}
-    model.to(dtypes.get(mode, torch.float32))
+    dtypes = {"float64": torch.float64, "fp16-model": torch.float16}
+    model.to(torch.bfloat16 if mode.startswith("bf16-model") else dtypes.get(mode, torch.float32))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     with contextlib.ExitStack() as stack:
         if mode == "tf32":
@@ -78,12 +86,12 @@ def precision(mode: str, model: torch.nn.Module, device: torch.device) -> Iterat
             model.float()
 
 
-def measure(name: str, model, batches, rho: float, iters: int) -> gq.SharpnessResult:
+def measure(name: str, model, batches, rho: float, iters: int, mode: str) -> gq.SharpnessResult:
+    state = torch.bfloat16 if mode.endswith("bf16-state") else None
+    options = dict(rho=rho, iters=iters, progress=False, state_dtype=state)
     if name == "adaptive":
-        return gq.adaptive_sharpness(model, loss_fn, batches, rho=rho, iters=iters, progress=False)
-    return gq.geodesic_sharpness(
-        model, loss_fn, batches, rho=rho, iters=iters, metric=name, progress=False
-    )
+        return gq.adaptive_sharpness(model, loss_fn, batches, **options)
+    return gq.geodesic_sharpness(model, loss_fn, batches, metric=name, **options)
 
 
 def study(model, batches, measures, modes, iters: int, device: torch.device, log: Callable) -> list:
@@ -96,7 +104,7 @@ def study(model, batches, measures, modes, iters: int, device: torch.device, log
                 t0 = time.perf_counter()
                 try:
                     with precision(mode, model, device):
-                        result = measure(name, model, batches, rho, iters)
+                        result = measure(name, model, batches, rho, iters, mode)
                 except Exception as error:
                     rows.append(dict(measure=name, rho=rho, mode=mode, error=repr(error)))
                     continue

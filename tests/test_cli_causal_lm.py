@@ -204,6 +204,26 @@ def test_bfloat16_checkpoint_is_measured_in_float32(tmp_path, text, capsys):
     assert as_saved["model"]["dtype"] == "bfloat16"
 
 
+def test_bfloat16_checkpoint_with_a_bfloat16_state(tmp_path, text, capsys):
+    """--state-dtype bfloat16 on a bfloat16 checkpoint measured as saved: recorded, and
+    not the float32 state's values (the search rounds its state)."""
+    half = save_causal_lm(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    argv = ["--iters", "3", "--metric", "mix"]
+    with pytest.warns(UserWarning, match="--dtype float32"):
+        default = run_json(sharpness_argv(half, text, *argv), capsys)
+        halved = run_json(sharpness_argv(half, text, *argv, "--state-dtype", "bfloat16"), capsys)
+    assert halved["arguments"]["state_dtype"] == "bfloat16"
+    for name in ("adaptive", "geodesic_mix"):
+        result, reference = halved["results"][name], default["results"][name]
+        assert result["settings"]["state_dtype"] == "bfloat16"
+        assert "state_dtype" not in reference["settings"]
+        assert result["clean_losses"] == reference["clean_losses"]
+    assert any(
+        halved["results"][n]["value"] != default["results"][n]["value"]
+        for n in ("adaptive", "geodesic_mix")
+    )
+
+
 def test_block_size_beyond_the_positions_is_refused(llama, text, capsys):
     err = error_of(sharpness_argv(llama, text, "--block-size", "65"), capsys)
     assert "longer than the model's 64 positions" in err

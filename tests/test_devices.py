@@ -79,16 +79,18 @@ def check_low_precision(name, dtype, low, reference) -> None:
     assert error <= 16 * LOW_PRECISION_EPS[dtype], f"{name}: {low.value} vs {reference.value}"
 
 
-def sharpness_runs(model, batches):
+def sharpness_runs(model, batches, **options):
     """Adaptive and geodesic (inv, mix) sharpness at radii where each is a sizeable
     fraction of the loss, so that low precision can resolve it."""
     return {
-        "adaptive": lambda: gq.adaptive_sharpness(model, float_loss, batches, rho=0.2, iters=8),
+        "adaptive": lambda: gq.adaptive_sharpness(
+            model, float_loss, batches, rho=0.2, iters=8, **options
+        ),
         "inv": lambda: gq.geodesic_sharpness(
-            model, float_loss, batches, rho=1.0, iters=8, metric="inv"
+            model, float_loss, batches, rho=1.0, iters=8, metric="inv", **options
         ),
         "mix": lambda: gq.geodesic_sharpness(
-            model, float_loss, batches, rho=0.2, iters=8, metric="mix"
+            model, float_loss, batches, rho=0.2, iters=8, metric="mix", **options
         ),
     }
 
@@ -122,6 +124,22 @@ def test_sharpness_of_a_low_precision_model_agrees_with_float32(device, dtype):
             low = run()
         check_low_precision(name, dtype, low, reference[name])
     assert all(p.dtype == dtype for p in model.parameters())
+
+
+def test_a_bfloat16_state_of_a_bfloat16_model_agrees_with_float32(device):
+    """Iterates and gradients stored in bfloat16 (state_dtype): within the same bound as
+    the float32 state of the same model (measured on a CPU: 0.7%, 1.8% and 2.1% for
+    adaptive, inv and mix, 1.7, 4.5 and 5.3 units of 2^-8)."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    batches = wide_batch(device)
+    reference = {name: run() for name, run in sharpness_runs(model, batches).items()}
+    model = model.to(torch.bfloat16)
+    for name, run in sharpness_runs(model, batches, state_dtype=torch.bfloat16).items():
+        with pytest.warns(UserWarning, match="rounded to that resolution"):
+            low = run()
+        assert low.settings["state_dtype"] == "bfloat16"
+        check_low_precision(name, torch.bfloat16, low, reference[name])
 
 
 def test_under_autocast_the_loss_runs_in_low_precision_and_the_geometry_in_full(device):

@@ -235,6 +235,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_dtype_argument(parser)
     parser.add_argument(
+        "--state-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of Auto-PGD's iterates and gradients (default float32; float64 for a "
+        "float64 model). bfloat16 halves "
+        "their memory for a bfloat16 model (--dtype bfloat16 or auto on a bfloat16 "
+        "checkpoint); they are still computed in float32, and the ball shrinks by up to "
+        "2^-8 of its radius to leave room for the rounding. No effect on other dtypes",
+    )
+    parser.add_argument(
         "--fsdp",
         action="store_true",
         help="shard the model over the processes of torchrun with FSDP2 (each transformer "
@@ -433,6 +443,8 @@ def _run(
         print()
     radii = radii_from_args(args, StudySettings())
     common = dict(iters=args.iters, seed=args.seed, progress=False if silent else None)
+    if args.state_dtype != "float32":
+        common["state_dtype"] = args.state_dtype
     if args.fsdp:
         share, common["process_group"] = batches, None
     else:

@@ -149,6 +149,7 @@ def measure_sharpness(
     on_measure: Optional[Callable[[str], None]] = None,
     distributed: Optional[bool] = False,
     share_storage: bool = False,
+    state_dtype: Union[torch.dtype, str, None] = None,
 ) -> Dict[str, Union[SharpnessResult, List[SharpnessResult]]]:
     r"""Every measure in ``measures`` of ``model`` on ``batches``, in that order.
 
@@ -202,6 +203,10 @@ def measure_sharpness(
     share_storage : bool
         As for :func:`~geoopt_quotient.geodesic_sharpness`: the worst case's base point
         in the model's own storage, which the parameters move into (default ``False``).
+    state_dtype : torch.dtype, str or None
+        As for :func:`~geoopt_quotient.geodesic_sharpness`: the dtype of Auto-PGD's
+        iterates and gradients (``torch.bfloat16`` for a bfloat16 model's in bfloat16;
+        default ``None``, float32 or better).
 
     Returns
     -------
@@ -224,6 +229,7 @@ def measure_sharpness(
         progress=False,
         distributed=distributed,
         share_storage=share_storage,
+        state_dtype=state_dtype,
     )
     results: Dict[str, Union[SharpnessResult, List[SharpnessResult]]] = {}
     for measure, radius in radii.items():

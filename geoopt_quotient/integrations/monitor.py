@@ -30,6 +30,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Union,
 )
 
 import torch
@@ -154,6 +155,10 @@ class SharpnessMonitor:
         (default ``False``). The trainable parameters move, once, into one buffer per
         dtype and device (the same objects and values, which the optimizer keeps
         updating); the weights' values stay untouched.
+    state_dtype : torch.dtype, str or None
+        As for :func:`~geoopt_quotient.geodesic_sharpness`: ``torch.bfloat16`` keeps a
+        bfloat16 model's Auto-PGD iterates and gradients in bfloat16, half their memory
+        (default ``None``: float32 or better).
     prefix : str
         Prefix of the keys of the values (default ``"sharpness/"``; e.g.
         ``"sharpness/geodesic_mix"``).
@@ -211,6 +216,7 @@ class SharpnessMonitor:
         eps: float = 0.0,
         prefix: str = "sharpness/",
         share_storage: bool = False,
+        state_dtype: Union[torch.dtype, str, None] = None,
     ):
         self.every_n_steps = check_positive_int(every_n_steps, "every_n_steps")
         self.measures = tuple(measures)
@@ -219,7 +225,13 @@ class SharpnessMonitor:
             raise ValueError("`rho`: the monitor takes one radius per measure, not a grid")
         self.loss_fn = default_loss if loss_fn is None else loss_fn
         self.options = dict(
-            iters=iters, kind=kind, path=path, seed=seed, eps=eps, share_storage=share_storage
+            iters=iters,
+            kind=kind,
+            path=path,
+            seed=seed,
+            eps=eps,
+            share_storage=share_storage,
+            state_dtype=state_dtype,
         )
         self.prefix = prefix
         self._source = batches

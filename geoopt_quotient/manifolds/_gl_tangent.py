@@ -31,7 +31,7 @@ import torch
 
 from .._checks import check_positive_int
 from . import _gl_geodesic
-from ._linalg import capped, safe_divide_eigensum
+from ._linalg import capped, compute_dtype, safe_divide_eigensum
 from ._validation import GeodesicDomainError
 from .tangent import CachedTangentSpace
 
@@ -164,7 +164,7 @@ def sylvester_projection(metric: str, eps: float, state) -> SylvesterProjection:
     :math:`P_r = U_G^\top`. Degenerate sums (relaxed, rank-deficient points) get
     :math:`Q = 0`, as in the reference.
     """
-    rank = state.g.shape[-1]
+    rank = state.x.shape[-1]
     return SylvesterProjection(
         *(None if t is None else t.reshape(-1, rank, rank) for t in _sylvester(metric, eps, state))
     )
@@ -236,7 +236,28 @@ class GLTangentSpace(CachedTangentSpace):
         self._work: torch.Tensor | None = None
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
-        return self.manifold._can_fuse(self.state, *tensors)
+        """Whether the batched formulas apply: tensors of the point's shape, device and
+        working dtype (:meth:`~geoopt_quotient.GLQuotient._can_fuse`), or of a dtype read
+        into the working one a slice at a time (:meth:`_readable`)."""
+        return self.manifold._can_fuse(self.state, *tensors) or self._readable(*tensors)
+
+    def _readable(self, *tensors: torch.Tensor) -> bool:
+        """Contiguous tensors of the point's shape and device whose dtype computes in the
+        working one (a bfloat16 point's, or a sharpness ball's bfloat16 state), nothing
+        for autograd to record: :meth:`_parts` converts their slices and rounds the
+        written ones back once."""
+        x, dtype = self.x, self.state.dtype
+        return all(
+            t.shape == x.shape
+            and compute_dtype(t.dtype) == dtype
+            and t.device == x.device
+            and t.is_contiguous()
+            for t in tensors
+        ) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+
+    def _working(self, *tensors: torch.Tensor) -> bool:
+        """Whether ``tensors`` are in the working dtype (no conversion)."""
+        return all(t.dtype == self.state.dtype for t in tensors)
 
     def _whole(self) -> _Kernel:
         if self._kernel is None:
@@ -246,23 +267,26 @@ class GLTangentSpace(CachedTangentSpace):
             self._kernel = self._split.keep(whole)
         return self._kernel
 
-    def _parts(self, *tensors: torch.Tensor):
+    def _parts(self, *tensors: torch.Tensor, written: Tuple[int, ...] = ()):
         """``(kernel, tensors)`` a slice of the batch at a time (:data:`CHUNK_BYTES` on the
-        CPU, one slice where blocks are capped), the tensors viewed as ``(B, n + m, h)``."""
-        kernel = self._whole()
+        CPU, one slice where blocks are capped and nothing is converted), the tensors
+        viewed as ``(B, n + m, h)`` in the working dtype: those in another are copied into
+        it slice by slice, and the slices of the tensors at the indices ``written`` copied
+        back (rounded once) after the caller has written them."""
+        kernel, dtype = self._whole(), self.state.dtype
         count, rows, rank = kernel.x.shape
         flats = [t if t.shape == kernel.x.shape else t.view(count, rows, rank) for t in tensors]
         budget = CHUNK_BYTES if self.x.device.type == "cpu" else 1 << 28
-        per = max(1, budget // (rows * rank * kernel.x.element_size()))
-        if per >= count or capped(self.x.device):
-            yield kernel, flats
+        per = max(1, budget // (rows * rank * dtype.itemsize))
+        if per >= count or (capped(self.x.device) and self._working(kernel.x, *flats)):
+            yield from _converted(kernel, flats, written, dtype)
             return
         for start in range(0, count, per):
             stop = min(start + per, count)
             part = self._slices.get((start, stop))
             if part is None:
                 part = self._slices[start, stop] = self._split.keep(kernel.part(start, stop))
-            yield part, [f[start:stop] for f in flats]
+            yield from _converted(part, [f[start:stop] for f in flats], written, dtype)
 
     def _workspace(self, piece: torch.Tensor) -> torch.Tensor:
         """The buffer :attr:`_work` as a tensor like ``piece`` (a slice of :meth:`_parts`),
@@ -276,7 +300,7 @@ class GLTangentSpace(CachedTangentSpace):
         r"""An uninitialised ``(2 B, h, h)`` tensor for :math:`F^\top v_F` of a vector,
         which the slices' kernels write into (:func:`_rows`)."""
         x = self._whole().x
-        return x.new_empty(2 * x.shape[0], x.shape[-1], x.shape[-1])
+        return x.new_empty(2 * x.shape[0], x.shape[-1], x.shape[-1], dtype=self.state.dtype)
 
     # ------------------------------------------------------------------ metric
     def gram(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -297,13 +321,13 @@ class GLTangentSpace(CachedTangentSpace):
 
     # ------------------------------------------------------------------ gradient
     def egrad2rgrad_(self, u: torch.Tensor) -> torch.Tensor:
-        if not self._applies(u):
+        if not self._applies(u) or (self._own_projection and not self._working(u)):
             return super().egrad2rgrad_(u)
         if self._own_projection:
             converted = self._split.times(u.view(self._whole().x.shape), self._whole().convert)
             return u.copy_(self.manifold._proju(self.state, converted.view(u.shape)))
         cross, start, crosses = self._crosses.get(u), 0, self._new_crosses()
-        for kernel, (piece,) in self._parts(u):
+        for kernel, (piece,) in self._parts(u, written=(0,)):
             stop = start + piece.shape[0]
             known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
             rgrad = self._workspace(piece)
@@ -312,7 +336,8 @@ class GLTangentSpace(CachedTangentSpace):
             )
             piece.copy_(rgrad)
             start = stop
-        self._crosses.put(u, crosses)
+        if self._working(u):  # else its crosses are of the gradient before it is rounded
+            self._crosses.put(u, crosses)
         return u
 
     def egrad2rgrad_gram_(
@@ -329,8 +354,10 @@ class GLTangentSpace(CachedTangentSpace):
         :math:`\langle g, g \rangle = \langle \nabla, g \rangle_F`. Only the
         other vectors' rows need the metric's products :math:`v_F W_F`, and a
         vector's own norm is kept from an earlier Gram matrix while it is unchanged
-        (the previous iterate's, in Auto-PGD)."""
-        if self._own_projection or not self._applies(*vectors):
+        (the previous iterate's, in Auto-PGD). Vectors in another dtype than the working
+        one (a bfloat16 state) take the two steps instead, the matrix summed from the
+        stored entries: the identities would hold for the gradient before its rounding."""
+        if self._own_projection or not self._applies(*vectors) or not self._working(*vectors):
             return super().egrad2rgrad_gram_(vectors, index)
         grad = vectors[index]
         unique = _others(vectors, grad)
@@ -368,7 +395,7 @@ class GLTangentSpace(CachedTangentSpace):
         \rangle_F` and :math:`\langle g, g \rangle = \langle \nabla, g \rangle_F`
         (:meth:`egrad2rgrad_gram_`): the column takes no product with the metric's
         weights, only the Riemannian gradient's two and a Euclidean dot per vector."""
-        if self._own_projection or not self._applies(*vectors):
+        if self._own_projection or not self._applies(*vectors) or not self._working(*vectors):
             return super().egrad2rgrad_column_(vectors, index)
         grad = vectors[index]
         unique = _others(vectors, grad)
@@ -387,7 +414,7 @@ class GLTangentSpace(CachedTangentSpace):
         time, the slices' sums added in float64."""
         cross, start, total = self._crosses.get(grad), 0, None
         crosses = self._new_crosses()
-        for kernel, pieces in self._parts(grad, *unique):
+        for kernel, pieces in self._parts(grad, *unique, written=(0,)):
             stop = start + pieces[0].shape[0]
             known, grams = _rows(cross, start, stop), _rows(self._point_grams(), start, stop)
             flats = [p.view(-1) for p in pieces[1:]]
@@ -475,7 +502,7 @@ class GLTangentSpace(CachedTangentSpace):
         (:func:`retract_batch`), for the pullback."""
         mix = self.manifold.metric == "mix"
         start, saved = 0, []
-        for kernel, (u_, o_) in self._parts(u, out):
+        for kernel, (u_, o_) in self._parts(u, out, written=(1,)):
             stop = start + u_.shape[0]
             saved.append(retract_batch(kernel, self._split, u_, o_, mix, _rows(cross, start, stop)))
             start = stop
@@ -498,12 +525,13 @@ class GLTangentSpace(CachedTangentSpace):
             if not self._applies(c):
                 raise ValueError("the cotangent must be a contiguous tensor like the point")
             crosses, start = self._new_crosses(), 0
-            for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c), saved):
+            for (kernel, (u_, c_)), (e, k) in zip(self._parts(u, c, written=(1,)), saved):
                 stop = start + u_.shape[0]
                 s, out = _rows(grams, start, stop), _rows(crosses, start, stop)
                 pull_back_(kernel, split, u_, c_, e, k, s, mix, self._workspace(u_), out)
                 start = stop
-            self._crosses.put(c, crosses)
+            if self._working(c):  # else of the cotangent before it is rounded
+                self._crosses.put(c, crosses)
             return c
 
         return out, pullback
@@ -532,6 +560,21 @@ class GLTangentSpace(CachedTangentSpace):
             pair = _stack(*self.state.grams_unrelaxed).to(self.state.dtype)
             self._grams = pair.reshape(-1, *pair.shape[-2:])
         return self._grams
+
+
+def _converted(
+    kernel: _Kernel, tensors: List[torch.Tensor], written: Tuple[int, ...], dtype: torch.dtype
+):
+    """Yield ``(kernel, tensors)`` with the kernel's point and the tensors in ``dtype``
+    (copies where they are not), then copy the copies at the indices ``written`` back
+    into theirs."""
+    if kernel.x.dtype != dtype:
+        kernel = kernel._replace(x=kernel.x.to(dtype))
+    pieces = [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+    yield kernel, pieces
+    for index in written:
+        if pieces[index] is not tensors[index]:
+            tensors[index].copy_(pieces[index])
 
 
 def _others(vectors: Sequence[torch.Tensor], grad: torch.Tensor) -> List[torch.Tensor]:

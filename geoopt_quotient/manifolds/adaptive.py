@@ -340,10 +340,18 @@ class _ScaleState:
             return (u.to(compute_dtype(u.dtype)) * self.scale_squared(self.x)).to(u.dtype)
         return out
 
+    def _readable(self, vectors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``vectors`` are all of one dtype that the block kernels read into the
+        working dtype: the working one, or a coarser one (bfloat16 vectors of a
+        sharpness ball's bfloat16 state, each result rounded once when written)."""
+        dtype = vectors[0].dtype
+        return all(u.dtype == dtype for u in vectors) and compute_dtype(dtype) == self.dtype
+
     def rescaled_(self, u: torch.Tensor) -> torch.Tensor:
         """:meth:`rescaled` in place in ``u`` where it splits into blocks of the point's
-        shape in the working dtype; otherwise (and without changing ``u``) a new tensor."""
-        if u.dtype != self.dtype or not _splittable(self.x, u):
+        shape in a dtype the working one reads (:meth:`_readable`); otherwise (and
+        without changing ``u``) a new tensor."""
+        if not self._readable([u]) or not _splittable(self.x, u):
             return self.rescaled(u)
         flat_x, flat_u = self.x.reshape(-1), u.view(-1)
         step = block_length(u.numel(), BLOCK, u.device)
@@ -379,12 +387,12 @@ class _ScaleState:
         once and the rescaled one written once, instead of a second read of the point
         and of the rescaled vector by a separate :meth:`gram`. The values are those of
         :meth:`rescaled_` followed by :meth:`gram`, bit for bit. ``None`` (nothing
-        changed) where the operands do not split into blocks or are not all in the
-        working dtype.
+        changed) where the operands do not split into blocks or are not all in one dtype
+        the working one reads (:meth:`_readable`).
         """
         if not vectors or not _splittable(self.x, *vectors):
             return None
-        if any(u.dtype != self.dtype for u in vectors):
+        if not self._readable(vectors):
             return None
         return self._gram_sweep(vectors, index)
 
@@ -429,7 +437,8 @@ class _ScaleState:
         block per arrival would add operators and save nothing)."""
         if capped(self.x.device) or not vectors or not _splittable(self.x, *vectors):
             return None
-        if any(u.dtype != self.dtype for u in vectors):
+        working = all(u.dtype == self.dtype for u in vectors)
+        if not (working or (kind == "gram" and self._readable(vectors))):
             return None
         return GradientSweep(self, vectors, index, kind)
 

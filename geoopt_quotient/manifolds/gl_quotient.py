@@ -72,8 +72,30 @@ class PointState:
         self.x = x
         self.failures = failures
         self.dtype = compute_dtype(x.dtype)
-        g, h = manifold.factors(x)
-        self.g, self.h = g.to(self.dtype), h.to(self.dtype)
+        self.rows = manifold.n  # of G
+
+    def factors_of(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (the point, or a tensor like it) split into its :math:`G` and :math:`H`
+        rows (views)."""
+        g, h = x.split((self.rows, x.shape[-2] - self.rows), dim=-2)
+        return g, h
+
+    @functools.cached_property
+    def working_x(self) -> torch.Tensor:
+        """The point in :attr:`dtype`: ``x`` itself, or, for a low-precision point, a
+        copy made on first use (the batched kernels convert it a slice at a time instead,
+        so that a sharpness ball at a bfloat16 model holds no float32 copy of it)."""
+        return self.x.to(self.dtype)
+
+    @functools.cached_property
+    def g(self) -> torch.Tensor:
+        """:math:`G` in :attr:`dtype` (a view of :attr:`working_x`)."""
+        return self.factors_of(self.working_x)[0]
+
+    @functools.cached_property
+    def h(self) -> torch.Tensor:
+        """:math:`H` in :attr:`dtype` (a view of :attr:`working_x`)."""
+        return self.factors_of(self.working_x)[1]
 
     def batch_slice(self, start: int, stop: int) -> PointState:
         """This state for the points ``start:stop`` of its flattened batch: every piece
@@ -103,14 +125,15 @@ class PointState:
     @functools.cached_property
     def grams_unrelaxed(self) -> Tuple[torch.Tensor, torch.Tensor]:
         r""":math:`G^\top G, H^\top H` in :attr:`high` precision."""
-        return gram(self.g, dtype=self.high), gram(self.h, dtype=self.high)
+        g, h = self.factors_of(self.x)  # converted by gram, a few matrices at a time
+        return gram(g, dtype=self.high), gram(h, dtype=self.high)
 
     @functools.cached_property
     def grams_exact(self) -> Tuple[torch.Tensor, torch.Tensor]:
         r""":math:`S_G, S_H` in :attr:`high` precision (float64 for float32 inputs)."""
         if not self.eps:
             return self.grams_unrelaxed
-        eye = torch.eye(self.g.shape[-1], dtype=self.high, device=self.g.device)
+        eye = torch.eye(self.x.shape[-1], dtype=self.high, device=self.x.device)
         return tuple(s + self.eps * eye for s in self.grams_unrelaxed)
 
     @functools.cached_property

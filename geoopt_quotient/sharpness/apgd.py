@@ -52,6 +52,56 @@ Objective = Callable[[List[torch.Tensor]], torch.Tensor]
 #: backward pass saved per Auto-PGD restart (about one in four iterations).
 KEEP_GRADIENT_MAX_BYTES = 1 << 30
 
+#: The dtypes ``state_dtype`` may name (:func:`state_dtype_for`). float16 is not one:
+#: its range would flush small perturbation entries (under 6.1e-5) to subnormals.
+STATE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_state_dtype(state_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``state_dtype`` as a dtype of :data:`STATE_DTYPES` (a name such as ``"bfloat16"``
+    is accepted), or ``None``; a ValueError saying what to pass otherwise."""
+    if state_dtype is None:
+        return None
+    dtype = getattr(torch, state_dtype, None) if isinstance(state_dtype, str) else state_dtype
+    if dtype not in STATE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in STATE_DTYPES)
+        hint = (
+            " (float16's range would flush small perturbation entries to subnormals: use "
+            "bfloat16, or the default float32)"
+            if dtype is torch.float16
+            else ""
+        )
+        raise ValueError(f"`state_dtype` must be None or one of {names}; got {state_dtype!r}{hint}")
+    return dtype
+
+
+def state_dtype_for(dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype in which the ball stores the vectors of a point of ``dtype``
+    (iterates and gradients) for a requested ``state_dtype`` (:func:`check_state_dtype`).
+
+    ``None``: :func:`~geoopt_quotient.manifolds._linalg.compute_dtype` of the point,
+    float32 or better, the precision the ball computes in. ``torch.bfloat16`` stores the
+    state of bfloat16 points in bfloat16 (their gradients arrive in bfloat16); points of
+    other dtypes keep it in their compute dtype. A dtype more precise than the compute
+    dtype is an error: the arithmetic would not keep that precision.
+    """
+    compute = compute_dtype(dtype)
+    if state_dtype is None or state_dtype == compute:
+        return compute
+    if torch.finfo(state_dtype).eps < torch.finfo(compute).eps:
+        raise ValueError(
+            f"state_dtype={state_dtype} is more precise than the {compute} arithmetic of "
+            f"the ball at {dtype} parameters; convert the model (e.g. model.double()) or "
+            f"leave state_dtype=None"
+        )
+    return state_dtype if state_dtype == dtype else compute
+
+
+def state_vector_bytes(points: Sequence[torch.Tensor], state_dtype: torch.dtype | None) -> int:
+    """Memory of one vector of the ball at ``points`` (an iterate or a gradient), stored
+    as :func:`state_dtype_for` says."""
+    return sum(x.numel() * state_dtype_for(x.dtype, state_dtype).itemsize for x in points)
+
 
 class NonFiniteError(GeooptQuotientError, FloatingPointError):
     """The objective or its gradient became NaN/Inf during the maximisation."""
@@ -161,9 +211,13 @@ class TangentBall:
     """The feasible set and its geometry at fixed base points: the ball of
     :func:`maximize_in_ball` and :func:`average_in_ball`, made by :func:`prepare_ball`.
 
-    Its vectors are in :func:`compute_dtype` of their points (float32 for a bfloat16 or
-    float16 model): Auto-PGD's iterates and the paths' arithmetic keep full precision,
-    and only the perturbed point is rounded to the model's dtype.
+    Its vectors are stored in :attr:`dtypes`: by default :func:`compute_dtype` of their
+    points (float32 for a bfloat16 or float16 model), so that Auto-PGD's iterates keep
+    full precision and only the perturbed point is rounded to the model's dtype; with
+    ``state_dtype=torch.bfloat16`` those of bfloat16 points in bfloat16
+    (:func:`state_dtype_for`). The arithmetic is in :attr:`compute_dtypes` either way:
+    the stored vectors are read into it and each result rounded once when written, which
+    the radial scaling leaves room for (:class:`NormError`).
     """
 
     def __init__(
@@ -171,6 +225,7 @@ class TangentBall:
         groups: Sequence[BallGroup],
         rho: float,
         spaces: Sequence[TangentSpace] | None = None,
+        state_dtype: torch.dtype | None = None,
     ):
         self.points = [g.point.detach() for g in groups]
         if spaces is None:
@@ -178,14 +233,20 @@ class TangentBall:
         #: The tangent spaces at the points: given (e.g. another ball's
         #: :meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.at_same_point`), or made
         self.spaces = list(spaces)
-        self.dtypes = [compute_dtype(x.dtype) for x in self.points]
+        #: Per group, the dtype its vectors are stored in, and the one they are computed in
+        self.dtypes = [state_dtype_for(x.dtype, state_dtype) for x in self.points]
+        self.compute_dtypes = [compute_dtype(x.dtype) for x in self.points]
+        #: Whether some vectors are stored in a coarser dtype than they are computed in
+        self.rounded = self.dtypes != self.compute_dtypes
         #: Per group, whether its vectors get buffers of their own
         #: (:func:`~geoopt_quotient.sharpness.buffers.joint_buffer`)
         self.apart = [space.own_buffer for space in self.spaces]
         self.rho = rho
         #: The rounding of norms computed from Gram matrices and of combinations, which
         #: radial scaling leaves room for (:class:`NormError`)
-        self.norm_error = NormError.of(self.dtypes, max(x.numel() for x in self.points))
+        self.norm_error = NormError.of(
+            self.compute_dtypes, max(x.numel() for x in self.points), self.dtypes
+        )
         self._perturbed: List[torch.Tensor] | None = None
         #: ``(xi, per group: whether x + xi is in its perturbed-point buffer)``, as the
         #: last update left it (:func:`apgd_update`); taken by the next evaluation.
@@ -262,6 +323,7 @@ class TangentBall:
         or ``"gram"`` (all)."""
         iterates = self.iterates
         usable = iterates is not None and iterates[1] is xi and iterates[2] is xi_prev
+        usable = usable and not self.rounded  # derived entries would miss the rounding
         return "column" if usable and iterates[3] < MAX_DERIVED_RUN else "gram"
 
     def expect_gradient(self, xi: Sequence[torch.Tensor], xi_prev: Sequence[torch.Tensor]) -> None:
@@ -370,9 +432,10 @@ class TangentBall:
         return written[1]
 
     def random(self, generator: torch.Generator, scale: float) -> List[torch.Tensor]:
+        """A Gaussian vector of the ball times ``scale``, in the compute dtypes."""
         return [
             space.random(generator).to(dtype) * scale
-            for space, dtype in zip(self.spaces, self.dtypes)
+            for space, dtype in zip(self.spaces, self.compute_dtypes)
         ]
 
 
@@ -381,6 +444,7 @@ def prepare_ball(
     rho: float,
     path: str,
     spaces: Sequence[TangentSpace] | None = None,
+    state_dtype: torch.dtype | str | None = None,
 ) -> Tuple[TangentBall, List[Path]]:
     """The ball of radius ``rho`` at the groups' points, and each group's path.
 
@@ -389,7 +453,8 @@ def prepare_ball(
     :data:`PATHS`) and resolves each group's path: its own ``path``, else the named one
     at the ball's tangent space (:func:`straight_path` where the retraction is the
     straight line, so that the evaluation writes the point into a buffer). ``spaces``:
-    the tangent spaces at the groups' points where already made (:class:`TangentBall`).
+    the tangent spaces at the groups' points where already made (:class:`TangentBall`);
+    ``state_dtype``: as :func:`maximize_in_ball` takes it.
     """
     groups = [g if isinstance(g, BallGroup) else BallGroup(*g) for g in groups]
     if not groups:
@@ -402,7 +467,7 @@ def prepare_ball(
                 f"base points must be floating-point tensors, got {g.point.dtype}; "
                 "convert the model with .float() or .double()"
             )
-    ball = TangentBall(groups, float(rho), spaces)
+    ball = TangentBall(groups, float(rho), spaces, check_state_dtype(state_dtype))
     paths = [g.path or _space_path(space, path) for g, space in zip(groups, ball.spaces)]
     return ball, paths
 
@@ -567,6 +632,7 @@ def maximize_in_ball(
     check_finite: bool = True,
     keep_best_gradient: bool | None = None,
     keep_initial_gradient: bool = False,
+    state_dtype: torch.dtype | str | None = None,
 ) -> BallMaxResult:
     r"""Maximise ``objective`` over the horizontal metric ball of radius ``rho`` with Auto-PGD.
 
@@ -632,6 +698,13 @@ def maximize_in_ball(
         (:attr:`BallMaxResult.initial_gradient`; one more vector of the ball's size, no
         extra pass), e.g. for the first-order shares of the maximiser
         (:func:`~geoopt_quotient.sharpness.maximiser_shares`). Default ``False``.
+    state_dtype : torch.dtype, str or None
+        The dtype of the iterates and gradients. ``None`` (default): float32 or better
+        (the points' compute dtype). ``torch.bfloat16`` (or ``"bfloat16"``): bfloat16
+        points keep them in bfloat16, half the memory, computed in float32 and rounded
+        once when written; the radial scaling then leaves room for that rounding, so
+        the ball shrinks by up to :math:`2^{-8}` of :math:`\rho` (points of other dtypes
+        are unaffected; :func:`state_dtype_for`).
 
     Returns
     -------
@@ -722,6 +795,7 @@ def maximize_in_ball(
             check_finite=check_finite,
             keep_best_gradient=keep_best_gradient,
             keep_initial_gradient=keep_initial_gradient,
+            state_dtype=state_dtype,
         )
 
 
@@ -739,9 +813,10 @@ def _maximize(
     check_finite: bool,
     keep_best_gradient: bool | None = None,
     keep_initial_gradient: bool = False,
+    state_dtype: torch.dtype | str | None = None,
 ) -> BallMaxResult:
     """:func:`maximize_in_ball` with autocast off, ``autocast`` its caller's."""
-    ball, paths = prepare_ball(groups, rho, path)
+    ball, paths = prepare_ball(groups, rho, path, state_dtype=state_dtype)
     ball.reduce_sum = getattr(objective, "reduce_sum", None)
     keep = ball.vector_bytes() <= KEEP_GRADIENT_MAX_BYTES
     keep = keep if keep_best_gradient is None else bool(keep_best_gradient)
@@ -1005,22 +1080,27 @@ def _initial_vector(
     ball: TangentBall, init: Union[str, Sequence[torch.Tensor]], seed: int
 ) -> List[torch.Tensor]:
     """Auto-PGD's first iterate: zero, random, or the given vector projected onto the
-    feasible set, in a buffer of its own (the loop writes into freed iterates)."""
+    feasible set (in the compute dtypes), in a buffer of its own in the ball's
+    :attr:`~TangentBall.dtypes` (the loop writes into freed iterates)."""
     if isinstance(init, str):
         check_choice(init, ("zero", "random"), "init")
         if init == "zero":
             return ball.zeros()
-        return ball.project(ball.random(seeded_generator(ball.points[0].device, seed), ball.rho))
-    init = list(init)
-    shapes = [tuple(v.shape) for v in init]
-    if shapes != [tuple(x.shape) for x in ball.points]:
-        raise ValueError(
-            f"`init` must hold one tangent vector per group, shaped like its point; got "
-            f"shapes {shapes} for points {[tuple(x.shape) for x in ball.points]}"
-        )
-    vectors = [
-        v.detach().to(dtype=d, device=x.device) for v, d, x in zip(init, ball.dtypes, ball.points)
-    ]
+        vectors = ball.random(seeded_generator(ball.points[0].device, seed), ball.rho)
+        if ball.dtypes == ball.compute_dtypes:
+            return ball.project(vectors)
+    else:
+        init = list(init)
+        shapes = [tuple(v.shape) for v in init]
+        if shapes != [tuple(x.shape) for x in ball.points]:
+            raise ValueError(
+                f"`init` must hold one tangent vector per group, shaped like its point; got "
+                f"shapes {shapes} for points {[tuple(x.shape) for x in ball.points]}"
+            )
+        vectors = [
+            v.detach().to(dtype=d, device=x.device)
+            for v, d, x in zip(init, ball.compute_dtypes, ball.points)
+        ]
     out = buffers.joint_buffer(ball.points, ball.dtypes, apart=ball.apart)
     for o, v in zip(out, ball.project(vectors)):
         o.copy_(v)
@@ -1107,10 +1187,11 @@ def apgd_update(
     shifts = [None] * len(out) if targets is None else targets
     derived = []  # told the tensors written once all are: a write may bump another's version
     derive = ball.derived_run > 0  # refreshed with the Gram entries (MAX_DERIVED_RUN)
-    for o, x, g, p, shift, space in zip(out, xi, rgrads, xi_prev, shifts, ball.spaces):
-        key = (o.dtype, o.device)
+    groups = zip(out, xi, rgrads, xi_prev, shifts, ball.spaces, ball.compute_dtypes)
+    for o, x, g, p, shift, space, dtype in groups:
+        key = (dtype, o.device)
         if key not in per_dtype:
-            per_dtype[key] = weights.to(dtype=o.dtype, device=o.device).unbind()
+            per_dtype[key] = weights.to(dtype=dtype, device=o.device).unbind()
         derived.append(space.combination((x, g, p), per_dtype[key]) if derive else None)
         combine_(o, (x, g, p), per_dtype[key], shift)
     for written, o in zip(derived, out):
@@ -1233,12 +1314,24 @@ class NormError:
     combination: float
 
     @staticmethod
-    def of(dtypes: Sequence[torch.dtype], entries: int) -> NormError:
-        """The errors for vectors in ``dtypes`` (the least precise counts) whose largest
-        group has ``entries`` entries."""
+    def of(
+        dtypes: Sequence[torch.dtype],
+        entries: int,
+        stored: Sequence[torch.dtype] | None = None,
+    ) -> NormError:
+        r"""The errors for vectors computed in ``dtypes`` (the least precise counts) whose
+        largest group has ``entries`` entries; ``stored``: the dtypes they are stored in
+        where coarser (a bfloat16 state): each written entry is then rounded once more,
+        by at most :math:`u_s |o_i|`, which adds :math:`u_s (1 + \delta_c) s` to the
+        norm's bound (the Gram matrices are then always summed from the stored entries,
+        :meth:`TangentBall.riemannian_gradient_gram_`)."""
         u = max(torch.finfo(d).eps for d in dtypes) / 2
         m = max(1, min(entries, GRAM_BLOCK))
-        return NormError(ROUNDING_LAMBDA * math.sqrt(m) * u, 4 * u / (1 - 4 * u))
+        gram, combination = ROUNDING_LAMBDA * math.sqrt(m) * u, 4 * u / (1 - 4 * u)
+        u_stored = max(torch.finfo(d).eps for d in stored or dtypes) / 2
+        if u_stored > u:
+            combination += u_stored * (1 + combination)
+        return NormError(gram, combination)
 
     def bound(self, squared: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
         r""":math:`\bar n` from the Gram-based squared norm :math:`w^\top \hat G w` and
@@ -1278,14 +1371,18 @@ def combine_(
     vectors : tuple of torch.Tensor
         ``(v_0, v_1, v_2)``, shaped like ``out``.
     weights : tuple of torch.Tensor
-        ``(w_0, w_1, w_2)``, 0-d tensors in ``out``'s dtype and device.
+        ``(w_0, w_1, w_2)``, 0-d tensors on ``out``'s device, in the dtype the
+        combination is computed in: where ``out`` or a vector is in another (a bfloat16
+        state, :func:`state_dtype_for`), each block is computed in the weights' dtype and
+        rounded once into ``out``.
     shift : (torch.Tensor, torch.Tensor) or None
         ``(x, buffer)``: also ``buffer = x + out`` (the straight path's perturbed point),
         from each block of ``out`` while it is in cache.
     """
     (a, b, c), (wa, wb, wc) = vectors, weights
-    staged = out is a or out is b
     operands = (out, a, b, c, *(shift or ()))
+    rounded = any(t.dtype != wa.dtype for t in (out, a, b, c))
+    staged = rounded or out is a or out is b
     if out.device.type == "cpu" and all(
         t.is_contiguous() and t.shape == out.shape for t in operands
     ):
@@ -1294,14 +1391,19 @@ def combine_(
         blocks = [[f[start : start + step] for f in flats] for start in range(0, out.numel(), step)]
     else:
         blocks = [operands]
-    stage = torch.empty_like(blocks[0][0]) if staged else None
+    stage = None
+    if staged:
+        stage = torch.empty(blocks[0][0].numel(), dtype=wa.dtype, device=out.device)
     for o, a_, b_, c_, *shifted in blocks:
         target = stage[: o.numel()].view(o.shape) if staged else o
-        torch.mul(c_, wc, out=target).addcmul_(a_, wa).addcmul_(b_, wb)
+        if rounded:  # in the weights' dtype, then rounded once into ``o``
+            target.copy_(c_).mul_(wc).addcmul_(a_, wa).addcmul_(b_, wb)
+        else:
+            torch.mul(c_, wc, out=target).addcmul_(a_, wa).addcmul_(b_, wb)
         if staged:
             o.copy_(target)
         if shifted:
-            torch.add(shifted[0], target, out=shifted[1])
+            torch.add(shifted[0], o if rounded else target, out=shifted[1])
 
 
 def average_in_ball(

@@ -37,7 +37,14 @@ from .._model_state import preserved_model_state
 from .._progress import show_progress
 from ..errors import GeooptQuotientWarning
 from ..symmetry.plan import BoundPlan
-from .apgd import BallGroup, as_scalar, average_in_ball, check_scalar_finite, maximize_in_ball
+from .apgd import (
+    BallGroup,
+    as_scalar,
+    average_in_ball,
+    check_scalar_finite,
+    check_state_dtype,
+    maximize_in_ball,
+)
 from .ball import LocalBall
 from .functional import check_depends_on_perturbation, noting_batch
 from .path_gap import estimated_path_gap, path_gap
@@ -105,6 +112,9 @@ class Search:
     share_storage : bool
         Worst case: the ball's base point shares the model's storage instead of copying
         it (:class:`~geoopt_quotient.sharpness.layout.BallLayout`).
+    state_dtype : torch.dtype or None
+        Worst case: the dtype of Auto-PGD's iterates and gradients, as
+        :func:`~geoopt_quotient.maximize_in_ball` takes it (a name is converted).
     """
 
     kind: str
@@ -117,6 +127,7 @@ class Search:
     shares: bool = False
     path_report: bool = False
     share_storage: bool = False
+    state_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self.iters = check_positive_int(self.iters, "iters")
@@ -134,6 +145,12 @@ class Search:
             raise ValueError(
                 "`share_storage` shares the worst case's base point with the model: use "
                 "kind='worst', or leave share_storage=False"
+            )
+        self.state_dtype = check_state_dtype(self.state_dtype)
+        if self.state_dtype is not None and self.kind != "worst":
+            raise ValueError(
+                "`state_dtype` is the dtype of the worst case's Auto-PGD state: use "
+                "kind='worst', or leave state_dtype=None"
             )
         check_choice(self.path, PATHS, "path")
         check_choice(self.kind, KINDS, "kind")
@@ -230,6 +247,7 @@ def measure_batch(
             path=search.path,
             seed=seed,
             keep_best_gradient=ball.keep_best_gradient,
+            state_dtype=search.state_dtype,
         )
         return _maximize_over_radii(
             ball.groups,
@@ -498,7 +516,8 @@ class ShardedModel(Placement):
         self.rank = ball.rank
         try:
             ball.check_base_points()
-            yield _OpenShardedBall(ball, ball.keep_best_gradient(search.keep_best_gradient))
+            keep = ball.keep_best_gradient(search.keep_best_gradient, search.state_dtype)
+            yield _OpenShardedBall(ball, keep)
         finally:
             ball.restore()
 

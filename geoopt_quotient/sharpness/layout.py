@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
-from .apgd import BallGroup, as_scalar, explicit_path
+from .apgd import BallGroup, as_scalar, explicit_path, state_vector_bytes
 from .buffers import ALIGNMENT
 from .functional import check_depends_on_perturbation
 
@@ -854,19 +854,22 @@ class BallLayout:
                 out[index] = view.view(self.plan.groups[index].shape)
         return out  # type: ignore[return-value]
 
-    def vector_bytes(self) -> int:
-        """Memory of one vector of the ball (its groups, in their compute dtypes)."""
-        from ..manifolds._linalg import compute_dtype
-
-        return sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+    def vector_bytes(self, state_dtype: torch.dtype | None = None) -> int:
+        """Memory of one vector of the ball (its groups, stored as ``state_dtype`` asks:
+        :func:`~geoopt_quotient.sharpness.apgd.state_dtype_for`)."""
+        return state_vector_bytes([g.point for g in self.groups], state_dtype)
 
     def buffer_bytes(self) -> int:
         """Memory of the perturbed parameters' flat buffers (one copy of the model's
         trainable parameters, plus alignment gaps)."""
         return sum(f.size * f.dtype.itemsize for f in self.flats)
 
-    def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
-        """The ball's memory per trainable model parameter during Auto-PGD, by part.
+    def bytes_per_parameter(
+        self, keep_best_gradient: bool, state_dtype: torch.dtype | None = None
+    ) -> Dict[str, float]:
+        """The ball's memory per trainable model parameter during Auto-PGD, by part, with
+        its iterates and gradients stored as ``state_dtype`` asks
+        (:func:`~geoopt_quotient.sharpness.apgd.state_dtype_for`).
 
         ``base``: the fused groups' base point (a copy of their parameters) and the
         symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
@@ -880,7 +883,7 @@ class BallLayout:
         parameters and the pass's activations are not counted.
         """
         parameters = sum(math.prod(s) for f in self.flats for s in f.shapes)
-        vector = self.vector_bytes()
+        vector = self.vector_bytes(state_dtype)
         parts = {
             "base": self.base_bytes(),
             "perturbed": self.buffer_bytes(),

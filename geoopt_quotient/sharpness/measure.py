@@ -297,6 +297,8 @@ def _measure(
     if not curvature:  # curvature off: straight lines everywhere
         search["path"] = "straight"
     search = Search(**search)
+    if search.state_dtype is not None:
+        settings = {**settings, "state_dtype": str(search.state_dtype).removeprefix("torch.")}
     check_batches(batches)
     check_loss_fn(loss_fn)
     placement = choose_placement(
@@ -477,6 +479,7 @@ def geodesic_sharpness(
     shares: bool = False,
     path_report: bool = False,
     share_storage: bool = False,
+    state_dtype: torch.dtype | str | None = None,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Geodesic sharpness: worst (or average) loss increase over a geodesic ball on the quotient.
 
@@ -631,6 +634,16 @@ def geodesic_sharpness(
         follows the model. Parameters that share their storage with another parameter,
         and tensor subclasses (a sharded ``DTensor``), stay and are copied. Default
         ``False``; worst case only (``kind="average"`` raises ``ValueError``).
+    state_dtype : torch.dtype, str or None
+        Worst case: the dtype of Auto-PGD's iterates and gradients. ``None`` (default):
+        float32 or better. ``torch.bfloat16`` (or ``"bfloat16"``): a bfloat16 model's
+        in bfloat16, half their memory (:ref:`memory`), computed in float32 and rounded
+        once when written; the ball then leaves room for that rounding and shrinks by up
+        to :math:`2^{-8}` of :math:`\rho`, and the search's iterates differ from the
+        float32 state's by bfloat16 rounding (user guide, "Precision", gives the measured
+        differences). Parameters of other dtypes keep a float32 or better state
+        (:func:`~geoopt_quotient.sharpness.apgd.state_dtype_for`). Recorded in
+        :attr:`~SharpnessResult.settings` when given.
 
     Returns
     -------
@@ -776,6 +789,7 @@ def geodesic_sharpness(
         shares=shares,
         path_report=path_report,
         share_storage=share_storage,
+        state_dtype=state_dtype,
     )
 
 
@@ -796,6 +810,7 @@ def adaptive_sharpness(
     restarts: int = 0,
     shares: bool = False,
     share_storage: bool = False,
+    state_dtype: torch.dtype | str | None = None,
 ) -> Union[SharpnessResult, List[SharpnessResult]]:
     r"""Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023) with the same maximiser.
 
@@ -857,6 +872,9 @@ def adaptive_sharpness(
     share_storage : bool
         Worst case: share the model's storage as the ball's base point instead of
         copying it, as for :func:`geodesic_sharpness` (default ``False``).
+    state_dtype : torch.dtype, str or None
+        Worst case: the dtype of the iterates and gradients, as for
+        :func:`geodesic_sharpness` (default ``None``: float32 or better).
 
     Returns
     -------
@@ -934,4 +952,5 @@ def adaptive_sharpness(
         keep_best_gradient=keep_best_gradient,
         shares=shares,
         share_storage=share_storage,
+        state_dtype=state_dtype,
     )

@@ -66,10 +66,15 @@ import torch
 
 from ..errors import GeooptQuotientError
 from ..manifolds import AdaptiveEuclidean
-from ..manifolds._linalg import compute_dtype
 from ..manifolds.base import has_elementwise_metric
 from ..symmetry.plan import BoundPlan, SymmetryGroup
-from .apgd import KEEP_GRADIENT_MAX_BYTES, BallGroup, as_scalar, explicit_path
+from .apgd import (
+    KEEP_GRADIENT_MAX_BYTES,
+    BallGroup,
+    as_scalar,
+    explicit_path,
+    state_vector_bytes,
+)
 from .ball import ball_groups, check_points
 from .functional import check_depends_on_perturbation
 
@@ -447,16 +452,20 @@ class ShardedBall:
         dist.all_reduce(total, group=self.process_group)
         return total
 
-    def keep_best_gradient(self, keep: bool | None) -> bool:
-        """``keep_best_gradient`` resolved from the whole ball's size, alike on every rank."""
+    def keep_best_gradient(self, keep: bool | None, state_dtype: torch.dtype | None = None) -> bool:
+        """``keep_best_gradient`` resolved from the whole ball's size (its vectors stored
+        as ``state_dtype`` asks), alike on every rank."""
         if keep is not None:
             return bool(keep)
-        size = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+        size = state_vector_bytes([g.point for g in self.groups], state_dtype)
         total = self.reduce_sum(torch.tensor(float(size), device=self.device))
         return bool(total <= KEEP_GRADIENT_MAX_BYTES)
 
-    def bytes_per_parameter(self, keep_best_gradient: bool) -> Dict[str, float]:
-        """This rank's ball memory per parameter of the whole model, by part.
+    def bytes_per_parameter(
+        self, keep_best_gradient: bool, state_dtype: torch.dtype | None = None
+    ) -> Dict[str, float]:
+        """This rank's ball memory per parameter of the whole model, by part (the
+        iterates and gradients stored as ``state_dtype`` asks).
 
         ``base``: the ball's base point (a copy of the rank's entries, its heads whole);
         ``saved``: the rank's entries of other ranks' heads (with the base point they
@@ -468,7 +477,7 @@ class ShardedBall:
         process, which holds no ``saved`` entries (its ``index`` part: the index maps of
         unfused groups not laid out in strided blocks).
         """
-        vector = sum(g.point.numel() * compute_dtype(g.point.dtype).itemsize for g in self.groups)
+        vector = state_vector_bytes([g.point for g in self.groups], state_dtype)
         item = self.base.element_size()
         parts = {
             "base": self.base.numel() * item,
