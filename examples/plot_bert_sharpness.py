@@ -52,7 +52,7 @@ def loss_fn(m, b):  # during the call, m's parameters are the perturbed ones
 plan = gq.find_symmetries(model, metric="mix")
 print(plan.bind(model).summary(max_adaptive_rows=6))
 
-# each measure at its default radius (gq.sharpness.DEFAULT_RADII: mix 0.01, adaptive 0.2)
+# each measure at its default radius (gq.sharpness.DEFAULT_RADII: mix 0.003, adaptive 0.01)
 geodesic = gq.geodesic_sharpness(model, loss_fn, loader, symmetries=plan, iters=10)
 adaptive = gq.adaptive_sharpness(model, loss_fn, loader, iters=10)
 print(f"geodesic sharpness {geodesic.value:.6g} over {len(geodesic.per_batch)} batches")
