@@ -51,13 +51,10 @@ def child(
     state_dtype: str | None = None,
 ) -> dict:
     import torch
+    from bench_precision import loss_fn  # in float32 at least
     from bench_sharpness_iteration import build_model, make_batch
 
     import geoopt_quotient as gq
-
-    def loss_fn(model, batch):  # in float32 at least
-        ids, labels = batch
-        return torch.nn.functional.cross_entropy(model(input_ids=ids).logits.float(), labels)
 
     # made in its dtype (no float32 model first, whose peak would hide the training step's)
     default = torch.get_default_dtype()

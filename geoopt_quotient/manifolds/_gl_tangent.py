@@ -31,7 +31,7 @@ import torch
 
 from .._checks import check_positive_int
 from . import _gl_geodesic
-from ._linalg import capped, compute_dtype, safe_divide_eigensum
+from ._linalg import capped, safe_divide_eigensum
 from ._validation import GeodesicDomainError
 from .tangent import CachedTangentSpace
 
@@ -236,24 +236,13 @@ class GLTangentSpace(CachedTangentSpace):
         self._work: torch.Tensor | None = None
 
     def _applies(self, *tensors: torch.Tensor) -> bool:
-        """Whether the batched formulas apply: tensors of the point's shape, device and
-        working dtype (:meth:`~geoopt_quotient.GLQuotient._can_fuse`), or of a dtype read
-        into the working one a slice at a time (:meth:`_readable`)."""
-        return self.manifold._can_fuse(self.state, *tensors) or self._readable(*tensors)
-
-    def _readable(self, *tensors: torch.Tensor) -> bool:
-        """Contiguous tensors of the point's shape and device whose dtype computes in the
-        working one (a bfloat16 point's, or a sharpness ball's bfloat16 state), nothing
-        for autograd to record: :meth:`_parts` converts their slices and rounds the
-        written ones back once."""
-        x, dtype = self.x, self.state.dtype
-        return all(
-            t.shape == x.shape
-            and compute_dtype(t.dtype) == dtype
-            and t.device == x.device
-            and t.is_contiguous()
-            for t in tensors
-        ) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+        """Whether the batched formulas apply: tensors of the point's shape and device,
+        of a dtype computed in the working one, nothing for autograd to record
+        (:meth:`~geoopt_quotient.GLQuotient._can_fuse` with ``converted``): those in
+        another than the working dtype (a bfloat16 point's, or a sharpness ball's
+        bfloat16 state) :meth:`_parts` converts a slice at a time, rounding the written
+        ones back once."""
+        return self.manifold._can_fuse(self.state, *tensors, converted=True)
 
     def _working(self, *tensors: torch.Tensor) -> bool:
         """Whether ``tensors`` are in the working dtype (no conversion)."""

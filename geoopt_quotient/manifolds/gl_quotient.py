@@ -72,13 +72,9 @@ class PointState:
         self.x = x
         self.failures = failures
         self.dtype = compute_dtype(x.dtype)
-        self.rows = manifold.n  # of G
-
-    def factors_of(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``x`` (the point, or a tensor like it) split into its :math:`G` and :math:`H`
-        rows (views)."""
-        g, h = x.split((self.rows, x.shape[-2] - self.rows), dim=-2)
-        return g, h
+        #: The manifold's :meth:`~GLQuotient.factors`: a tensor like the point split
+        #: into its :math:`G` and :math:`H` rows (views)
+        self.factors_of = manifold.factors
 
     @functools.cached_property
     def working_x(self) -> torch.Tensor:
@@ -591,18 +587,21 @@ class GLQuotient(QuotientManifold):
         elif self.eps:
             _ = st.grams_exact
 
-    def _can_fuse(self, st: PointState, *tensors: torch.Tensor) -> bool:
+    def _can_fuse(self, st: PointState, *tensors: torch.Tensor, converted: bool = False) -> bool:
         """Whether the fused operations apply: tensors of the point's shape, dtype (the
-        working one) and device, contiguous, and nothing for autograd to record."""
+        working one) and device, contiguous, and nothing for autograd to record. With
+        ``converted``, the point and the tensors may be of any dtype computed in the
+        working one (bfloat16), which the caller converts a slice at a time
+        (:class:`~geoopt_quotient.manifolds._gl_tangent.GLTangentSpace`)."""
         x = st.x
+        if converted:
+            dtypes = all(compute_dtype(t.dtype) == st.dtype for t in tensors)
+        else:
+            dtypes = x.dtype == st.dtype and all(t.dtype == x.dtype for t in tensors)
         return (
-            x.dtype == st.dtype
+            dtypes
             and all(
-                t.shape == x.shape
-                and t.dtype == x.dtype
-                and t.device == x.device
-                and t.is_contiguous()
-                for t in tensors
+                t.shape == x.shape and t.device == x.device and t.is_contiguous() for t in tensors
             )
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
         )

@@ -1087,7 +1087,7 @@ def _initial_vector(
         if init == "zero":
             return ball.zeros()
         vectors = ball.random(seeded_generator(ball.points[0].device, seed), ball.rho)
-        if ball.dtypes == ball.compute_dtypes:
+        if not ball.rounded:
             return ball.project(vectors)
     else:
         init = list(init)
