@@ -7,6 +7,7 @@ no test can hang or depend on a free port.
 
 from __future__ import annotations
 
+import faulthandler
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +30,9 @@ class RankError(AssertionError):
 def _entry(
     rank: int, world: int, rendezvous: str, timeout: float, fn: Callable, args: tuple, queue
 ) -> None:
+    # a rank that dies of a signal (an abort in native code) prints its threads' Python
+    # stacks to stderr, which the test's report shows
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
