@@ -73,6 +73,13 @@ def conditioning(x: torch.Tensor, n: int) -> float:
     return max(float(torch.linalg.cond(g).max()) for g in grams)
 
 
+def ill_conditioning(x: torch.Tensor, n: int) -> float:
+    """How far the point's conditioning exceeds :data:`FLOAT32_CONDITIONING`, at least
+    1: the factor by which the metric's solves lose more precision there (hypothesis
+    draws float64 points whose Gram matrices reach condition numbers of 1e7)."""
+    return max(1.0, conditioning(x, n) / FLOAT32_CONDITIONING)
+
+
 def close(a, b, dtype, magnitude):
     tolerance = 512 * torch.finfo(dtype).eps * magnitude
     assert a.shape == b.shape and a.dtype == b.dtype
@@ -89,7 +96,7 @@ def test_batched_operations_are_the_reference_formulas(
     assert isinstance(fast, _gl_tangent.GLTangentSpace)
     if dtype == torch.float32:  # float32 where its rounding allows it; float64 everywhere
         assume(conditioning(x, manifold.n) < FLOAT32_CONDITIONING)
-    scale = (1 + float(x.abs().max())) ** 4
+    scale = (1 + float(x.abs().max())) ** 4 * ill_conditioning(x, manifold.n)
     vectors = [u, reference.proju(c), 2 * u - c]
     with chunk_bytes(chunk):
         gram = fast.gram(vectors)
@@ -129,12 +136,16 @@ def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
         rgrad = fast.egrad2rgrad_(c.clone())
     left, right = manifold._horizontality_terms(x, rgrad)
     magnitude = float(c.abs().max()) * (1 + float(x.abs().max())) ** 6
-    assert torch.allclose(left, right, rtol=0, atol=1e-10 * magnitude)
+    rounding = 1e-10 * ill_conditioning(x, manifold.n) * max(1.0, float(rgrad.abs().max()))
+    assert torch.allclose(left, right, rtol=0, atol=rounding * magnitude)
     left, right = manifold._horizontality_terms(x, c)  # the negative: c is not horizontal
-    assert not torch.allclose(left, right, rtol=0, atol=1e-6 * magnitude)
+    terms = max(float(left.abs().max()), float(right.abs().max()))
+    assert float((left - right).abs().max()) > 1e-6 * terms
     # the metric's Riesz representative: <rgrad, v> = <c, v>_F for horizontal v
     v = fast.proju(torch.randn_like(x))
-    assert torch.allclose(fast.inner(rgrad, v), (c * v).sum(), rtol=1e-9, atol=1e-12 * magnitude)
+    assert torch.allclose(
+        fast.inner(rgrad, v), (c * v).sum(), rtol=1e-9, atol=1e-2 * rounding * magnitude
+    )
 
 
 def test_other_tensors_use_the_reference_and_rotary_batches_its_own_projection(monkeypatch):
@@ -177,6 +188,7 @@ def test_the_pullback_knows_the_point_products_of_its_result(
     The negative: a changed coefficient (:math:`E` in place of :math:`E^\top`) breaks the
     identity, and a gradient changed in place is not taken for the one pulled back."""
     manifold = gq.GLQuotient(*rows, metric, eps)
+    n = manifold.n
     x, fast, reference, u, c = case(manifold, batch, rank, seed, zero_rows=zero_rows)
     split = fast._split
     with chunk_bytes(chunk):
@@ -184,17 +196,18 @@ def test_the_pullback_knows_the_point_products_of_its_result(
         pulled = pullback(c.clone())
         known = fast._crosses.get(pulled)
         direct = split.inner(x.reshape(-1, *x.shape[-2:]), pulled.view(-1, *x.shape[-2:]))
-        magnitude = float(c.abs().max()) * (1 + float(x.abs().max())) ** 4
+        # the pulled-back gradient grows with the point's conditioning, and so does
+        # the rounding of the metric's solves: the tolerance scales with both
+        magnitude = float(pulled.abs().max()) * (1 + float(x.abs().max())) ** 4
+        tolerance = 512 * torch.finfo(x.dtype).eps * ill_conditioning(x, n) * magnitude
         assert known is not None
-        assert torch.allclose(known, direct, rtol=0, atol=1e-11 * magnitude)
+        assert torch.allclose(known, direct, rtol=0, atol=tolerance)
         expected = reference.egrad2rgrad(pulled)
-        assert torch.allclose(fast.egrad2rgrad_(pulled), expected, rtol=0, atol=1e-11 * magnitude)
+        assert torch.allclose(fast.egrad2rgrad_(pulled), expected, rtol=0, atol=tolerance)
         # written anew by the gradient: now the products of the Riemannian gradient
         rgrad_direct = split.inner(x.reshape(-1, *x.shape[-2:]), pulled.view(-1, *x.shape[-2:]))
         assert not torch.allclose(rgrad_direct, direct, rtol=0, atol=1e-6 * magnitude)
-        assert torch.allclose(
-            fast._crosses.get(pulled), rgrad_direct, rtol=0, atol=1e-11 * magnitude
-        )
+        assert torch.allclose(fast._crosses.get(pulled), rgrad_direct, rtol=0, atol=tolerance)
         other = pullback(c.clone())
         other.mul_(2)  # changed in place: its products are no longer the pullback's
         assert fast._crosses.get(other) is None
@@ -225,7 +238,7 @@ def test_the_pullback_knows_the_point_products_of_its_result(
         fast._point_grams(),
         metric == "mix",
     )
-    assert torch.allclose(right, direct.reshape(right.shape), rtol=0, atol=1e-11 * magnitude)
+    assert torch.allclose(right, direct.reshape(right.shape), rtol=0, atol=tolerance)
     asymmetric = float((e - e.mT).abs().max()) > 1e-6
     if asymmetric:
         assert not torch.allclose(wrong, right, rtol=0, atol=1e-6 * magnitude)
@@ -242,8 +255,11 @@ def test_the_riemannian_gradient_and_gram_of_auto_pgd_are_the_reference(
     is not horizontal, the Euclidean row is not the metric's."""
     manifold = gq.GLQuotient(*rows, metric, eps)
     x, fast, reference, u, c = case(manifold, batch, rank, seed, dtype, zero_rows)
+    if dtype == torch.float32:  # as in test_batched_operations_are_the_reference_formulas
+        assume(conditioning(x, manifold.n) < FLOAT32_CONDITIONING)
     v = 0.5 * reference.proju(torch.randn_like(x))
     scale = (1 + float(x.abs().max())) ** 6 * (1 + float(c.abs().max())) ** 2
+    scale *= ill_conditioning(x, manifold.n)
     with chunk_bytes(chunk):
         first = fast.egrad2rgrad_gram_((u, c.clone(), u), 1)
         for vectors in ((v, c.clone(), u), (v, c.clone(), u)):  # u's norm kept, then v's
@@ -475,7 +491,10 @@ def test_a_combination_knows_its_products_with_the_point(
     place is not taken for the combination."""
     manifold = gq.GLQuotient(*rows, metric, eps)
     x, fast, reference, previous, c = case(manifold, batch, rank, seed, dtype, zero_rows)
+    if dtype == torch.float32:  # as in test_batched_operations_are_the_reference_formulas
+        assume(conditioning(x, manifold.n) < FLOAT32_CONDITIONING)
     scale = (1 + float(x.abs().max())) ** 4 * (1 + float(c.abs().max()))
+    scale *= ill_conditioning(x, manifold.n)
     with chunk_bytes(chunk):
         u = _iterate(fast, x, previous, c)
         known = fast._crosses.get(u)
