@@ -231,3 +231,35 @@ def test_a_rotary_function_vmap_cannot_follow_is_replayed_call_by_call():
     (maps,) = probe._replay_maps_of_slots(call, [0])
     assert maps is not None and torch.equal(maps, probe._looped_maps(call, 0, [0]))
     assert probe._planes(maps, 1e-12) == ([(0, 1)], [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_model_reads_every_plane_of_its_rotary_embedding(dtype):
+    """In bfloat16 (float16), the planes are those of the float32 model: the maps are read
+    in float32 and to float32's tolerance. At the data's own precision (0.5 in
+    bfloat16) the slow planes, whose angles stay small at the probed positions, passed
+    for fixed dimensions: a wrong subgroup, or none (a plane near a half turn read as a
+    scaling)."""
+    wide = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    config = transformers.LlamaConfig(**{**SMALL, **wide}, rope_theta=1e6)
+    config.max_position_embeddings = 8192
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    expected = kinds(find_symmetries(model, verify=False))["query-key"]
+    assert (expected.rotary_dim, expected.pairing) == (64, "half")
+    low = model.to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # proven, not left adaptive
+        plan = find_symmetries(low)
+    qk = kinds(plan)["query-key"]
+    assert (type(qk), qk.rotary_dim, qk.pairing) == (RotaryGLQuotient, 64, "half")
+    # the negative: the maps of the bfloat16 call, read at the data's precision
+    record, why = recorded_forward(low)
+    assert record is not None, why
+    call = next(c for cs in record.rotary_calls.values() for c in cs)
+    slots = [i for i, a in enumerate(call.args) if any(a.shape == o.shape for o in call.outputs)]
+    maps = probe._looped_maps(call, slots[0], slots)
+    coarse = probe._planes(maps, probe._tolerance(dtype))
+    assert coarse is None or len(coarse[0]) < 32
+    planes, fixed = probe._planes(maps, probe.MAP_TOLERANCE)
+    assert (len(planes), fixed) == (32, [])

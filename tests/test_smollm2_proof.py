@@ -58,3 +58,21 @@ def test_a_general_gl_on_rotary_query_key_is_refuted_at_the_raised_tolerance(mod
     assert not check.holds
     assert check.deviation > 10 * proof.tolerance
     assert proof.rounding is not None  # the failure raised the tolerance first
+
+
+def test_in_bfloat16_both_groups_hold_with_every_rotary_plane(model):
+    """The bfloat16 model keeps its query-key group, with all 32 planes of its heads: its
+    rotary maps are read in float32 (at bfloat16's precision the group was dropped)."""
+    import copy
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SymmetryNotProvenWarning)
+        plan = find_symmetries(low, metric="inv")
+    groups = {g.kind: g for g in plan.bind(low).symmetric_groups}
+    assert {k: g.shape[0] for k, g in groups.items()} == {
+        "query-key": LAYERS,
+        "value-output": LAYERS,
+    }
+    qk = groups["query-key"].manifold
+    assert (qk.rotary_dim, qk.pairing) == (64, "half")

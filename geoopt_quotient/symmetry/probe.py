@@ -319,6 +319,35 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 64 * eps
 
 
+#: Tolerance of the structure read from a rotary call's maps (:func:`_planes`). Their
+#: columns are the images of basis vectors, which a rotation writes exactly (products
+#: with zero and one, and the tables' own ``cos`` and ``sin`` entries) in any dtype, and
+#: they are computed in float32 at least (:func:`_widened`). A tolerance of the data's
+#: own precision would be far too coarse in bfloat16 (0.5): a slow plane, whose angle
+#: stays small at the probed positions, would pass for two fixed dimensions, and a
+#: plane near a half turn for a scaling.
+MAP_TOLERANCE = _tolerance(torch.float32)
+
+
+def _widened(call: RotaryCall) -> RotaryCall:
+    """``call`` with its floating-point tensors of less than float32's precision (the
+    data, the ``cos``/``sin`` tables of a bfloat16 model) converted to float32 (exactly):
+    its maps are then read in float32 arithmetic."""
+
+    def wide(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if torch.finfo(value.dtype).eps > torch.finfo(torch.float32).eps:
+                return value.float()
+        return value
+
+    return RotaryCall(
+        call.function,
+        tuple(wide(a) for a in call.args),
+        {k: wide(v) for k, v in call.kwargs.items()},
+        [wide(o) for o in call.outputs],
+    )
+
+
 def _sorted_columns(t: torch.Tensor) -> torch.Tensor:
     """The entries of each column of ``t`` (last dimension) in increasing order, float64."""
     return t.reshape(-1, t.shape[-1]).to(torch.float64).sort(dim=0).values
@@ -385,12 +414,18 @@ def _replay_maps_of_slots(call: RotaryCall, slots: List[int]) -> List[Optional[t
     vectors in, the output of the same slot out (the other data arguments zero), or
     ``None`` where it is not a map of its own. The basis vectors of all slots go through
     one call mapped over them (:func:`torch.vmap`), or through one call per vector where
-    the function cannot be mapped."""
+    the function cannot be mapped; in float32 at least (:func:`_widened`), or in the
+    call's own dtypes where the function refuses float32."""
+    widened = _widened(call)
     try:
         with warnings.catch_warnings():  # vmap's note on operators it loops over
             warnings.filterwarnings("ignore", message=".*batching rule.*")
-            return _mapped_maps_of_slots(call, slots)
+            return _mapped_maps_of_slots(widened, slots)
     except Exception:  # a function vmap cannot follow (data-dependent control flow...)
+        pass
+    try:
+        return [_looped_maps(widened, slot, slots) for slot in slots]
+    except Exception:  # a function that insists on its own dtypes: read in them
         return [_looped_maps(call, slot, slots) for slot in slots]
 
 
@@ -549,9 +584,7 @@ def rotary_planes(
                 if offset is None:
                     continue
                 maps = _cached_maps(record, call, slot, slots)
-                found = (
-                    None if maps is None else _cached_planes(record, maps, _tolerance(data.dtype))
-                )
+                found = None if maps is None else _cached_planes(record, maps, MAP_TOLERANCE)
                 if found is None:
                     return RotaryReading(
                         True, reason=f"{call.function.__name__} does not rotate disjoint planes"
