@@ -4,6 +4,8 @@ them keeps aliasing it, which the stale-reference check relies on)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_ball_norm import tiny_bert as bert_and_batch
@@ -88,7 +90,48 @@ def test_sharing_the_storage_moves_the_parameters_and_changes_no_value(measure):
         assert param.requires_grad
     moved = [p for p in model.parameters() if not owns_storage(p)]
     assert moved, "no parameter moved into the ball's buffer"
-    assert len({p.untyped_storage().data_ptr() for p in moved}) == 1
+    # one buffer for the fused parameters, one for the symmetry groups' (written in place)
+    buffers = 1 if measure == "adaptive" else 2
+    assert len({p.untyped_storage().data_ptr() for p in moved}) == buffers
+
+
+@pytest.mark.parametrize("measure", ["inv", "mix"])
+def test_the_symmetry_groups_are_perturbed_in_the_models_storage_and_restored(measure):
+    """With ``share_storage``, the attention weights' flat buffer is the model's own
+    storage: each pass reads the perturbed point there, and the base point is written
+    back after it, also when the loss raises."""
+    model = tiny_bert().double()
+    query = model.bert.encoder.layer[0].attention.self.query.weight
+    base = query.detach().clone()
+    seen = []
+
+    def watching(m, batch):
+        seen.append(not torch.equal(query, base))  # the parameter object's own storage
+        return loss_fn(m, batch)
+
+    shared = functools.partial(
+        gq.geodesic_sharpness,
+        model,
+        batches=[BATCH],
+        rho=0.05,
+        metric=measure,
+        iters=3,
+        progress=False,
+        share_storage=True,
+    )
+    shared(loss_fn=watching)
+    assert any(seen) and torch.equal(query, base)
+    calls = []
+
+    def failing(m, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory, say")
+        return loss_fn(m, batch)
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        shared(loss_fn=failing)
+    assert torch.equal(query, base)
 
 
 def test_a_later_call_reuses_the_buffer_the_parameters_moved_into():
@@ -181,9 +224,9 @@ def test_measures_in_turn_move_the_parameters_between_their_buffers():
         for param in model.parameters():
             storages.setdefault(param.untyped_storage().data_ptr(), []).append(param)
         shared = [group for group in storages.values() if len(group) > 1]
-        assert len(shared) == 1
+        assert len(shared) == (1 if measure == "adaptive" else 2)  # + the attention weights'
         assert all(owns_storage(group[0]) for group in storages.values() if len(group) == 1)
-        fused = len(shared[0])
+        fused = max(len(group) for group in shared)
         assert fused == len(list(model.parameters())) if measure == "adaptive" else fused < 30
 
 

@@ -47,8 +47,15 @@ class Recording:
 
 
 def norms(groups, xi):
-    """``|xi|_x`` recomputed from the entries: in their dtype, and in float64."""
-    own = sum(g.manifold.inner(g.point, v, v).sum() for g, v in zip(groups, xi))
+    """``|xi|_x`` recomputed from the entries: in their dtype's arithmetic (float32 for
+    bfloat16 entries: a result rounded to bfloat16 would round a norm on the sphere up to
+    ``bfloat16(rho) > rho`` half the time), and in float64."""
+
+    def own_inner(g, v):
+        dtype = compute_dtype(v.dtype)
+        return g.manifold.inner(g.point.to(dtype), v.to(dtype), v.to(dtype)).sum()
+
+    own = sum(own_inner(g, v) for g, v in zip(groups, xi))
     wide = sum(
         g.manifold.inner(g.point.double(), v.double(), v.double()).sum() for g, v in zip(groups, xi)
     )

@@ -105,7 +105,8 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
             assert set(row[key]["marginal"]) == set(row[key]) & set(row[key]["marginal"])
             assert {"wall_s", "minor_page_faults"} <= set(row[key]["marginal"])
             sites = row[key]["faults_by_operator"]
-            assert len(sites) == 3 and all({"operator", "site"} <= set(s) for s in sites)
+            assert 1 <= len(sites) <= 3  # the top 3, where that many sites fault
+            assert all({"operator", "site"} <= set(s) for s in sites)
             moved = row[key]["bytes_by_site"]  # the tiny ViT has no tensor of 4 MiB
             assert set(moved["passes"]) == {"model", "ball"} and len(moved["sites"]) <= 3
             assert all(moved["passes"][part]["memory"] == 0 for part in ("model", "ball"))

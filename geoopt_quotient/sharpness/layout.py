@@ -752,8 +752,13 @@ class BallLayout:
         values, now a view of it), and parameters that are already views of an earlier
         call's buffer laid out alike are used where they are. One parameter-sized
         vector less (:meth:`bytes_per_parameter`); the base point is only read, never
-        written. Parameters that cannot move (a tensor subclass such as a sharded
-        ``DTensor``, storage shared with another tensor of the model) are copied.
+        written. The parameters of the other groups (the symmetry groups) move alike
+        into their flat buffer, which is the one the model reads their perturbed point
+        from: it holds that point during each pass, and their base point again after it
+        (:meth:`restore`, from the groups' stacked points); one buffer as large as those
+        parameters less. Parameters that cannot move (a tensor subclass such as a
+        sharded ``DTensor``, storage shared with another tensor of the model) are
+        copied.
     """
 
     def __init__(
@@ -788,9 +793,21 @@ class BallLayout:
                 self.shared_bytes += shared
             self.groups.append(BallGroup(point, AdaptiveEuclidean(eps=eps)))
             self._fused.append(flat)
-        if parameters is not None:
-            release_left_behind(parameters, [g.point for g in self.groups[len(stacks) :]])
         self._rests = self._rest_buffers(plan, base, self.groups, stacks)
+        #: the unfused groups' flat buffers where they are the model's own storage
+        #: (``parameters`` given): written with the perturbed points for each pass and
+        #: with the base point (the groups' stacked copy) after it (:meth:`restore`)
+        self._in_place: List[torch.Tensor] | None = None
+        self.in_place_bytes = 0
+        if parameters is not None:
+            self._in_place = []
+            for rest in self._rests:
+                buffer, shared = shared_base(rest.flat, parameters)
+                self._in_place.append(buffer)
+                self.in_place_bytes += shared
+            fused_points = [g.point for g in self.groups[len(stacks) :]]
+            release_left_behind(parameters, fused_points + self._in_place)
+        self._perturbed_written = False
         self.flats: List[FlatBuffer] = self._fused + [r.flat for r in self._rests]
         self.names = [n for flat in self.flats for n in flat.names]
         self._buffers: List[torch.Tensor] | None = None
@@ -872,7 +889,9 @@ class BallLayout:
         (:func:`~geoopt_quotient.sharpness.apgd.state_dtype_for`).
 
         ``base``: the fused groups' base point (a copy of their parameters) and the
-        symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads;
+        symmetry groups' gathered points; ``perturbed``: the flat buffers the model reads
+        (less the symmetry groups' where they are the model's own storage, written in
+        place and restored);
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
         current gradient, and the best iterate's if kept; ``staging``: one buffer for the
         unfused groups' perturbed points, joined before they are written into their flat
@@ -886,7 +905,7 @@ class BallLayout:
         vector = self.vector_bytes(state_dtype)
         parts = {
             "base": self.base_bytes(),
-            "perturbed": self.buffer_bytes(),
+            "perturbed": self.buffer_bytes() - self.in_place_bytes,
             "iterates": 3 * vector,
             "gradients": (2 if keep_best_gradient else 1) * vector,
             "staging": sum(rest.staging_bytes() for rest in self._rests),
@@ -903,10 +922,26 @@ class BallLayout:
 
     def _perturbed_buffers(self) -> List[torch.Tensor]:
         if self._buffers is None:
-            self._buffers = [flat.empty() for flat in self.flats]
+            self._buffers = [flat.empty() for flat in self._fused]
             for flat, buffer in zip(self._fused, self._buffers):
                 _zero(flat.pieces(buffer)[1])
+            if self._in_place is not None:
+                self._buffers += self._in_place
+            else:
+                self._buffers += [rest.flat.empty() for rest in self._rests]
         return self._buffers
+
+    def restore(self) -> None:
+        """The base point written back into the unfused groups' flat buffers that are the
+        model's own storage, after a pass read the perturbed point there (from the
+        groups' stacked base points, an exact copy: no rounding). Nothing to do where
+        no pass wrote since, or where the buffers are the layout's own."""
+        if not self._perturbed_written or self._in_place is None:
+            return
+        with torch.no_grad():
+            for rest, buffer in zip(self._rests, self._in_place):
+                rest.write([self.groups[p].point for p in rest.groups], buffer)
+        self._perturbed_written = False
 
     def perturbed_buffer(self, index: int) -> torch.Tensor:
         """Where the perturbed point of group ``index`` is written: the fused groups'
@@ -952,6 +987,7 @@ class BallLayout:
                 if point.data_ptr() != buffer.data_ptr():
                     buffer.copy_(point.detach())
             for rest, buffer in zip(self._rests, buffers[len(self._fused) :]):
+                self._perturbed_written = True
                 rest.write([points[p].detach() for p in rest.groups], buffer)
         if not grad:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
@@ -1316,8 +1352,11 @@ class LayoutObjective:
         return self.layout.perturbed_buffer(index)
 
     def __call__(self, points: List[torch.Tensor]) -> Any:
-        _, params = self.layout.parameters(points, grad=False)
-        return self.loss(params)
+        try:
+            _, params = self.layout.parameters(points, grad=False)
+            return self.loss(params)
+        finally:
+            self.layout.restore()
 
     def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
         r"""The loss at the perturbed points and its gradient with respect to ``xi``,
@@ -1328,8 +1367,15 @@ class LayoutObjective:
         Paths with an explicit pullback (the straight line, the retractions of this
         package's quotients) write the perturbed point into the layout's buffer and map
         the gradient back without autograd; other paths are differentiated by autograd
-        from the point's gradient.
+        from the point's gradient. The model's own storage holds the base point again
+        when this returns or raises (:meth:`BallLayout.restore`).
         """
+        try:
+            return self._evaluate_ball(ball, paths, xi, grad, autocast, recycled)
+        finally:
+            self.layout.restore()
+
+    def _evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled):
         layout = self.layout
         spare = recycled.pop() if grad and recycled else None
         if spare is not None and not layout.fits(spare):
