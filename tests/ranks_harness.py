@@ -8,6 +8,8 @@ no test can hang or depend on a free port.
 from __future__ import annotations
 
 import faulthandler
+import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -47,6 +49,13 @@ def _entry(
         queue.put((rank, False, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    # the reply sent, the process ends without the interpreter's teardown, where gloo's
+    # native threads can abort it (as the command line's ranks do: exit_if_distributed)
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(

@@ -181,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        The exit status of the subcommand (0 on success).
+        The exit status of the subcommand (0 on success). A ``torchrun`` process that
+        joined a process group here ends with it instead of returning, once it has
+        left the group (:func:`~geoopt_quotient.cli._runtime.exit_if_distributed`).
 
     Raises
     ------
@@ -195,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .._extras import MissingExtraError, require_all
     from ..experiments.classifiers import InputError
-    from ._runtime import end_distributed, torch_threads
+    from ._runtime import end_distributed, exit_if_distributed, torch_threads
 
     finished = False
     try:
@@ -203,8 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch_threads(getattr(args, "threads", None)):
             status = int(args.handler(args, args.parser) or 0)
         finished = True
-        return status
     except (InputError, MissingExtraError) as error:
         args.parser.exit(2, f"{args.parser.prog}: error: {error_line(error)}\n")
     finally:
         end_distributed(synchronize=finished)
+    exit_if_distributed(status)  # a finished torchrun rank: no interpreter teardown
+    return status
