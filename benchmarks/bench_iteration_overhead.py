@@ -151,6 +151,7 @@ def sharpness_run(
         iters=iters or args.iters,
         progress=False,
         keep_best_gradient=KEEP[args.keep_best_gradient],
+        share_storage=getattr(args, "share_storage", False),
     )
     if measure == "adaptive":
         return gq.adaptive_sharpness(model, loss_fn, batches, **common)
@@ -378,6 +379,12 @@ def main(argv=None) -> Dict[str, Any]:
         choices=tuple(KEEP),
         default="auto",
         help="keep the best iterate's gradient (auto: up to 1 GiB; default auto)",
+    )
+    parser.add_argument(
+        "--share-storage",
+        action="store_true",
+        help="share_storage=True: the base point in the model's storage, the symmetry "
+        "groups perturbed there and restored after each pass",
     )
     parser.add_argument(
         "--breakdown",
