@@ -279,3 +279,45 @@ def test_a_calls_gradient_leaves_are_freed_without_the_cycle_collector(monkeypat
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_later_call_on_the_same_plan_reuses_the_strided_blocks(monkeypatch):
+    """The unfused groups' flat layout and strided blocks depend on the bound plan and
+    the points' shapes, dtype and device alone: a second ball on the same plan reuses
+    them (no position per entry derived again) and perturbs the model as the first; a
+    plan bound again derives its own."""
+    from geoopt_quotient.sharpness import layout as layout_module
+
+    model = tiny_bert()
+    plan = resolve_plan(model, None, "inv")
+    first = LocalBall(
+        model, plan, loss_fn, kind="worst", path="second_order", norm=True, keep_best_gradient=None
+    ).layout
+    derived = []
+    monkeypatch.setattr(
+        layout_module,
+        "strided_blocks",
+        lambda *args, **kwargs: derived.append(1) or pytest.fail("derived again"),
+    )
+    second = LocalBall(
+        model, plan, loss_fn, kind="worst", path="second_order", norm=True, keep_best_gradient=None
+    ).layout
+    ((a,), (b,)) = first._rests, second._rests
+    assert a.blocks is not None and b.blocks is a.blocks and b.flat is a.flat
+    assert b.destination is None and b.source is None
+    points = [g.point for g in second.groups]
+    out_first, out_second = (torch.empty(r.flat.size) for r in (a, b))
+    a.write(points[: len(a.groups)], out_first)
+    b.write(points[: len(b.groups)], out_second)
+    assert torch.equal(out_first, out_second)
+    monkeypatch.undo()
+    again = resolve_plan(model, None, "inv")
+    calls = []
+    original = layout_module.strided_blocks
+    monkeypatch.setattr(
+        layout_module, "strided_blocks", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    LocalBall(
+        model, again, loss_fn, kind="worst", path="second_order", norm=True, keep_best_gradient=None
+    )
+    assert calls == [1]

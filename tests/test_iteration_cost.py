@@ -461,6 +461,51 @@ def test_kept_best_gradient_gives_the_same_iterates_with_fewer_passes(iters):
         assert restarts > 0  # the case this test is about happened
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_restart_to_the_previous_iterate_reads_the_gram_matrix_it_has(monkeypatch, keep):
+    """Where Auto-PGD goes back to the best iterate and that is the previous one, the
+    update's vectors are (best, its gradient, best): their Gram matrix is a block of the
+    one computed with that gradient, and the update does not sum it over the entries
+    again. Only restarts to an older iterate sum it; the iterates are those of summed
+    Gram matrices to float64 rounding."""
+    restarts, summed = [], []
+    record = buffers.AutoPGDVectors.restart
+    monkeypatch.setattr(
+        buffers.AutoPGDVectors,
+        "restart",
+        lambda self: restarts.append(self.xi_prev is self.best_xi) or record(self),
+    )
+    gram = apgd.TangentBall.gram
+    monkeypatch.setattr(apgd.TangentBall, "gram", lambda *a: summed.append(1) or gram(*a))
+    point = torch.ones(3, dtype=torch.float64)
+
+    def run():
+        objective, _ = restarting_objective()
+        group = [(point, gq.AdaptiveEuclidean())]
+        options = dict(rho=1.0, iters=40, path="straight", keep_best_gradient=keep)
+        return maximize_in_ball(group, objective, **options)
+
+    derived = run()
+    assert any(restarts) and len(summed) == restarts.count(False)
+    monkeypatch.setattr(apgd.BallPasses, "make_riemannian", _without_best_gram)
+    restarts.clear(), summed.clear()
+    reference = run()
+    assert len(summed) == len(restarts) > 0  # every restart summed its Gram matrix
+    assert derived.step_sizes == reference.step_sizes
+    eps = torch.finfo(torch.float64).eps
+    assert derived.history == pytest.approx(reference.history, rel=64 * eps, abs=64 * eps)
+    assert torch.allclose(derived.xi[0], reference.xi[0], rtol=64 * eps, atol=64 * eps)
+
+
+_make_riemannian = apgd.BallPasses.make_riemannian
+
+
+def _without_best_gram(passes) -> None:
+    """``make_riemannian`` that keeps no Gram block for a restart (the update sums it)."""
+    _make_riemannian(passes)
+    passes.best_gram = None
+
+
 def test_best_gradient_kept_by_default_only_for_small_balls(monkeypatch):
     objective, _ = restarting_objective()
     point = torch.ones(3, dtype=torch.float64)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import _linalg
+from geoopt_quotient.sharpness import apgd
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::geoopt_quotient.ZeroSharpnessWarning"),
@@ -135,12 +136,19 @@ def test_a_geodesic_iteration_costs_at_most_one_and_a_half_passes(build, metric)
     ids=str,
 )
 def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
+    """One more iteration's operators beyond a forward and backward pass grow by at most
+    a quarter of their number from 4 to 12 layers. They may be fewer than none: the
+    ball's pass accumulates no ``.grad`` per parameter, and one more iteration (runs of 6
+    and 3) includes restarts to the best iterate, whose Gram matrix the update reads
+    from that iterate's conversion where the previous iterate is the best."""
     extra = {}
     for layers in (4, 12):
         model, batch, loss_fn = build(layers)
         passes = forward_backward_operators(model, batch, loss_fn)
-        extra[layers] = operators_per_iteration(model, batch, loss_fn, measure) - passes
-    assert 0 < extra[12] <= 1.25 * extra[4]
+        iteration = operators_per_iteration(model, batch, loss_fn, measure)
+        assert iteration > 0.9 * passes  # a forward and backward pass each
+        extra[layers] = iteration - passes
+    assert extra[12] <= extra[4] + 0.25 * abs(extra[4])
 
 
 #: Linear-algebra operators (factorisations, inverses and solves), by their ATen names.
@@ -159,9 +167,11 @@ def fixed_operators(model, batch, loss_fn, measure: str, plan) -> tuple:
     """``(operators, linear-algebra operators)`` of one call that no Auto-PGD iteration
     accounts for: the checks, the layout, the factorisations at the base point, the
     final evaluation and the estimate, ``2 c(2) - c(4)`` of calls of 2 and 4 iterations.
-    Geodesic measures take their bound plan (a caller measuring every few steps keeps it:
-    discovery is not part of the count)."""
-    short, long = (counted_call(model, batch, loss_fn, measure, n, plan) for n in (2, 4))
+    Geodesic measures take their plan, bound afresh for each call (discovery is not
+    part of the count, but the layout is: a call on a plan bound before derives it)."""
+    short, long = (
+        counted_call(model, batch, loss_fn, measure, n, plan and plan.bind(model)) for n in (2, 4)
+    )
     return 2 * short.count - long.count, 2 * linalg_operators(short) - linalg_operators(long)
 
 
@@ -175,18 +185,21 @@ FIXED_SLACK = 64
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])
-def test_the_fixed_work_of_a_call_grows_with_depth_as_the_pass_at_most(measure):
+def test_the_fixed_work_of_a_call_grows_with_depth_as_the_pass_at_most(measure, monkeypatch):
     """What a call does once (checks of the weights and the base point, the layout, the
     factorisations at the base point, the final evaluation, the path gap's estimate) is
     paid in full by a short call (a training callback's few iterations): its operators
     grow with the number of layers as the forward and backward pass at most, and its
-    linear-algebra operators not at all (the layers' matrices are factorised in batches)."""
+    linear-algebra operators not at all (the layers' matrices are factorised in batches).
+    The step is never halved here: a restart to the best iterate is an iteration's work,
+    and calls of 2 and 4 iterations restart at different iterations."""
+    monkeypatch.setattr(apgd.StepRule, "halves_after", lambda *args: False)
     beyond, linalg = {}, {}
     for layers in (2, 4, 8):
         model, batch, loss_fn = bert(layers, width=64)
         plan = None
         if measure != "adaptive":
-            plan = gq.find_symmetries(model, metric=measure).bind(model)
+            plan = gq.find_symmetries(model, metric=measure)
         passes = forward_backward_operators(model, batch, loss_fn)
         fixed, linalg[layers] = fixed_operators(model, batch, loss_fn, measure, plan)
         beyond[layers] = fixed - FIXED_PER_PASS * passes

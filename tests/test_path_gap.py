@@ -29,8 +29,10 @@ from geoopt_quotient.sharpness import PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
 from geoopt_quotient.sharpness.functional import trainable_parameters
 from geoopt_quotient.sharpness.path_gap import (
+    ESTIMATE_CPU_BLOCK,
     GEODESIC_TOLERANCE,
     PATH_GAP_TOLERANCE,
+    _adaptive_estimate,
     elementwise_gap,
     estimated_path_gap,
     expm1_minus_identity,
@@ -180,6 +182,30 @@ def test_estimated_warning_reads_the_weighted_mean_of_the_estimates():
     for estimates in ([2.1 * tolerance, 0.0], [math.nan, 0.0]):
         with pytest.warns(PathGapWarning, match="estimated"):
             warn_if_estimated_path_gap([1.0, 1.0], estimates, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adaptive_estimate_sums_every_block_in_the_working_dtype(dtype):
+    r"""The adaptive estimate's sums :math:`\tfrac14 \sum a^4, \sum a^2` of :math:`a =
+    \xi / w` (0 where :math:`w = 0`), block by block with each block's sums in the
+    working dtype: the float64 reference's within a rounding that scales with the
+    dtype's epsilon and a block's length, over blocks that do not divide the vector, a
+    non-finite ratio where :math:`w \ne 0` kept."""
+    generator = torch.Generator().manual_seed(0)
+    size = 3 * ESTIMATE_CPU_BLOCK + 123
+    w = torch.randn(size, generator=generator, dtype=torch.float64)
+    xi = 0.1 * torch.randn(size, generator=generator, dtype=torch.float64) * w
+    w[::97] = 0.0
+    xi[::194] = 0.0  # 0 / 0 and nonzero / 0 both count as 0
+    a = torch.where(w != 0, xi / w, 0.0)
+    expected = ((a**4).sum().item() / 4, (a**2).sum().item())
+    estimate = _adaptive_estimate(w.to(dtype), xi.to(dtype))
+    tolerance = 16 * math.sqrt(ESTIMATE_CPU_BLOCK) * torch.finfo(dtype).eps
+    if dtype == torch.float32:  # the inputs' own rounding, 4 eps in a^4
+        tolerance += 8 * torch.finfo(dtype).eps
+    assert estimate == pytest.approx(expected, rel=tolerance)
+    w[5] = 1e-300  # a ratio that overflows: an estimate of its own size
+    assert math.isinf(_adaptive_estimate(w, xi)[0])
 
 
 def test_exact_loss_on_the_default_inv_radius_and_other_paths():

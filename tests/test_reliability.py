@@ -232,13 +232,15 @@ def test_the_finiteness_check_of_the_weights_is_isfinite_all(dtype, size):
 
 
 def test_the_finiteness_check_of_the_weights_reads_them_in_one_call_and_names_the_culprit():
-    """``check_parameters`` reads all parameters of a dtype at once (their l1 norms): a
-    finite parameter whose norm overflows (float32 entries near the largest float, a
-    float16 sum above 65504) passes, and the non-finite one among many is named."""
+    """``check_parameters`` reads all parameters of a dtype at once (their Euclidean
+    norms): a finite parameter whose norm overflows (float32 entries whose squares
+    overflow, entries near the largest float, a float16 sum of squares above 65504)
+    passes, and the non-finite one among many is named."""
     from geoopt_quotient.sharpness.ball import check_parameters
 
     params = {
         "huge": torch.full((8,), 3e38),
+        "squares": torch.full((4,), 1e20),
         "half": torch.full((4096,), 60.0, dtype=torch.float16),
         "empty": torch.zeros(0),
         **{f"w{i}": torch.randn(3, 3, dtype=F64) for i in range(5)},

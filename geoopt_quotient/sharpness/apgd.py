@@ -1020,6 +1020,9 @@ class BallPasses:
         self.targets = _perturbed_targets(ball, paths, objective)
         #: ``(G, xi, rgrads, xi_prev)`` of the last conversion, until the next update
         self.known: Tuple | None = None
+        #: ``(block, derived run)`` of the best iterate: the ``(xi, rgrads)`` block of its
+        #: conversion's Gram matrix, and how many derived matrices led to it
+        self.best_gram: Tuple[torch.Tensor, int] | None = None
         self.evaluations, self.gradients = 0, 0
 
     def evaluate(self, xi: Sequence[torch.Tensor], grad: bool):
@@ -1052,6 +1055,8 @@ class BallPasses:
         v = self.vectors
         rgrads, gram = self.ball.riemannian_gradient_gram_(v.grads, v.xi, v.xi_prev)
         self.known = (gram, v.xi, rgrads, v.xi_prev)
+        if v.xi is v.best_xi:
+            self.best_gram = (gram[:2, :2].clone(), self.ball.derived_run)
         v.set_riemannian(rgrads)
 
     def update(self, step: float, alpha: float) -> torch.Tensor:
@@ -1066,14 +1071,28 @@ class BallPasses:
         return grad_norm
 
     def restart(self) -> None:
-        """Back to the best iterate, with the gradient there: the kept one, else
-        recomputed (one more pass) and converted alone, so that the update computes the
-        Gram matrix, in the same arithmetic whether the gradient is kept or not."""
+        r"""Back to the best iterate, with the gradient there: the kept one, else
+        recomputed (one more pass) and converted alone, so that the update reads the same
+        Gram matrix whether the gradient is kept or not.
+
+        Where the previous iterate is the best one (the last step did not improve: most
+        restarts of a short call), the update's vectors are :math:`(\xi^*, g^*, \xi^*)`,
+        whose Gram matrix is the :math:`(\xi^*, g^*)` block of the one computed when
+        :math:`g^*` was converted (:attr:`best_gram`): the update reads it instead of
+        summing it anew over the vectors' entries (a sweep over three parameter-sized
+        vectors and the point). Otherwise, or where no Gram entry may be derived
+        (:data:`MAX_DERIVED_RUN` 0), the update sums it."""
         vectors = self.vectors
         vectors.restart()
         if vectors.rgrads is None:
             grads = self.evaluate(vectors.xi, grad=True)[1]
             vectors.rgrads = self.ball.riemannian_gradients_(grads)
+        if MAX_DERIVED_RUN and self.best_gram is not None and vectors.xi_prev is vectors.xi:
+            block, run = self.best_gram
+            (a, b), (_, c) = block.unbind()
+            gram = torch.stack((a, b, a, b, c, b, a, b, a)).view(3, 3)
+            self.known = (gram, vectors.xi, vectors.rgrads, vectors.xi_prev)
+            self.ball.derived_run = run  # the rounding's lineage: that of the block
 
 
 def _initial_vector(

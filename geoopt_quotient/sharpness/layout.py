@@ -831,7 +831,19 @@ class BallLayout:
             point = groups[position].point
             by_key.setdefault((point.dtype, point.device), []).append(position)
         out = []
+        known = _STRUCTURES.setdefault(plan, {})
         for (dtype, device), positions in by_key.items():
+            shapes = [groups[p].point.shape for p in positions]
+            structure_key = (
+                dtype,
+                device,
+                tuple((tuple(stacks[p].members), stacks[p].padded) for p in positions),
+                tuple(tuple(shape) for shape in shapes),
+            )
+            if structure_key in known:  # an earlier call's, on this plan: no index made
+                flat, blocks = known[structure_key]
+                out.append(_Rest(flat, positions, shapes, None, None, blocks))
+                continue
             names: List[str] = []
             for p in positions:
                 for index in stacks[p].members:
@@ -844,7 +856,6 @@ class BallLayout:
             destinations = [stacks[p].destination(plan, start, trash, device) for p in positions]
             members = [plan.groups[i] for p in positions for i in stacks[p].members]
             once = covered_once(members, flat)
-            shapes = [groups[p].point.shape for p in positions]
             blocks = destination = source = None
             if once:  # every parameter entry written once: blocks may do
                 batches = [stacks[p].batch_shapes(plan, groups[p]) for p in positions]
@@ -852,6 +863,8 @@ class BallLayout:
                 blocks = strided_blocks(destinations, shapes, batches, flat, trash, padded)
             if blocks is None:  # the index maps only where no blocks do
                 destination, source = index_maps(torch.cat(destinations), flat, once)
+            else:  # no index per entry: kept for the next call on this plan
+                known[structure_key] = (flat, blocks)
             out.append(_Rest(flat, positions, shapes, destination, source, blocks))
         return out
 
@@ -1066,6 +1079,14 @@ class BallLayout:
                 out[position] = g
         return out  # type: ignore[return-value]
 
+
+#: Per bound plan, the flat buffers of its unfused groups and their strided blocks
+#: (:meth:`BallLayout._rest_buffers`): they depend on the plan's groups, their points'
+#: shapes, dtype and device alone, so the next call on the same plan (a training
+#: monitor's, every few steps) reuses them instead of deriving them again from a
+#: position per entry. Index maps (:func:`index_maps`) are not kept: as large as the
+#: groups, they would stay in memory between calls.
+_STRUCTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 #: The parameters that :func:`shared_base` moved, and the storage each moved into: a
 #: later call may move them again, out of a buffer that holds nothing else.
