@@ -8,7 +8,7 @@ pass and, from runs of ``--iters`` and ``--iters / 2`` iterations, for one more
 Auto-PGD iteration, as :mod:`bench_iteration_overhead` times them. It reports:
 
 The counter (``FlopCounterMode``) is told the products it misses by itself
-(:data:`PRODUCTS`: in-place forms, the CPU's attention); factorisations (eigh,
+(``_flops.PRODUCTS``: in-place forms, the CPU's attention); factorisations (eigh,
 Cholesky) and element-wise work stay uncounted.
 
 - ``plain_gflop``: one forward and backward pass per batch; ``forward_gflop``: a
@@ -45,6 +45,7 @@ import statistics
 from typing import Any, Dict, List
 
 import torch
+from _flops import counter
 from bench_iteration_overhead import (
     KEEP,
     MEASURES,
@@ -56,8 +57,6 @@ from bench_iteration_overhead import (
     write_document,
 )
 from bench_path_gap_cost import PathGapWrapper
-from torch.utils import flop_counter
-from torch.utils.flop_counter import FlopCounterMode
 
 import geoopt_quotient as gq
 
@@ -66,30 +65,6 @@ import geoopt_quotient as gq
 BERT_BATCH_SIZES = {"bert-11m": 8, "bert-base": 4}
 #: Multiples of the measured batch at which ``floor_at_batch`` states the ratio.
 FLOOR_MULTIPLES = (1, 2, 4, 8, 16)
-
-
-def _raw(op):
-    return flop_counter.flop_registry[op].__wrapped__
-
-
-_aten = torch.ops.aten
-#: Products that ``FlopCounterMode`` does not count by itself: the in-place forms (the
-#: quotient groups' kernels accumulate into their results) and the CPU's attention.
-PRODUCTS = {
-    _aten.baddbmm_: _raw(_aten.baddbmm),
-    _aten.addmm_: _raw(_aten.addmm),
-    _aten._scaled_dot_product_flash_attention_for_cpu: _raw(
-        _aten._scaled_dot_product_flash_attention
-    ),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(
-        _aten._scaled_dot_product_flash_attention_backward
-    ),
-}
-
-
-def counter() -> FlopCounterMode:
-    """A flop counter that also counts :data:`PRODUCTS`."""
-    return FlopCounterMode(display=False, custom_mapping=PRODUCTS)
 
 
 def counted(fn) -> tuple[float, float, Any]:

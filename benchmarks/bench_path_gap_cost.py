@@ -52,6 +52,11 @@ what a short call, e.g. a training callback's, pays in full) and one iteration,
 ``(t(n) - t(n/3)) / (2n/3)``; ``fixed_over_adaptive`` and ``iteration_over_adaptive``
 compare them.
 
+With ``--split`` it also counts the matrix products of the same calls
+(``arithmetic_floor``, after the timings): the ratios they give, of the whole calls, of
+the fixed work and of one iteration, are what the timed ratios cannot go below
+(element-wise work and factorisations come on top).
+
     python benchmarks/bench_path_gap_cost.py --calls --split --models bert-4x256 \\
         --repeats 7 --json benchmarks/results/cpu/geodesic_call_split.json
 """
@@ -68,6 +73,7 @@ import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
+from _flops import counter
 from bench_iteration_overhead import bert_setup, plain_pass, vit_setup
 from bench_sharpness_iteration import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -400,7 +406,36 @@ def time_calls(name: str, args) -> Dict[str, Any]:
         "estimated_path_gaps": results["geodesic"].estimated_path_gaps,
         "rho": results["geodesic"].settings["rho"],
     }
+    if split:
+        row["arithmetic_floor"] = _arithmetic_floor(call, iters)
     return {**row, **_comparisons(median, iters, split)}
+
+
+def _arithmetic_floor(call: Callable[[str, int], Any], iters: int) -> Dict[str, Any]:
+    """The matrix products of ``--split``'s calls, in GFLOP (``FlopCounterMode``, as
+    ``_flops.counter`` counts them: element-wise work and factorisations are
+    not counted), and the ratios they floor: the geodesic call over the adaptive call,
+    its fixed work and one iteration over theirs (:func:`_split`'s arithmetic)."""
+    short = max(1, iters // 3)
+    gflop: Dict[str, Dict[int, float]] = {}
+    for measure in ("adaptive", "geodesic"):
+        gflop[measure] = {}
+        for count in (iters, short):
+            with counter() as products:
+                call(measure, count)
+            gflop[measure][count] = products.get_total_flops() / 1e9
+    parts = {}
+    for measure, by_count in gflop.items():
+        per = (by_count[iters] - by_count[short]) / (iters - short)
+        parts[measure] = {"fixed": by_count[short] - short * per, "iteration": per}
+    return {
+        "gflop": {m: {str(n): f for n, f in by_count.items()} for m, by_count in gflop.items()},
+        "geodesic_over_adaptive": gflop["geodesic"][iters] / gflop["adaptive"][iters],
+        **{
+            f"{key}_over_adaptive": parts["geodesic"][key] / parts["adaptive"][key]
+            for key in ("fixed", "iteration")
+        },
+    }
 
 
 def _comparisons(median: Dict[str, Dict[str, float]], iters: int, split: bool) -> Dict[str, Any]:

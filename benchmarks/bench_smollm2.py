@@ -22,6 +22,12 @@ medians. In plain passes:
   :math:`t_N - N \cdot` marginal (the clean loss, the geometry at the base point, the
   last forward pass, the path gap's report); ``path_gap_passes``: the report's part of
   it;
+- ``usage``: the same two in user time alone (``user_marginal_ratio``,
+  ``user_fixed_passes``, over a plain pass's user time), and the minor page faults of
+  each (``page_faults_per_iteration``, ``page_faults_fixed``) beside a plain pass's:
+  the pages a call touches for the first time, which the kernel zeroes and maps in
+  system time. Where that is slow (a virtual machine), the system time of the fixed
+  work is mostly the ball's buffers being faulted in, allocated afresh by each call;
 - ``profile``: where the fixed work goes, from one profiled call (``cProfile``) of
   :math:`N` iterations: the library's functions with the largest cumulative time.
 
@@ -39,6 +45,13 @@ and measures with its rows of the batch, the same plans, seeds and ``--sharded-i
 iterations; the one-process values beside them.
 
     python benchmarks/bench_smollm2.py --json benchmarks/results/cpu/smollm2.json
+    python benchmarks/bench_smollm2.py --malloc retain --no-sharded \\
+        --json benchmarks/results/cpu/smollm2_retain.json
+
+``--malloc retain`` keeps freed memory in the process (``_malloc.py``): each call's ball
+buffers and each pass's gradients then reuse memory the process already touched, so the
+figures show the package's work without the kernel's zeroing and mapping of fresh pages
+(the page faults of ``usage``), which depends on the machine.
     python benchmarks/bench_smollm2.py --repeats 1 --iters 2 --no-sharded   # a look
 """
 
@@ -49,6 +62,7 @@ import cProfile
 import importlib.util
 import json
 import pstats
+import resource
 import statistics
 import sys
 import tempfile
@@ -62,6 +76,7 @@ import geoopt_quotient as gq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _malloc import MALLOC_CHOICES, configure_malloc  # noqa: E402
 from bench_iteration_overhead import marginal_cost, plain_pass, write_document  # noqa: E402
 
 MEASURES = ("adaptive", "inv", "mix")
@@ -251,17 +266,60 @@ def time_runs(
         measure(model, batches, m, plans, 1)
     seconds: Dict[str, List[float]] = {k: [] for k in runs}
     gaps: Dict[str, List[float]] = {k: [] for k in runs}
+    usage: Dict[str, List[List[float]]] = {k: [] for k in runs}
     results: Dict[str, gq.SharpnessResult] = {}
     order = list(runs)
     for repeat in range(repeats):
         for key in order[repeat % len(order) :] + order[: repeat % len(order)]:
             with _PathGapSeconds(clock) as gap:
+                before = _usage()
                 start = clock()
                 results[key] = runs[key]()
                 seconds[key].append(clock() - start)
+                usage[key].append([b - a for a, b in zip(before, _usage())])
             gaps[key].append(gap.seconds)
             print(f"  {key}: {seconds[key][-1]:.2f} s", flush=True)
-    return dict(seconds=seconds, gaps=gaps, results=results, half=half)
+    return dict(seconds=seconds, gaps=gaps, usage=usage, results=results, half=half)
+
+
+def _usage() -> List[float]:
+    """This process's user and system seconds and minor page faults so far."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return [own.ru_utime, own.ru_stime, own.ru_minflt]
+
+
+def usage_rows(timing: Dict[str, Any], iters: int) -> Dict[str, Any]:
+    """Per measure, from the medians of the runs' resource usage: the fixed work and one
+    more iteration in user time alone (plain passes of user time), and the minor page
+    faults of each (a page the process touches for the first time: the memory a call
+    allocates afresh, which the kernel zeroes and maps in system time), beside a plain
+    pass's."""
+    half, usage = timing["half"], timing["usage"]
+
+    def median(key: str, column: int) -> float:
+        return statistics.median(row[column] for row in usage[key])
+
+    plain_user = median("plain", 0) / iters
+    rows: Dict[str, Any] = {
+        "page_size": resource.getpagesize(),
+        "plain": {
+            "user_s": plain_user,
+            "system_s": median("plain", 1) / iters,
+            "page_faults": median("plain", 2) / iters,
+        },
+    }
+    for m in MEASURES:
+        whole, part = f"{m} {iters}", f"{m} {half}"
+        user = marginal_cost(median(whole, 0), median(part, 0), iters, half, 1, plain_user)
+        faults = marginal_cost(median(whole, 2), median(part, 2), iters, half, 1, 1.0)
+        rows[m] = {
+            "user_marginal_ratio": user["marginal_ratio"],
+            "user_fixed_passes": user["fixed_passes"],
+            "system_s": {str(iters): median(whole, 1), str(half): median(part, 1)},
+            "page_faults_per_iteration": faults["marginal_ratio"],
+            "page_faults_fixed": faults["fixed_passes"],
+        }
+    return rows
 
 
 def cost_rows(timing: Dict[str, Any], iters: int) -> Dict[str, Any]:
@@ -391,6 +449,19 @@ def format_rows(row: Dict[str, Any]) -> str:
             f"{m:9}{c['marginal_ratio']:10.2f}{c['fixed_passes']:8.2f}{c['path_gap_passes']:9.2f}"
             f"{c['arithmetic_floor']:13.3f}{c['memory_floor']:13.3f}"
         )
+    usage = row["usage"]
+    lines.append(
+        f"in user time alone (passes of {usage['plain']['user_s']:.2f} s) and minor page "
+        f"faults ({usage['page_size']} B pages; a plain pass "
+        f"{usage['plain']['page_faults']:.0f}):"
+    )
+    for m in MEASURES:
+        u = usage[m]
+        lines.append(
+            f"{m:9}{u['user_marginal_ratio']:10.2f}{u['user_fixed_passes']:8.2f}"
+            f"   faults: {u['page_faults_per_iteration']:.0f} an iteration, "
+            f"{u['page_faults_fixed']:.0f} fixed"
+        )
     for m in MEASURES:
         c = row[m]
         top = ", ".join(f"{p['function']} {p['seconds'] / plain:.2f}" for p in c["profile"][:6])
@@ -426,11 +497,20 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         action="store_true",
         help="with --no-sharded: keep the sharded values of an existing --json file",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=MALLOC_CHOICES,
+        default="default",
+        help="glibc malloc: its defaults, or retain freed memory in the process (no fresh "
+        "mmap, so no page faults, per large allocation; benchmarks/_malloc.py), for the "
+        "plain passes and the runs alike; default: default",
+    )
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
     reason = missing()
     if reason:
         parser.exit(1, f"SmolLM2-135M is not installed here: {reason}\n")
+    malloc = configure_malloc(args.malloc)  # before the model is built
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
     model = load_smollm2()
@@ -438,6 +518,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     plans = find_plans(model)
     timing = time_runs(model, ids, plans, args.iters, args.repeats, clock)
     row = cost_rows(timing, args.iters)
+    row["usage"] = usage_rows(timing, args.iters)
     parameters = sum(p.numel() for p in model.parameters())
     row.update(parameters=parameters, batch_shape=list(ids.shape), threads=args.threads)
     row["arithmetic"] = arithmetic_floor(model, ids, plans)
@@ -456,10 +537,10 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
             kept = json.load(f)["models"]["smollm2-135m"].get("sharded")
         if kept is not None:
             row["sharded"] = kept
-    document = write_document("smollm2", args, {"smollm2-135m": row})
+    document = write_document("smollm2", args, {"smollm2-135m": row}, malloc)
     if not args.no_sharded:
         row["sharded"] = sharded_comparison(model, ids, plans, args)
-        document = write_document("smollm2", args, {"smollm2-135m": row})
+        document = write_document("smollm2", args, {"smollm2-135m": row}, malloc)
     print(format_rows(row))
     return document
 

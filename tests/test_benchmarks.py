@@ -313,3 +313,19 @@ def test_results_table_cells_show_what_the_row_holds_and_nothing_else():
     rows = list(table.walk({"m": {"x": {"v": 1}, "y": 2}}, ["m", "{k}"], {}, None))
     assert [(r["k"], r.get("v", r.get("value"))) for r in rows] == [("x", 1), ("y", 2)]
     assert table.matches(rows[0], {"k": "x", "v": None}) and not table.matches(rows[1], {"v": None})
+
+
+def test_whole_calls_split_with_their_arithmetic_floor():
+    """``bench_path_gap_cost --calls --split`` times the fixed work and one iteration
+    apart and counts the same calls' matrix products: the geodesic call does the
+    adaptive call's and its geometry's on top (every floor at least 1), and the counted
+    calls are the timed ones (an iteration's products positive)."""
+    module = importlib.import_module("bench_path_gap_cost")
+    report = module.main(["--calls", "--split", "--quick", "--models", "bert-4x256"])
+    row = report["models"]["bert-4x256"]
+    floor = row["arithmetic_floor"]
+    assert set(row["split"]) >= {"fixed_over_adaptive", "iteration_over_adaptive"}
+    for key in ("geodesic_over_adaptive", "fixed_over_adaptive", "iteration_over_adaptive"):
+        assert floor[key] >= 1.0, key
+    counts = floor["gflop"]["geodesic"]
+    assert counts["2"] > counts["1"] > 0
