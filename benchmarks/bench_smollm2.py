@@ -47,12 +47,12 @@ iterations; the one-process values beside them.
     python benchmarks/bench_smollm2.py --json benchmarks/results/cpu/smollm2.json
     python benchmarks/bench_smollm2.py --malloc retain --no-sharded \\
         --json benchmarks/results/cpu/smollm2_retain.json
+    python benchmarks/bench_smollm2.py --repeats 1 --iters 2 --no-sharded   # a look
 
 ``--malloc retain`` keeps freed memory in the process (``_malloc.py``): each call's ball
 buffers and each pass's gradients then reuse memory the process already touched, so the
 figures show the package's work without the kernel's zeroing and mapping of fresh pages
 (the page faults of ``usage``), which depends on the machine.
-    python benchmarks/bench_smollm2.py --repeats 1 --iters 2 --no-sharded   # a look
 """
 
 from __future__ import annotations

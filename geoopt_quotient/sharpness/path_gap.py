@@ -662,8 +662,9 @@ def _adaptive_estimate(x: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
     dtype = compute_dtype(x.dtype)
     flat_x, flat_v = x.reshape(-1), v.reshape(-1)
     sums = torch.zeros(2, dtype=torch.float64, device=x.device)
-    step = block_length(flat_x.numel(), ESTIMATE_BLOCK, x.device)
-    if not capped(x.device):
+    if capped(x.device):
+        step = block_length(flat_x.numel(), ESTIMATE_BLOCK, x.device)
+    else:
         step = ESTIMATE_CPU_BLOCK
     for start in range(0, flat_x.numel(), step):
         part = slice(start, start + step)
