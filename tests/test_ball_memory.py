@@ -321,3 +321,46 @@ def test_a_later_call_on_the_same_plan_reuses_the_strided_blocks(monkeypatch):
         model, again, loss_fn, kind="worst", path="second_order", norm=True, keep_best_gradient=None
     )
     assert calls == [1]
+
+
+def test_a_plan_passed_unbound_is_bound_once_and_its_blocks_derived_once(monkeypatch):
+    """A plan found once and passed unbound to each call (as a script or a benchmark
+    does) is bound once per model (:func:`~geoopt_quotient.symmetry.plan.bound_once`),
+    so that the layout's strided blocks are derived by the first call alone; a change of
+    the plan or of the model's trainable parameters binds it again."""
+    from geoopt_quotient.sharpness import layout as layout_module
+
+    model = tiny_bert()
+    plan = gq.find_symmetries(model, metric="inv")
+    calls = []
+    original = layout_module.strided_blocks
+    monkeypatch.setattr(
+        layout_module, "strided_blocks", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    values = [
+        gq.geodesic_sharpness(
+            model,
+            loss_fn,
+            [BATCH],
+            metric="inv",
+            symmetries=plan,
+            rho=0.01,
+            iters=2,
+            progress=False,
+        ).value
+        for _ in range(2)
+    ]
+    assert calls == [1] and values[0] == values[1]
+    bound = resolve_plan(model, plan, "inv")
+    same_groups = gq.SymmetryPlan(list(plan.groups), plan.adaptive_eps, list(plan.notes))
+    assert resolve_plan(model, same_groups, "inv") is bound
+    changed = gq.SymmetryPlan(list(plan.groups), 1e-3, list(plan.notes))
+    assert resolve_plan(model, changed, "inv").groups[-1].manifold.eps == 1e-3
+    model.classifier.bias.requires_grad_(False)
+    frozen = resolve_plan(model, plan, "inv")
+    assert frozen is not bound and "classifier.bias" not in frozen.param_names
+    model.classifier.bias.requires_grad_(True)
+    model.classifier.bias = torch.nn.Parameter(model.classifier.bias.detach().clone())
+    replaced = resolve_plan(model, plan, "inv")
+    assert replaced is not bound and replaced is not frozen
+    assert resolve_plan(model, plan, "inv") is replaced

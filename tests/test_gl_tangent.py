@@ -125,6 +125,33 @@ def test_batched_operations_are_the_reference_formulas(
             assert not t[..., n - 1, :].any() and not t[..., n + m - 1, :].any()
 
 
+@settings(max_examples=40, deadline=None)
+@given(**cases, dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_the_retraction_corrections_are_those_of_the_retracted_point(
+    metric, eps, batch, rank, seed, chunk, zero_rows, rows, dtype
+):
+    r"""The path gap estimate's :math:`|c|^2` per point, from the retraction's
+    coefficients without a retracted point, is that of :math:`c = x + u - R_x(u)` with
+    the reference's retraction in float64, and :math:`|u|^2` per point the metric's;
+    a first-order retraction has no closed form here (``None``)."""
+    manifold = gq.GLQuotient(*rows, metric, eps)
+    x, fast, _, u, _ = case(manifold, batch, rank, seed, dtype, zero_rows)
+    if dtype == torch.float32:
+        assume(conditioning(x, manifold.n) < FLOAT32_CONDITIONING)
+    with chunk_bytes(chunk):
+        corrections, squares = fast.retraction_corrections(u)
+    exact = CachedTangentSpace(manifold, x.double(), PointState(manifold, x.double()))
+    u64 = u.double()
+    c = x.double() + u64 - exact.retr(u64)
+    expected = [manifold.inner(x.double(), v, v).reshape(-1) for v in (c, u64)]
+    scale = (1 + float(x.abs().max())) ** 4 * ill_conditioning(x, manifold.n)
+    for value, reference in zip((corrections, squares), expected):
+        close(value, reference.to(dtype), dtype, float(reference.abs().max()) * scale)
+    assert float(corrections.max()) > 0 or not u.any()
+    first_order = gq.GLQuotient(*rows, metric, eps, retraction="first_order")
+    assert first_order.tangent_space(x).retraction_corrections(u) is None
+
+
 @settings(max_examples=20, deadline=None)
 @given(**cases)
 def test_the_riemannian_gradient_is_horizontal_and_not_the_euclidean_one(
@@ -336,6 +363,23 @@ def test_the_rotary_quotients_gram_of_auto_pgd_is_the_reference(metric):
     # the negative: the plain GL(h) quotient's gradient is not horizontal here
     _, generic = gq.GLQuotient(4, 8, metric).tangent_space(x).egrad2rgrad_gram_((v, c, u), 1)
     assert not torch.allclose(generic, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_the_rotary_quotients_retraction_corrections_are_the_reference(metric):
+    """The rotary quotient retracts as GL(h)'s: its corrections are those of its
+    reference retraction, and of a much smaller size than the step."""
+    torch.manual_seed(0)
+    manifold = gq.RotaryGLQuotient(4, 8, rotary_dim=2, metric=metric)
+    x = manifold.random(3, 12, 4, dtype=torch.float64)
+    reference = CachedTangentSpace(manifold, x, PointState(manifold, x))
+    u = 0.1 * reference.proju(torch.randn_like(x))
+    corrections, squares = manifold.tangent_space(x).retraction_corrections(u)
+    c = x + u - reference.retr(u)
+    expected = manifold.inner(x, c, c).reshape(-1)
+    close(corrections, expected, torch.float64, float(expected.abs().max()))
+    close(squares, manifold.inner(x, u, u).reshape(-1), torch.float64, float(squares.max()))
+    assert 0 < float((corrections / squares).max()) < 0.1
 
 
 class _FactorProducts(TorchDispatchMode):

@@ -15,6 +15,7 @@ lies is the model's, measured here.
 import itertools
 import math
 import warnings
+from typing import Tuple
 
 import pytest
 import torch
@@ -206,6 +207,43 @@ def test_adaptive_estimate_sums_every_block_in_the_working_dtype(dtype):
     assert estimate == pytest.approx(expected, rel=tolerance)
     w[5] = 1e-300  # a ratio that overflows: an estimate of its own size
     assert math.isinf(_adaptive_estimate(w, xi)[0])
+
+
+def masked_block_sums(w: torch.Tensor, xi: torch.Tensor, step: int) -> Tuple[float, float]:
+    """The adaptive estimate's sums the textbook way: each block masked where w = 0."""
+    sums = []
+    for start in range(0, w.numel(), step):
+        part = w[start : start + step]
+        squares = (xi[start : start + step] / part).masked_fill_(part == 0, 0.0).square_()
+        sums.append(torch.stack((torch.dot(squares, squares), squares.sum())))
+    fourth, second = torch.stack(sums).double().sum(0).tolist()
+    return fourth / 4, second
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adaptive_estimate_unmasked_first_is_the_masked_sums_bit_for_bit(dtype):
+    """Summed first without the mask (a quantised model's zero weights fall in every
+    block), the estimate is the masked one exactly: 0/0 read as 0, and each block with
+    a nonzero step on a zero weight, a NaN or an infinity summed again with the mask."""
+    generator = torch.Generator().manual_seed(1)
+    size = 4 * ESTIMATE_CPU_BLOCK + 77
+    w = torch.randn(size, generator=generator, dtype=dtype)
+    xi = 0.1 * torch.randn(size, generator=generator, dtype=dtype) * w
+    w[::300] = 0.0  # zeros in every block, with a zero step there
+    xi[::300] = 0.0
+    cases = {"zeros": (w, xi)}
+    cases["step on a zero weight"] = (w, xi.clone().index_fill_(0, torch.tensor([600]), 1.0))
+    cases["NaN step"] = (w, xi.clone().index_fill_(0, torch.tensor([70000]), math.nan))
+    cases["infinite weight"] = (w.clone().index_fill_(0, torch.tensor([140000]), math.inf), xi)
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    cases["overflow"] = (w.clone().index_fill_(0, torch.tensor([5]), tiny), xi)
+    for name, (weights, step) in cases.items():
+        expected = masked_block_sums(weights, step, ESTIMATE_CPU_BLOCK)
+        estimate = _adaptive_estimate(weights, step)
+        assert all(
+            a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(estimate, expected)
+        ), name
+    assert math.isfinite(_adaptive_estimate(*cases["step on a zero weight"])[0])
 
 
 def test_exact_loss_on_the_default_inv_radius_and_other_paths():

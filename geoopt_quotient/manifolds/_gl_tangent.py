@@ -497,6 +497,32 @@ class GLTangentSpace(CachedTangentSpace):
             start = stop
         return saved
 
+    def retraction_corrections(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor] | None:
+        r"""Per point, :math:`|c|^2` and :math:`|u|^2` in the metric, flat, where
+        :math:`c = x + u - R_x(u)` is the correction of the second-order retraction
+        (:meth:`retr`): from the retraction's coefficients (:func:`_coefficients`),
+        :math:`c_F = u_F (I - E_F) + \tfrac12 F Y_F`, a slice of the batch at a time.
+        No retracted point is made, and :math:`c` carries no rounding of :math:`x + u`
+        against it (:math:`\epsilon |x|`, a floor under :math:`|c|`). Its norm is read
+        from :math:`c` itself, not from the expansion of :math:`c_F^\top c_F` in the
+        :math:`h \times h` matrices: where :math:`u_F (I - E_F)` and :math:`F Y_F` nearly
+        cancel (an ill-conditioned factor), that expansion loses the square of what the
+        sum loses. ``None`` where the batched formulas do not apply."""
+        if self.manifold.retraction == "first_order" or not self._applies(u):
+            return None
+        mix, split = self.manifold.metric == "mix", self._split
+        corrections, squares = [], []
+        for kernel, (piece,) in self._parts(u):
+            k, b = split.inner(kernel.x, piece), split.inner(piece, piece)
+            other = _gl_geodesic.exchanged(b) if mix else b
+            e, y, _ = _coefficients(kernel, split, piece, mix, k, other)
+            c = split.times(piece, split.eye(e) - e, out=self._workspace(piece))
+            split.add_times_(c, kernel.x, y, -0.5 if mix else 0.5)  # mix: y = -Y
+            weights = split.flat(kernel.metric)
+            for out, products in ((corrections, split.inner(c, c)), (squares, b)):
+                out.append((weights * products).sum((-2, -1)).view(-1, 2).sum(1))
+        return torch.cat(corrections), torch.cat(squares)
+
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
     ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
@@ -803,7 +829,12 @@ def riemannian_gradient_batch(
 
 
 def _coefficients(
-    kernel: _Kernel, split: _Split, u: torch.Tensor, mix: bool, k: torch.Tensor | None = None
+    kernel: _Kernel,
+    split: _Split,
+    u: torch.Tensor,
+    mix: bool,
+    k: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
 ):
     r"""``(E, Y', K)``, ``(2 B, h, h)`` (:math:`G`, :math:`H` of each point), of the
     retraction :math:`R_X(\xi)_F = F + \xi_F E_F - \tfrac12 F Y_F`, :math:`E_F = I -
@@ -811,15 +842,16 @@ def _coefficients(
     \xi_F^\top F + F^\top \xi_F`, :math:`B_F = \xi_F^\top \xi_F`; inv: :math:`X_F =
     -S_F^{-1} M_F`, :math:`Y_F = S_F^{-1} B_F`; mix: :math:`X_G = M_H S_H^{-1}`,
     :math:`Y_G = -B_H S_H^{-1}` and the same with the factors exchanged); :math:`K_F =
-    F^\top \xi_F`, computed unless given. ``Y'`` is :math:`Y` up to its sign (mix:
-    :math:`-Y`), which the retraction's product carries in its ``alpha``
-    (:func:`retract_batch`), as the pullback does: the mix metric's iteration then makes no
-    operation beyond the inv metric's but the exchanges of the factors' :math:`h \times
-    h` matrices."""
+    F^\top \xi_F`, computed unless given, as :math:`B` (mix: the other factor's) is.
+    ``Y'`` is :math:`Y` up to its sign (mix: :math:`-Y`), which the retraction's product
+    carries in its ``alpha`` (:func:`retract_batch`), as the pullback does: the mix
+    metric's iteration then makes no operation beyond the inv metric's but the exchanges
+    of the factors' :math:`h \times h` matrices."""
     if k is None:
         k = split.inner(kernel.x, u)
     swapped = _gl_geodesic.exchanged(k) if mix else k  # mix: the other factor's
-    m, b = swapped + swapped.mT, split.inner(u, u, swapped=mix)
+    m = swapped + swapped.mT
+    b = split.inner(u, u, swapped=mix) if b is None else b
     eye = split.eye(u)
     if mix:
         swapped = split.flat(kernel.swapped)

@@ -9,6 +9,7 @@ from typing import List
 import torch
 
 from ..errors import GeooptQuotientError
+from ._linalg import gram
 
 __all__ = [
     "GeodesicDomainError",
@@ -48,14 +49,7 @@ def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:
         return None
     if not bool(is_finite(factor)):
         return f"factor {label} has non-finite entries"
-    # the ratio of singular values is scale-free: scaling each factor to a largest entry of
-    # 1 keeps its Gram matrix finite for entries near the float64 range (1e300 squared);
-    # the largest |entry| from the extremes, exact in any dtype (no copy of the factor)
-    dims = (-2, -1)
-    largest_entry = torch.maximum(factor.amax(dims, keepdim=True), -factor.amin(dims, keepdim=True))
-    f = factor.to(torch.float64, copy=True)
-    f.div_(largest_entry.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny))
-    eigvals = torch.linalg.eigvalsh(f.mT @ f).clamp_min(0)
+    eigvals = torch.linalg.eigvalsh(_float64_gram(factor)).clamp_min(0)
     largest = eigvals[..., -1:].clamp_min(torch.finfo(torch.float64).tiny)
     ratio = (eigvals[..., :1] / largest).sqrt().min().item()
     resolution = math.sqrt(factor.shape[-1]) * torch.finfo(factor.dtype).eps / 2
@@ -66,6 +60,21 @@ def rank_report(factor: torch.Tensor, label: str, rtol: float) -> str | None:
             f"{ratio:.3g} <= {tol:.3g}"
         )
     return None
+
+
+def _float64_gram(factor: torch.Tensor) -> torch.Tensor:
+    """The Gram matrices of ``factor`` (``(..., k, h)``) in float64, finite for finite
+    entries: a float64 factor is first scaled to a largest entry of 1 (the ratio of
+    singular values is scale-free, and entries near 1e300 would overflow when squared);
+    the squares of a narrower dtype's entries lie far inside float64's range, and its
+    factors are converted a few matrices at a time, without a float64 copy of the whole."""
+    if factor.dtype != torch.float64:
+        return gram(factor, dtype=torch.float64)
+    # the largest |entry| from the extremes, exact (no copy of the factor for it)
+    dims = (-2, -1)
+    largest_entry = torch.maximum(factor.amax(dims, keepdim=True), -factor.amin(dims, keepdim=True))
+    f = factor / largest_entry.clamp_min(torch.finfo(torch.float64).tiny)
+    return f.mT @ f
 
 
 #: The largest relative change of a geodesic's squared metric speed that its numerical

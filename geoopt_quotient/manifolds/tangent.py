@@ -109,6 +109,14 @@ class TangentSpace:
     def expmap(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.expmap(self.x, u)
 
+    def retraction_corrections(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor] | None:
+        r"""Per point of the batch (one value where the inner product is not per point),
+        :math:`|c|^2` and :math:`|u|^2` in the metric, where :math:`c = x + u - R_x(u)` is
+        the correction that :meth:`retr` applies to the straight line, computed without
+        the retracted point where the geometry has a closed form for it; ``None`` here
+        (compute :meth:`retr`)."""
+        return None
+
     def retr_vjp(
         self, u: torch.Tensor, out: torch.Tensor
     ) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:

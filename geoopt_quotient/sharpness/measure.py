@@ -24,7 +24,14 @@ import torch
 from .._checks import check_choice, check_positive_float
 from ..errors import GeooptQuotientWarning
 from ..symmetry import GeodesicEqualsAdaptiveWarning, find_symmetries
-from ..symmetry.plan import BoundPlan, PlanError, SymmetryGroup, SymmetryPlan, plan_metric
+from ..symmetry.plan import (
+    BoundPlan,
+    PlanError,
+    SymmetryGroup,
+    SymmetryPlan,
+    bound_once,
+    plan_metric,
+)
 from ..symmetry.verify import ProbeError
 from .defaults import default_radius
 from .engine import (
@@ -196,6 +203,10 @@ def resolve_plan(
     """Bind ``symmetries`` to ``model``; ``None`` finds them
     (:func:`~geoopt_quotient.symmetry.find_symmetries`), proven on probe inputs built
     from the model's config, or else on ``probe`` (e.g. the loss on the first batch).
+    A plan bound to the same model before, neither changed since, gets the same
+    :class:`~geoopt_quotient.symmetry.BoundPlan`
+    (:func:`~geoopt_quotient.symmetry.plan.bound_once`), and with it what the sharpness
+    ball keeps per bound plan (its layout of the parameters).
 
     Raises
     ------
@@ -210,7 +221,7 @@ def resolve_plan(
         return discover(model, metric, eps, fallback=probe).bind(model)
     if not isinstance(symmetries, SymmetryPlan):
         symmetries = SymmetryPlan(list(symmetries))
-    return symmetries.bind(model)
+    return bound_once(symmetries, model)
 
 
 def discover(

@@ -564,7 +564,11 @@ def estimated_path_gap(
     * A group on a second-order retraction :math:`R_w(\xi) = w + \xi - c` (the GL
       quotients) misses only the third-order term. Its size is estimated per point
       :math:`p` of the group from :math:`c_p = w_p + \xi_p - R_w(\xi)_p`, the
-      correction that the iteration's retraction applies: the Taylor terms of a
+      correction that the iteration's retraction applies (read from the retraction's
+      :math:`h \times h` coefficients where the tangent space has them,
+      :meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.retraction_corrections`:
+      no retracted point, and no rounding of :math:`w + \xi` against it; else the
+      difference of the two points): the Taylor terms of a
       geodesic scale as :math:`|\gamma^{(k)}(0)| \sim \kappa^{k-1} |\xi|^k` with a
       curvature scale :math:`\kappa`, which :math:`c` measures,
       :math:`\kappa \approx 2 |c_p| / |\xi_p|^2`; so
@@ -592,9 +596,9 @@ def estimated_path_gap(
     their factorisations of the points serve again.
 
     Returns :math:`(\sum_g |R - \operatorname{Exp}|_{w_g}^2)^{1/2} / |\xi|_w`; 0 for
-    :math:`\xi = 0`, NaN where a fallback integration breaks down. :math:`c` carries
-    the rounding of the weights' dtype (:math:`\epsilon |w|`): the estimate matters
-    only where :math:`|c|` is far above it.
+    :math:`\xi = 0`, NaN where a fallback integration breaks down. Where :math:`c` is
+    the difference of two points, it carries the rounding of the weights' dtype
+    (:math:`\epsilon |w|`): the estimate matters only where :math:`|c|` is far above it.
     """
     autocast = AutocastState.capture()
     squared = step = 0.0
@@ -628,8 +632,11 @@ def _estimated_group_gap(
         difference_sq, step_sq, _ = _group_gap(group, exact, v)
         return difference_sq, step_sq
     (space,) = ball.spaces
-    correction = torch.add(x, v).sub_(retract(x, v)).to(v.dtype)
-    c_sq, v_sq = (n.double().clamp_min(0) for n in _point_squared_norms(space, correction, v))
+    norms = space.retraction_corrections(v)
+    if norms is None:
+        correction = torch.add(x, v).sub_(retract(x, v)).to(v.dtype)
+        norms = _point_squared_norms(space, correction, v)
+    c_sq, v_sq = (n.double().clamp_min(0) for n in norms)
     moving = v_sq > 0
     third = THIRD_ORDER_FACTOR * c_sq[moving] / v_sq[moving].sqrt()
     return tuple(torch.stack((third.square().sum(), v_sq.sum())).tolist())
@@ -658,21 +665,44 @@ def _adaptive_estimate(x: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
     in that dtype (a relative rounding of typically :math:`\sqrt{n}\,\epsilon`, at most
     :math:`n \epsilon`, for its :math:`n` entries: far below what an estimate needs; a
     float64 accumulation of float32 entries is an order of magnitude slower on the CPU),
-    the blocks' sums in float64."""
+    the blocks' sums in float64.
+
+    A block is first summed without the mask of :math:`w = 0` (which costs more than the
+    rest of its sums: the zeros of a quantised model's weights fall in every block),
+    with :math:`0/0` read as 0, and with :math:`\sum_i \xi_i w_i` beside it, finite only
+    where no entry of :math:`\xi` or :math:`w` is NaN or infinite. Where all three sums
+    are finite, the block has no :math:`\xi_i / 0` with :math:`\xi_i \ne 0` (its square
+    would be infinite) and its NaNs are exactly the masked entries, so its sums are the
+    masked ones bit for bit; the other blocks are summed again with the mask."""
     dtype = compute_dtype(x.dtype)
     flat_x, flat_v = x.reshape(-1), v.reshape(-1)
-    sums = torch.zeros(2, dtype=torch.float64, device=x.device)
     if capped(x.device):
         step = block_length(flat_x.numel(), ESTIMATE_BLOCK, x.device)
     else:
         step = ESTIMATE_CPU_BLOCK
-    for start in range(0, flat_x.numel(), step):
-        part = slice(start, start + step)
-        w = flat_x[part].to(dtype)
-        squares = torch.div(flat_v[part].to(dtype), w).masked_fill_(w == 0, 0.0).square_()
-        sums += torch.stack((torch.dot(squares, squares), squares.sum()))
-    fourth, second = sums.tolist()
+    starts = range(0, flat_x.numel(), step)
+    if not starts:
+        return 0.0, 0.0
+    sums = torch.stack([_block_sums(flat_x, flat_v, start, step, dtype, False) for start in starts])
+    for block in torch.nonzero(~torch.isfinite(sums).all(1)).view(-1).tolist():
+        sums[block, :2] = _block_sums(flat_x, flat_v, starts[block], step, dtype, True)
+    fourth, second = sums[:, :2].double().sum(0).tolist()
     return fourth / 4, second
+
+
+def _block_sums(
+    x: torch.Tensor, v: torch.Tensor, start: int, step: int, dtype: torch.dtype, masked: bool
+) -> torch.Tensor:
+    r""":math:`\sum a^4, \sum a^2` of the entries ``start:start + step`` in ``dtype``
+    (:func:`_adaptive_estimate`): :math:`a` set to 0 where :math:`w = 0` if ``masked``;
+    otherwise NaN read as 0, and :math:`\sum \xi w` third."""
+    w, xi = x[start : start + step].to(dtype), v[start : start + step].to(dtype)
+    squares = torch.div(xi, w)
+    if masked:
+        squares.masked_fill_(w == 0, 0.0).square_()
+        return torch.stack((torch.dot(squares, squares), squares.sum()))
+    squares.square_().nan_to_num_(nan=0.0, posinf=math.inf)
+    return torch.stack((torch.dot(squares, squares), squares.sum(), torch.dot(xi, w)))
 
 
 def warn_if_estimated_path_gap(

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 from geoopt.manifolds.base import Manifold
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import GeooptQuotientError, GeooptQuotientWarning
 from ..manifolds import AdaptiveEuclidean
@@ -443,6 +445,54 @@ class SymmetryPlan:
 
     def __add__(self, other: SymmetryPlan) -> SymmetryPlan:
         return SymmetryPlan(self.groups + other.groups, self.adaptive_eps, self.notes + other.notes)
+
+
+#: How many bindings :func:`bound_once` keeps per model (the latest).
+BINDINGS_PER_MODEL = 4
+#: model -> its latest bindings, newest last (:func:`bound_once`); weak on the model
+_BINDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def bound_once(plan: SymmetryPlan, model: torch.nn.Module) -> BoundPlan:
+    """``plan.bind(model)``, or the :class:`BoundPlan` an earlier call returned where
+    neither changed since: the same groups (the same objects, in order), ``adaptive_eps``
+    and notes, and the same trainable parameters (the same tensors, names and shapes).
+
+    A measure called again with the same plan (a plan found once and passed to each
+    call) thus gets the same bound plan, and with it what is kept per bound plan (the
+    sharpness ball's layout of the parameters), instead of deriving it again."""
+    signature = _parameter_signature(model)
+    key = (tuple(plan.groups), plan.adaptive_eps, tuple(plan.notes))
+    bindings = _BINDINGS.setdefault(model, [])
+    for binding in bindings:
+        if _same_key(binding[0], key) and _same_signature(binding[1], signature):
+            return binding[2]
+    bound = plan.bind(model)
+    references = [(name, weakref.ref(p), shape, grad) for name, p, shape, grad in signature]
+    bindings.append((key, references, bound))
+    del bindings[:-BINDINGS_PER_MODEL]
+    return bound
+
+
+def _parameter_signature(model: torch.nn.Module) -> List[Tuple]:
+    return [(n, p, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+
+
+def _same_key(kept: Tuple, key: Tuple) -> bool:
+    groups, eps, notes = kept
+    return (
+        len(groups) == len(key[0])
+        and all(a is b for a, b in zip(groups, key[0]))
+        and eps == key[1]
+        and notes == key[2]
+    )
+
+
+def _same_signature(kept: List[Tuple], signature: List[Tuple]) -> bool:
+    return len(kept) == len(signature) and all(
+        ref() is p and name == n and shape == s and trainable == t
+        for (name, ref, shape, trainable), (n, p, s, t) in zip(kept, signature)
+    )
 
 
 @dataclass
