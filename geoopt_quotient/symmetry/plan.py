@@ -460,7 +460,9 @@ def bound_once(plan: SymmetryPlan, model: torch.nn.Module) -> BoundPlan:
 
     A measure called again with the same plan (a plan found once and passed to each
     call) thus gets the same bound plan, and with it what is kept per bound plan (the
-    sharpness ball's layout of the parameters), instead of deriving it again."""
+    sharpness ball's layout of the parameters), instead of deriving it again. The bound
+    plans are kept while the model lives, the latest :data:`BINDINGS_PER_MODEL` per
+    model, with what they keep (index tensors of groups without a strided layout)."""
     signature = _parameter_signature(model)
     key = (tuple(plan.groups), plan.adaptive_eps, tuple(plan.notes))
     bindings = _BINDINGS.setdefault(model, [])
