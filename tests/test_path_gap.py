@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 from test_radius_grid import bert_case, llama_case
 
 from geoopt_quotient import find_symmetries, geodesic_sharpness
-from geoopt_quotient.manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient
-from geoopt_quotient.manifolds._linalg import compute_dtype
+from geoopt_quotient.manifolds import AdaptiveEuclidean, GeodesicDomainError, GLQuotient, _linalg
+from geoopt_quotient.manifolds._linalg import block_length, compute_dtype
 from geoopt_quotient.sharpness import PathGapWarning
 from geoopt_quotient.sharpness.apgd import BallGroup
 from geoopt_quotient.sharpness.functional import trainable_parameters
 from geoopt_quotient.sharpness.path_gap import (
+    ESTIMATE_BLOCK,
     ESTIMATE_CPU_BLOCK,
     GEODESIC_TOLERANCE,
     PATH_GAP_TOLERANCE,
@@ -220,13 +221,20 @@ def masked_block_sums(w: torch.Tensor, xi: torch.Tensor, step: int) -> Tuple[flo
     return fourth / 4, second
 
 
+@pytest.mark.parametrize("capped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_adaptive_estimate_unmasked_first_is_the_masked_sums_bit_for_bit(dtype):
+def test_adaptive_estimate_unmasked_first_is_the_masked_sums_bit_for_bit(
+    dtype, capped, monkeypatch
+):
     """Summed first without the mask (a quantised model's zero weights fall in every
     block), the estimate is the masked one exactly: 0/0 read as 0, and each block with
-    a nonzero step on a zero weight, a NaN or an infinity summed again with the mask."""
+    a nonzero step on a zero weight, a NaN or an infinity summed again with the mask.
+    Where blocks are capped (an accelerator's few large blocks), masked at once."""
+    monkeypatch.setattr(_linalg, "CAP_ON_CPU", capped)
     generator = torch.Generator().manual_seed(1)
     size = 4 * ESTIMATE_CPU_BLOCK + 77
+    block = block_length(size, ESTIMATE_BLOCK, torch.device("cpu")) if capped else None
+    block = block or ESTIMATE_CPU_BLOCK
     w = torch.randn(size, generator=generator, dtype=dtype)
     xi = 0.1 * torch.randn(size, generator=generator, dtype=dtype) * w
     w[::300] = 0.0  # zeros in every block, with a zero step there
@@ -238,7 +246,7 @@ def test_adaptive_estimate_unmasked_first_is_the_masked_sums_bit_for_bit(dtype):
     tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
     cases["overflow"] = (w.clone().index_fill_(0, torch.tensor([5]), tiny), xi)
     for name, (weights, step) in cases.items():
-        expected = masked_block_sums(weights, step, ESTIMATE_CPU_BLOCK)
+        expected = masked_block_sums(weights, step, block)
         estimate = _adaptive_estimate(weights, step)
         assert all(
             a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(estimate, expected)

@@ -673,19 +673,23 @@ def _adaptive_estimate(x: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
     where no entry of :math:`\xi` or :math:`w` is NaN or infinite. Where all three sums
     are finite, the block has no :math:`\xi_i / 0` with :math:`\xi_i \ne 0` (its square
     would be infinite) and its NaNs are exactly the masked entries, so its sums are the
-    masked ones bit for bit; the other blocks are summed again with the mask."""
+    masked ones bit for bit; the other blocks are summed again with the mask. Where blocks
+    are capped (an accelerator: few large blocks, the mask's cost small beside a host
+    read of which blocks to sum again), every block is summed with the mask at once."""
     dtype = compute_dtype(x.dtype)
     flat_x, flat_v = x.reshape(-1), v.reshape(-1)
-    if capped(x.device):
+    masked = capped(x.device)
+    if masked:
         step = block_length(flat_x.numel(), ESTIMATE_BLOCK, x.device)
     else:
         step = ESTIMATE_CPU_BLOCK
     starts = range(0, flat_x.numel(), step)
     if not starts:
         return 0.0, 0.0
-    sums = torch.stack([_block_sums(flat_x, flat_v, start, step, dtype, False) for start in starts])
-    for block in torch.nonzero(~torch.isfinite(sums).all(1)).view(-1).tolist():
-        sums[block, :2] = _block_sums(flat_x, flat_v, starts[block], step, dtype, True)
+    sums = torch.stack([_block_sums(flat_x, flat_v, s, step, dtype, masked) for s in starts])
+    if not masked:
+        for block in torch.nonzero(~torch.isfinite(sums).all(1)).view(-1).tolist():
+            sums[block, :2] = _block_sums(flat_x, flat_v, starts[block], step, dtype, True)
     fourth, second = sums[:, :2].double().sum(0).tolist()
     return fourth / 4, second
 
