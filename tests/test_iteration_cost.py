@@ -790,6 +790,42 @@ def test_derived_gram_entries_are_those_summed_and_refreshed_every_few(dtype):
     assert max(errors) <= 50 * torch.finfo(dtype).eps
 
 
+@pytest.mark.parametrize("init", ["zero", "random"])
+def test_the_first_conversion_from_zero_sums_the_gradients_column_alone(init):
+    """From the zero first iterate (the default start) the iterates' Gram entries are
+    known exactly, all zero: the first Riemannian gradient sums only its own column (no
+    metric products of the zero iterates), and the run equals the one that sums the
+    whole matrix to float64 rounding; a random start sums the whole matrix."""
+    torch.manual_seed(0)
+    manifold = gq.GLQuotient(6, 6, "inv")
+    points = [torch.randn(40, 30, dtype=torch.float64), manifold.random(3, 12, 2).double()]
+    a = torch.randn(30, dtype=torch.float64)
+
+    def objective(perturbed):
+        adaptive, quotient = perturbed
+        return torch.sin(adaptive @ a).sum() + adaptive.pow(3).sum() + quotient.pow(4).sum()
+
+    groups = [(points[0], gq.AdaptiveEuclidean()), (points[1], manifold)]
+    kinds = []
+    original = apgd.TangentBall._gram_kind
+
+    def spy(ball, xi, xi_prev):
+        kinds.append(original(ball, xi, xi_prev))
+        return kinds[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(apgd.TangentBall, "_gram_kind", spy)
+        known = maximize_in_ball(groups, objective, rho=0.5, iters=6, init=init)
+        first = kinds[0]
+        patch.setattr(apgd.TangentBall, "start_at_zero", lambda ball, xi: None)
+        summed = maximize_in_ball(groups, objective, rho=0.5, iters=6, init=init)
+    assert first == ("column" if init == "zero" else "gram")
+    assert known.value == pytest.approx(summed.value, rel=1e-13, abs=0)
+    assert known.history == pytest.approx(summed.history, rel=1e-13, abs=1e-15)
+    for u, v in zip(known.xi, summed.xi):
+        assert torch.allclose(u, v, rtol=0, atol=1e-13 * float(v.abs().max()))
+
+
 def test_adaptive_gradient_and_gram_fall_back_to_two_steps_where_one_sweep_cannot():
     """A gradient in another dtype than the working one, or a strided vector: nothing is
     fused (the sweep declines and changes nothing), and the values are those of the two

@@ -497,6 +497,13 @@ class GLTangentSpace(CachedTangentSpace):
             start = stop
         return saved
 
+    def known_zero(self, u: torch.Tensor) -> None:
+        r""":math:`F^\top u_F = 0` of the zero vector ``u``, kept as :meth:`retr_vjp`
+        keeps a retracted vector's (:attr:`_crosses`), so that the combinations made
+        from it know theirs (:meth:`combination`)."""
+        if self._applies(u):
+            self._crosses.put(u, self._new_crosses().zero_())
+
     def retraction_corrections(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor] | None:
         r"""Per point, :math:`|c|^2` and :math:`|u|^2` in the metric, flat, where
         :math:`c = x + u - R_x(u)` is the correction of the second-order retraction

@@ -109,6 +109,10 @@ class TangentSpace:
     def expmap(self, u: torch.Tensor) -> torch.Tensor:
         return self.manifold.expmap(self.x, u)
 
+    def known_zero(self, u: torch.Tensor) -> None:
+        """``u`` is the zero vector (a search's first iterate): keep what follows about it
+        (nothing here), as the space would after computing with it."""
+
     def retraction_corrections(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor] | None:
         r"""Per point of the batch (one value where the inner product is not per point),
         :math:`|c|^2` and :math:`|u|^2` in the metric, where :math:`c = x + u - R_x(u)` is

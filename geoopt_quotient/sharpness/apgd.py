@@ -259,6 +259,8 @@ class TangentBall:
         #: the ``run``-th in a row with derived entries; taken by the next Riemannian
         #: gradient (:meth:`riemannian_gradient_gram_`).
         self.iterates: Tuple[torch.Tensor, List, Sequence, int] | None = None
+        #: ``(xi, its tensors' versions)``: the zero first iterate (:meth:`start_at_zero`)
+        self.zero: Tuple[List[torch.Tensor], List[int]] | None = None
         #: How many Gram matrices in a row, up to the last one made, had iterate
         #: entries derived rather than summed over the entries (0: summed).
         self.derived_run = 0
@@ -277,6 +279,35 @@ class TangentBall:
     def zeros(self) -> List[torch.Tensor]:
         """The zero vector, in one :func:`~geoopt_quotient.sharpness.buffers.joint_buffer`."""
         return buffers.joint_buffer(self.points, self.dtypes, zero=True, apart=self.apart)
+
+    def start_at_zero(self, xi: List[torch.Tensor]) -> None:
+        r"""Take ``xi`` (:meth:`zeros`) as Auto-PGD's first iterate, also its previous one.
+        While it is unchanged (:meth:`is_zero`), its evaluation writes the base point as
+        the perturbed point and takes the gradient there as it is (a path's point at
+        :math:`\xi = 0` is :math:`x` and its differential the identity:
+        :func:`explicit_path`), and the tangent spaces know their products with it
+        (:meth:`~geoopt_quotient.manifolds.tangent.TangentSpace.known_zero`). The Gram
+        entries of these iterates are known exactly, all zero, so that the first
+        Riemannian gradient sums its own column alone (:meth:`riemannian_gradient_gram_`),
+        not the metric's products of the zero iterates; none of its entries is derived
+        from rounded ones, so it starts no run of derived matrices. Not where every
+        matrix is summed whole (:data:`MAX_DERIVED_RUN` 0) or the stored vectors are
+        rounded (:attr:`rounded`), as :meth:`_gram_kind` decides for derived entries."""
+        self.zero = (xi, [t._version for t in xi])
+        for space, u in zip(self.spaces, xi):
+            space.known_zero(u)
+        if MAX_DERIVED_RUN > 0 and not self.rounded:
+            zero = torch.zeros(2, 2, dtype=torch.float64, device=self.points[0].device)
+            self.iterates = (zero, xi, xi, -1)
+
+    def is_zero(self, xi: Sequence[torch.Tensor]) -> bool:
+        """Whether ``xi`` is the zero vector of :meth:`start_at_zero`, unchanged since."""
+        known = self.zero
+        return (
+            known is not None
+            and known[0] is xi
+            and all(t._version == v for t, v in zip(xi, known[1]))
+        )
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._reduced(sum(space.inner(a, b) for space, a, b in zip(self.spaces, u, v)))
@@ -532,10 +563,10 @@ def evaluate_in_ball(
     if recycled:
         recycled.clear()  # freed before the objective runs
     leaves, moved, pullbacks = [], [], []
-    written = ball.take_written(xi)
+    written, zero = ball.take_written(xi), ball.is_zero(xi)
     for index, (p, x, v) in enumerate(zip(paths, ball.points, xi)):
         buffer = functools.partial(ball.perturbed_buffer, index)
-        point, pullback = explicit_path(p, x, v, buffer, written[index])
+        point, pullback = explicit_path(p, x, v, buffer, written[index], zero)
         if point is not None:
             leaf = point.detach().requires_grad_(grad)
             leaves.append(leaf)
@@ -570,15 +601,21 @@ def explicit_path(
     v: torch.Tensor,
     buffer: Callable[[], torch.Tensor],
     written: bool = False,
+    zero: bool = False,
 ) -> Tuple[torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor] | None]:
-    """The perturbed point written into ``buffer()``, and the pullback of the gradient
+    r"""The perturbed point written into ``buffer()``, and the pullback of the gradient
     there to one with respect to ``v`` (``None``: the identity), for the paths that
     have them without autograd: the straight line and explicit retractions. ``(None,
     None)`` for the others. ``written``: the straight line's point is in ``buffer()``
-    already (:meth:`TangentBall.take_written`)."""
+    already (:meth:`TangentBall.take_written`). ``zero``: ``v`` is zero
+    (:meth:`TangentBall.is_zero`), where either path's point is ``x`` and its
+    differential the identity (a retraction's :math:`R_x(0) = x`, :math:`D R_x(0) =
+    \mathrm{id}`; the formulas give both exactly there): ``x`` is copied, no pullback."""
     if v.dtype != x.dtype:
         return None, None
     with torch.no_grad():
+        if zero and (path is straight_path or isinstance(path, _Retraction)):
+            return buffer().copy_(x), None
         if path is straight_path:
             return (buffer() if written else torch.add(x, v, out=buffer())), None
         if isinstance(path, _Retraction):
@@ -1104,7 +1141,9 @@ def _initial_vector(
     if isinstance(init, str):
         check_choice(init, ("zero", "random"), "init")
         if init == "zero":
-            return ball.zeros()
+            zero = ball.zeros()
+            ball.start_at_zero(zero)
+            return zero
         vectors = ball.random(seeded_generator(ball.points[0].device, seed), ball.rho)
         if not ball.rounded:
             return ball.project(vectors)

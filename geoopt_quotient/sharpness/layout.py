@@ -1403,10 +1403,10 @@ class LayoutObjective:
             spare = None
             recycled.clear()
         points, pullbacks, traced = [], [], {}
-        written = ball.take_written(xi)
+        written, zero = ball.take_written(xi), ball.is_zero(xi)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
             buffer = functools.partial(layout.perturbed_buffer, index)
-            point, pullback = explicit_path(path, x, v, buffer, written[index])
+            point, pullback = explicit_path(path, x, v, buffer, written[index], zero)
             if point is None:
                 leaf = v.detach().requires_grad_(grad)
                 with torch.enable_grad() if grad else torch.no_grad():
