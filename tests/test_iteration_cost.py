@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geoopt_quotient as gq
+from geoopt_quotient.manifolds import _gl_tangent
 from geoopt_quotient.sharpness import apgd, buffers
 from geoopt_quotient.sharpness import ball as ball_module
 from geoopt_quotient.sharpness import layout as layout_module
@@ -824,6 +825,44 @@ def test_the_first_conversion_from_zero_sums_the_gradients_column_alone(init):
     assert known.history == pytest.approx(summed.history, rel=1e-13, abs=1e-15)
     for u, v in zip(known.xi, summed.xi):
         assert torch.allclose(u, v, rtol=0, atol=1e-13 * float(v.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_zero_first_iterate_is_evaluated_without_retraction_and_the_same_values(dtype):
+    """At the zero first iterate a path's point is the base point and its differential
+    the identity, as the formulas give them exactly: its evaluation copies the point
+    and takes the gradient as it is (no retraction or pullback of the quotient groups),
+    and the whole call's values are those of the retraction's, bit for bit."""
+    model = tiny_llama_causal_lm().to(dtype)
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 32, (2, 6))}
+
+    def loss_fn(m, b):
+        return m(**b, labels=b["input_ids"]).loss
+
+    plan = gq.find_symmetries(model, metric="inv")
+    calls = []
+    original = _gl_tangent.GLTangentSpace.retr_vjp
+
+    def counted(space, u, out):
+        calls.append(bool(u.any()))
+        return original(space, u, out)
+
+    def measure():
+        calls.clear()
+        result = gq.geodesic_sharpness(
+            model, loss_fn, [batch], metric="inv", symmetries=plan, rho=0.01, iters=3
+        )
+        return result, list(calls)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_gl_tangent.GLTangentSpace, "retr_vjp", counted)
+        known, known_calls = measure()
+        patch.setattr(apgd.TangentBall, "is_zero", lambda ball, xi: False)
+        retracted, retracted_calls = measure()
+    assert all(known_calls) and not all(retracted_calls)  # the zero one retracted before
+    assert len(retracted_calls) - len(known_calls) == retracted_calls.count(False) > 0
+    assert known.value == retracted.value and known.per_batch == retracted.per_batch
 
 
 def test_adaptive_gradient_and_gram_fall_back_to_two_steps_where_one_sweep_cannot():
