@@ -4,6 +4,7 @@ the kept best gradient."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -863,6 +864,22 @@ def test_the_zero_first_iterate_is_evaluated_without_retraction_and_the_same_val
     assert all(known_calls) and not all(retracted_calls)  # the zero one retracted before
     assert len(retracted_calls) - len(known_calls) == retracted_calls.count(False) > 0
     assert known.value == retracted.value and known.per_batch == retracted.per_batch
+
+
+def test_the_zero_first_iterate_is_known_while_unchanged_and_not_kept_alive():
+    """The ball knows the zero first iterate until it is written over, and holds it
+    weakly: a freed iterate's buffer is not kept alive by it."""
+    groups = [BallGroup(torch.randn(4, 3), gq.AdaptiveEuclidean())]
+    ball, _ = apgd.prepare_ball(groups, 1.0, "second_order")
+    xi = ball.zeros()
+    ball.start_at_zero(xi)
+    assert ball.is_zero(xi) and not ball.is_zero([t.clone() for t in xi])
+    xi[0].add_(1.0)
+    assert not ball.is_zero(xi)
+    ref = weakref.ref(xi[0])
+    ball.iterates = None  # the first Riemannian gradient takes it
+    del xi
+    assert ref() is None
 
 
 def test_adaptive_gradient_and_gram_fall_back_to_two_steps_where_one_sweep_cannot():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -259,8 +260,9 @@ class TangentBall:
         #: the ``run``-th in a row with derived entries; taken by the next Riemannian
         #: gradient (:meth:`riemannian_gradient_gram_`).
         self.iterates: Tuple[torch.Tensor, List, Sequence, int] | None = None
-        #: ``(xi, its tensors' versions)``: the zero first iterate (:meth:`start_at_zero`)
-        self.zero: Tuple[List[torch.Tensor], List[int]] | None = None
+        #: The zero first iterate (:meth:`start_at_zero`): per tensor, a weak reference
+        #: (it must not keep a freed iterate's buffer alive) and its version then
+        self.zero: List[Tuple[weakref.ref, int]] | None = None
         #: How many Gram matrices in a row, up to the last one made, had iterate
         #: entries derived rather than summed over the entries (0: summed).
         self.derived_run = 0
@@ -293,7 +295,7 @@ class TangentBall:
         from rounded ones, so it starts no run of derived matrices. Not where every
         matrix is summed whole (:data:`MAX_DERIVED_RUN` 0) or the stored vectors are
         rounded (:attr:`rounded`), as :meth:`_gram_kind` decides for derived entries."""
-        self.zero = (xi, [t._version for t in xi])
+        self.zero = [(weakref.ref(t), t._version) for t in xi]
         for space, u in zip(self.spaces, xi):
             space.known_zero(u)
         if MAX_DERIVED_RUN > 0 and not self.rounded:
@@ -305,8 +307,8 @@ class TangentBall:
         known = self.zero
         return (
             known is not None
-            and known[0] is xi
-            and all(t._version == v for t, v in zip(xi, known[1]))
+            and len(known) == len(xi)
+            and all(ref() is t and t._version == v for (ref, v), t in zip(known, xi))
         )
 
     def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
