@@ -1139,7 +1139,9 @@ def _initial_vector(
 ) -> List[torch.Tensor]:
     """Auto-PGD's first iterate: zero, random, or the given vector projected onto the
     feasible set (in the compute dtypes), in a buffer of its own in the ball's
-    :attr:`~TangentBall.dtypes` (the loop writes into freed iterates)."""
+    :attr:`~TangentBall.dtypes` (the loop writes into freed iterates). The zero one is
+    announced to the ball (:meth:`TangentBall.start_at_zero`), which then skips its
+    retraction and the metric's products of it."""
     if isinstance(init, str):
         check_choice(init, ("zero", "random"), "init")
         if init == "zero":
