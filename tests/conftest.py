@@ -162,15 +162,15 @@ def tiny_bert_classifier(*, initializer_range: float = 0.02) -> torch.nn.Module:
     return transformers.BertForSequenceClassification(config).double().eval()
 
 
-def tiny_llama_causal_lm() -> torch.nn.Module:
-    """A tiny LlamaForCausalLM (vocabulary 50, 1 layer of 4 query and 2 key/value heads of
-    4) in float64, seeded."""
+def tiny_llama_causal_lm(layers: int = 1) -> torch.nn.Module:
+    """A tiny LlamaForCausalLM (vocabulary 50, ``layers`` layers of 4 query and 2
+    key/value heads of 4) in float64, seeded."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=50,
         hidden_size=16,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=24,

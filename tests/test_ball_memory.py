@@ -1,4 +1,4 @@
-"""The ball's memory beside the model: one staging buffer for the symmetry groups, and
+"""The ball's memory beside the model: no staging buffer for the symmetry groups, and
 the model's parameters left in their own storages (a reference the user holds to one of
 them keeps aliasing it, which the stale-reference check relies on)."""
 
@@ -53,16 +53,53 @@ def test_the_parameters_keep_their_storages_through_a_worst_case_call(measure):
     assert alias.data_ptr() == model.classifier.weight.data_ptr()
 
 
-def test_joined_points_and_flat_gradient_share_one_buffer():
-    """The unfused groups' staging: one buffer, as large as the larger of its two uses."""
-    ball = open_ball(tiny_bert(), "inv")
-    layout = ball.layout
+@pytest.mark.parametrize("share_storage", [False, True])
+def test_the_symmetry_groups_need_no_staging_buffer(monkeypatch, share_storage):
+    """The symmetry groups' perturbed points and gradients are the evaluation's own
+    vector (the gradient's): no buffer as large as the groups beside it, in a whole call."""
+    import geoopt_quotient.sharpness.ball as ball_module
+
+    layouts = []
+
+    class Recorded(ball_module.BallLayout):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            layouts.append(self)
+
+    monkeypatch.setattr(ball_module, "BallLayout", Recorded)
+    options = dict(rho=0.05, iters=3, progress=False, share_storage=share_storage)
+    gq.geodesic_sharpness(tiny_bert(), loss_fn, [BATCH], **options)
+    ((rest,),) = [layout._rests for layout in layouts]
+    assert rest.scatters()
+    assert rest._scratch is None
+    assert layouts[0].bytes_per_parameter(keep_best_gradient=False)["staging"] == 0
+
+
+def test_gradients_scattered_per_parameter_equal_the_flat_gradient_read_by_blocks():
+    """:class:`_Scatter` copies each parameter's gradient into the groups' shapes: the
+    entries of the flat gradient read out by the blocks, a parameter with no gradient
+    zero, and the padding zero."""
+    from geoopt_quotient.sharpness.layout import _Scatter, _strided
+
+    layout = open_ball(tiny_bert(), "inv").layout
     (rest,) = layout._rests
-    points = rest.perturbed_points()
-    gradient = layout.gradient_buffers(None)[-1]
-    assert points[0].data_ptr() == gradient.data_ptr() == rest.scratch().data_ptr()
-    joined = sum(p.numel() for p in points)
-    assert rest.scratch().numel() == max(joined, rest.flat.size)
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=generator) for s in rest.flat.shapes]
+    grads[1] = None
+    given = [torch.zeros(s) if g is None else g for g, s in zip(grads, rest.flat.shapes)]
+    flat = rest.flat.filled(given)
+    expected = [torch.zeros(s) for s in rest.shapes]
+    for block in rest.blocks[0]:
+        _strided(expected[block.group].view(-1), block.point).copy_(_strided(flat, block.flat))
+    out = [torch.full(s, float("nan")) for s in rest.shapes]
+    segments = rest.flat.segments(3)
+    scatter = _Scatter(rest, segments, out)
+    grads_left = iter(grads)
+    taken = [[next(grads_left) for _ in segment.shapes] for segment in segments]
+    for segment, segment_grads in reversed(list(zip(segments, taken))):  # any order
+        scatter.write(segment, segment_grads)
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want)
 
 
 def call_for(measure):

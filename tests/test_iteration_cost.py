@@ -241,8 +241,9 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_strided_blocks()
     """The layout writes the stacked points into the parameters' flat buffer with a few
     strided copies (a block of rows of one parameter, over the layers and heads), with
     no index per entry, the entries and the zero gaps those of the index copy (the
-    padding rows of the value-output stack go to no parameter); the gradient is read
-    back alike, the padding zero. The negatives: positions in no regular layout are no
+    padding rows of the value-output stack go to no parameter); each parameter's gradient
+    is copied into the groups' shapes alike (the parts of the blocks in it), the padding
+    zero. The negatives: positions in no regular layout are no
     blocks, and a parameter entry written twice leaves the index copy."""
     model, _ = tiny_bert()
     layout = inv_layout(model)
@@ -265,7 +266,12 @@ def test_the_stacked_points_are_written_into_the_flat_buffer_by_strided_blocks()
     grad = torch.randn(rest.flat.size, dtype=torch.float64)
     torch._foreach_zero_(rest.flat.pieces(grad)[1])
     out = [torch.full_like(p, float("nan")) for p in points]
-    read = rest.read(grad, out)
+    segments = rest.flat.segments(2)
+    scatter = layout_module._Scatter(rest, segments, out)
+    parameters = iter(rest.flat.pieces(grad)[0])  # each its own tensor, as autograd's
+    for segment in segments:
+        scatter.write(segment, [next(parameters).clone() for _ in segment.shapes])
+    read = out
     expected = grad.index_select(0, positions)
     assert torch.equal(torch.cat([r.reshape(-1) for r in read]), expected)
     shuffled = positions.clone()
@@ -338,26 +344,32 @@ def test_gradients_read_by_index_maps_are_tensors_of_their_own():
         assert torch.equal(a, b)
 
 
-def test_several_groups_perturbed_points_are_joined_where_they_are_written():
+def test_several_groups_perturbed_points_are_the_evaluations_own_vectors():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
-    their perturbed points are views of one buffer of the layout's own, the same at every
-    evaluation, which the write gathers from: no buffer as large as those groups is
-    allocated per evaluation (it would be faulted in page by page), points written
-    elsewhere are copied into it; the flat buffer written is the index copy's, bit for
-    bit."""
+    their perturbed points are written where their gradients go next: the tensors of the
+    vector the evaluation takes for its gradient (new ones where none is free), read
+    once by the write, which allocates nothing as large as a group; the flat buffer
+    written is the index copy's, bit for bit."""
     layout = inv_layout(tiny_llama_causal_lm())
     (rest,) = layout._rests
-    assert len(rest.groups) == 2  # the rotary stack and the value-output stack
-    buffers = [layout.perturbed_buffer(p) for p in rest.groups]
-    storages = {b.untyped_storage().data_ptr() for b in buffers}
-    assert len(storages) == 1 and all(b.is_contiguous() for b in buffers)
+    assert len(rest.groups) == 2 and rest.scatters()  # the rotary and value-output stacks
+    assert all(layout.perturbed_buffer(p) is None for p in rest.groups)
+    spare = [torch.empty_like(group.point) for group in layout.groups]
+    assert layout.fits(spare)
+    own = layout.evaluation_vectors(spare)
+    assert all(own[p] is spare[p] for p in rest.groups)
+    assert all(own[p] is None for p in range(len(layout.groups)) if p not in rest.groups)
+    new = layout.evaluation_vectors(None)
+    buffers = [new[p] for p in rest.groups]
+    for buffer, p in zip(buffers, rest.groups):
+        assert buffer.shape == layout.groups[p].point.shape and buffer.is_contiguous()
     smallest = min(b.numel() for b in buffers)
     out = torch.empty(rest.flat.size, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
-    for in_place in (False, True, True, False):
-        points = [torch.randn(b.shape, dtype=torch.float64, generator=generator) for b in buffers]
-        if in_place:  # as the explicit paths write them
-            points = [b.copy_(p) for b, p in zip(buffers, points)]
+    for _ in range(2):
+        points = [
+            b.copy_(torch.randn(b.shape, dtype=b.dtype, generator=generator)) for b in buffers
+        ]
         with FreshTensors() as fresh:
             rest.write(points, out)
         assert max((entries for _, entries, _ in fresh.records), default=0) < smallest
@@ -366,7 +378,6 @@ def test_several_groups_perturbed_points_are_joined_where_they_are_written():
         expected.index_copy_(0, entry_positions(layout, rest), joined)
         for written, reference in zip(rest.flat.pieces(out)[0], rest.flat.pieces(expected)[0]):
             assert torch.equal(written, reference)
-    assert layout.perturbed_buffer(rest.groups[0]) is buffers[0]
 
 
 @pytest.mark.parametrize("name", ["adaptive", "inv", "mix"])
@@ -381,6 +392,34 @@ def test_flat_layout_changes_the_value_only_by_rounding(name, monkeypatch):
     # float64 sums in another order; the iterates' branch decisions are the same
     for a, b in zip(flat.per_batch, separate.per_batch):
         assert math.isclose(a, b, rel_tol=1e-9)
+    for a, b in zip(flat.histories, separate.histories):
+        assert a == pytest.approx(b, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["inv", "mix"])
+def test_a_deeper_rotary_layout_changes_the_value_only_by_rounding(name, monkeypatch):
+    """As above on a 3-layer Llama with grouped-query heads: its rotary and value-output
+    stacks share one flat buffer, whose blocks span the layers, so each parameter's
+    gradient is copied into the groups' shapes by the parts of the blocks in it."""
+    model = tiny_llama_causal_lm(layers=3)
+    ids = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        return gq.geodesic_sharpness(
+            model,
+            lambda m, b: m(input_ids=b, labels=b).loss,
+            [ids],
+            metric=name,
+            rho=0.05,
+            iters=8,
+            progress=False,
+        )
+
+    flat = run()
+    monkeypatch.setattr(ball_module, "BallLayout", lambda *args: None)  # no layout
+    separate = run()
+    assert flat.value > 0
+    assert math.isclose(flat.value, separate.value, rel_tol=1e-9)
     for a, b in zip(flat.histories, separate.histories):
         assert a == pytest.approx(b, rel=1e-9)
 
@@ -1012,10 +1051,10 @@ def test_a_run_allocates_no_more_vectors_than_it_holds_at_once(keep, most, monke
         allocations.append("iterate")
         return joint(*args, **kwargs)
 
-    def counted_gradients(self, spare):
+    def counted_gradients(self, spare, own=None):
         if spare is None:
             allocations.append("gradient")
-        return gradient_buffers(self, spare)
+        return gradient_buffers(self, spare, own)
 
     monkeypatch.setattr(buffers, "joint_buffer", counted_joint)
     monkeypatch.setattr(layout_module.BallLayout, "gradient_buffers", counted_gradients)

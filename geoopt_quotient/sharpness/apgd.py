@@ -1175,7 +1175,8 @@ def _perturbed_targets(
     """Per group, ``(x, buffer)`` where the update writes the perturbed point
     :math:`x + \\xi` as well, in its sweep over the new iterate (a straight path in the
     point's dtype, on the CPU, into the buffer the evaluation reads it from), else
-    ``None``; ``None`` for an objective whose evaluation has no such buffers.
+    ``None`` (also where the objective's ``perturbed_buffer`` gives none); ``None`` for
+    an objective whose evaluation has no such buffers.
 
     On the CPU this saves a read of the iterate per evaluation; on an accelerator, where
     the update's blocks are few and large, it would add operators and save nothing.
@@ -1186,12 +1187,11 @@ def _perturbed_targets(
         buffer = getattr(objective, "perturbed_buffer", None)
     if buffer is None:
         return None
-    targets = [
-        (x, buffer(i))
-        if path is straight_path and dtype == x.dtype and not capped(x.device)
-        else None
-        for i, (path, x, dtype) in enumerate(zip(paths, ball.points, ball.dtypes))
-    ]
+    targets: List[Tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i, (path, x, dtype) in enumerate(zip(paths, ball.points, ball.dtypes)):
+        straight = path is straight_path and dtype == x.dtype and not capped(x.device)
+        target = buffer(i) if straight else None  # None: the evaluation's own vector
+        targets.append(None if target is None else (x, target))
     return targets if any(t is not None for t in targets) else None
 
 

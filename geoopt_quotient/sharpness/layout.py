@@ -18,14 +18,16 @@ the model without a copy per tensor. :class:`BallLayout` arranges this:
   :class:`~geoopt_quotient.GLQuotient` groups of one geometry are stacked into one batch
   whose two factors have equal rows (:class:`_Stack`), so that the geometry's operations
   are one batched product each;
-- the loss sees views of these buffers (no copy per tensor), and its gradient arrives in
-  one flat buffer per buffer (:class:`_GradientLeaves`: one copy per segment, during
-  the backward pass), read
-  back into the groups' shapes with the same blocks (or one index gather); the fused
-  adaptive buffer's gradient is written block by block instead, each block converted
-  to the Riemannian gradient with its Gram entries as soon as it is complete, while in
-  cache (:class:`_Arrival`, on the CPU): per Auto-PGD iteration the gradient is written once
-  and not read again before the update.
+- the loss sees views of these buffers (no copy per tensor), and its gradient is taken
+  from each parameter as the backward pass completes it (:class:`_GradientLeaves`): the
+  fused adaptive buffer's is written into a flat gradient block by block, each block
+  converted to the Riemannian gradient with its Gram entries as soon as it is complete,
+  while in cache (:class:`_Arrival`, on the CPU), so that per Auto-PGD iteration the
+  gradient is written once and not read again before the update; the other groups'
+  is copied straight into their shapes by the parts of the blocks in each parameter
+  (:class:`_Scatter`), into the vector their perturbed points were written from, so
+  that no buffer as large as those groups stands between (with index maps: one copy
+  per segment into a flat gradient, then one index gather).
 
 With the element-wise metric, fusing the groups changes nothing but the order of sums:
 with :math:`x = (x_1, \dots, x_k)` concatenated,
@@ -38,6 +40,7 @@ gradients, and stay zero.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field
@@ -354,7 +357,8 @@ View = Tuple[int, Tuple[int, ...], Tuple[int, ...]]
 
 
 def _strided(flat: torch.Tensor, view: View) -> torch.Tensor:
-    """The strided view ``view`` of the contiguous tensor ``flat`` (read as 1-d)."""
+    """The strided view ``view`` of the contiguous tensor ``flat`` (read as 1-d, from
+    its first entry)."""
     offset, shape, strides = view
     return flat.as_strided(shape, strides, flat.storage_offset() + offset)
 
@@ -396,8 +400,8 @@ class _Rest:
     _scratch: torch.Tensor | None = None
     #: ``(out, its blocks' views, those of perturbed_points)`` of :meth:`_write_views`
     _written: Tuple | None = None
-    #: ``(gradient, its blocks' views)`` of :meth:`read`
-    _read_from: Tuple[torch.Tensor, List[torch.Tensor]] | None = None
+    #: :meth:`parameter_blocks`
+    _by_parameter: List[List[_Block]] | None = None
 
     def scratch(self) -> torch.Tensor:
         """One buffer for the joined perturbed points and the flat gradient, whose uses
@@ -432,8 +436,23 @@ class _Rest:
 
     def staging_bytes(self) -> int:
         """Memory of :meth:`scratch`: the joined perturbed points, and the flat gradient
-        the layout reads the groups' gradients from."""
+        the layout reads the groups' gradients from; none with :attr:`blocks`, whose
+        points and gradients are the evaluation's own vectors (:meth:`scatters`)."""
+        if self.scatters():
+            return 0
         return max(sum(s.numel() for s in self.shapes), self.flat.size) * self.flat.dtype.itemsize
+
+    def scatters(self) -> bool:
+        """Whether the groups' perturbed points are written into the flat buffer from
+        the evaluation's own vectors and their gradients straight into them, parameter
+        by parameter (:class:`_Scatter`): with :attr:`blocks`, no staging buffer."""
+        return self.blocks is not None
+
+    def parameter_blocks(self) -> List[List[_Block]]:
+        """:func:`parameter_blocks` of :attr:`blocks`, made once."""
+        if self._by_parameter is None:
+            self._by_parameter = parameter_blocks(self.blocks[0], self.flat)
+        return self._by_parameter
 
     def index_bytes(self) -> int:
         """Memory of the index maps (:func:`index_maps`; none with :attr:`blocks`)."""
@@ -495,26 +514,97 @@ class _Rest:
         self, grad: torch.Tensor, out: Sequence[torch.Tensor] | None = None
     ) -> List[torch.Tensor]:
         """The groups' parts of the flat ``grad``, written into ``out`` (contiguous
-        tensors of the groups' shapes and ``grad``'s dtype), else into new tensors."""
-        if self.blocks is not None:
-            blocks, padding = self.blocks
-            if out is None:
-                out = [grad.new_empty(shape) for shape in self.shapes]
-            if self._read_from is None or self._read_from[0] is not grad:
-                self._read_from = (grad, [_strided(grad, block.flat) for block in blocks])
-            flats = [o.view(-1) for o in out]
-            targets = [_strided(flats[block.group], block.point) for block in blocks]
-            torch._foreach_copy_(targets, self._read_from[1])
-            _zero([_strided(flats[j], view) for j, views in enumerate(padding) for view in views])
-            return list(out)
+        tensors of the groups' shapes and ``grad``'s dtype), else into new tensors: with
+        :attr:`blocks` as the backward pass writes them (:class:`_Scatter`), else one
+        gather per group by the index maps."""
         sizes = [s.numel() for s in self.shapes]
         if out is None:  # tensors of their own: views of one would share a version
             # counter, so that writing one in place would invalidate what the tangent
             # spaces keep of the others (their products with the point)
             out = [grad.new_empty(shape) for shape in self.shapes]
+        if self.scatters():
+            (whole,) = self.flat.segments(1)
+            _Scatter(self, [whole], out).write(whole, self.flat.pieces(grad)[0])
+            return list(out)
         for o, destination in zip(out, self.destination.split(sizes)):  # fits, if given
             torch.index_select(grad, 0, destination, out=o.view(-1))
         return list(out)
+
+
+class _Scatter:
+    """Writes the gradients of a flat buffer's parameters straight into the groups'
+    gradients (contiguous tensors of the groups' shapes), as the backward pass makes
+    them: per parameter, one strided copy per part of a block in it
+    (:func:`parameter_blocks`), with no flat gradient between (a staging buffer as
+    large as the groups). A parameter with no gradient leaves zeros; so do the groups'
+    padding entries. Values are those of copying into the flat gradient and reading
+    the blocks out of it (the same entries, copied)."""
+
+    def __init__(self, rest: _Rest, segments: List[_Segment], out: Sequence[torch.Tensor]):
+        self.by_parameter = rest.parameter_blocks()
+        self.flats = [o.view(-1) for o in out]
+        self.first: Dict[int, int] = {}
+        count = 0
+        for segment in segments:
+            self.first[segment.start] = count
+            count += len(segment.shapes)
+        padding = rest.blocks[1]
+        _zero([_strided(self.flats[j], view) for j, views in enumerate(padding) for view in views])
+
+    def write(self, segment: _Segment, grads: Sequence[torch.Tensor | None]) -> None:
+        """The gradients of ``segment``'s parameters (``None``: zero) copied into their
+        entries of the groups' gradients."""
+        first = self.first[segment.start]
+        targets, sources, zeros = [], [], []
+        for index, grad in enumerate(grads):
+            parts = self.by_parameter[first + index]
+            views = [_strided(self.flats[part.group], part.point) for part in parts]
+            if grad is None:
+                zeros += views
+                continue
+            grad = grad.contiguous()  # read as 1-d by as_strided: no view taken
+            targets += views
+            sources += [_strided(grad, part.flat) for part in parts]
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        _zero(zeros)
+
+
+def parameter_blocks(blocks: Sequence[_Block], flat: FlatBuffer) -> List[List[_Block]]:
+    """Per parameter of ``flat`` (in its order), the parts of ``blocks`` in it, their
+    ``flat`` views taken from the parameter's first entry: a block is split along its
+    dimension of largest stride (the layers, say) until each part lies in one parameter.
+    So a parameter's gradient, a tensor of its own, is copied into the groups' shapes
+    without a flat buffer between (:class:`_Scatter`)."""
+    ends = [start + shape.numel() for start, shape in zip(flat.starts, flat.shapes)]
+    out: List[List[_Block]] = [[] for _ in flat.shapes]
+    pending = [(block.group, block.point, block.flat) for block in blocks]
+    while pending:
+        group, point, view = pending.pop()
+        offset, shape, strides = view
+        if 0 in shape:
+            continue
+        low = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+        high = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+        owner = bisect.bisect_right(flat.starts, low) - 1
+        if owner >= 0 and high < ends[owner]:
+            out[owner].append(_Block(group, point, (offset - flat.starts[owner], shape, strides)))
+            continue
+        spread = [d for d, n in enumerate(shape) if n > 1]
+        if not spread:  # one entry outside every parameter: the blocks are wrong
+            raise RuntimeError(f"a block's entry {offset} is in no parameter of the buffer")
+        dim = max(spread, key=lambda d: abs(strides[d]))
+        for i in reversed(range(shape[dim])):
+            pending.append((group, _entry_of(point, dim, i), _entry_of(view, dim, i)))
+    return out
+
+
+def _entry_of(view: View, dim: int, index: int) -> View:
+    """The strided view ``view`` at ``index`` of its dimension ``dim`` (dropped)."""
+    offset, shape, strides = view
+    start = offset + index * strides[dim]
+    kept = [d for d in range(len(shape)) if d != dim]
+    return start, tuple(shape[d] for d in kept), tuple(strides[d] for d in kept)
 
 
 def covered_once(groups: Sequence[SymmetryGroup], flat: FlatBuffer) -> bool:
@@ -814,7 +904,6 @@ class BallLayout:
         self._segments = [flat.segments(_segment_count(flat)) for flat in self.flats]
         self._leaves: List[_GradientLeaves] | None = None
         self._grads: List[torch.Tensor] = []
-        self._rest_grads: List[torch.Tensor] = []
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
 
     @staticmethod
@@ -906,10 +995,11 @@ class BallLayout:
         (less the symmetry groups' where they are the model's own storage, written in
         place and restored);
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
-        current gradient, and the best iterate's if kept; ``staging``: one buffer for the
-        unfused groups' perturbed points, joined before they are written into their flat
-        buffer, and for that buffer's gradient, before it is read into the groups' shapes
-        (:meth:`_Rest.scratch`);
+        current gradient, and the best iterate's if kept; ``staging``: where the unfused
+        groups' flat buffer has index maps, one buffer for their perturbed points,
+        joined before they are written into it, and for its gradient, before it is read
+        into the groups' shapes (:meth:`_Rest.scratch`; none with strided blocks:
+        :meth:`_Rest.scatters`);
         ``index``: the maps between the unfused groups' entries and their flat buffer
         (an integer per entry, :func:`index_maps`); ``total``: their sum. The model's own
         parameters and the pass's activations are not counted.
@@ -956,19 +1046,44 @@ class BallLayout:
                 rest.write([self.groups[p].point for p in rest.groups], buffer)
         self._perturbed_written = False
 
-    def perturbed_buffer(self, index: int) -> torch.Tensor:
+    def perturbed_buffer(self, index: int) -> torch.Tensor | None:
         """Where the perturbed point of group ``index`` is written: the fused groups'
         flat buffers are the ones the model reads; the other groups' points are views of
         one buffer per flat buffer, joined as its write reads them
-        (:meth:`_Rest.perturbed_points`)."""
+        (:meth:`_Rest.perturbed_points`); ``None`` for the groups whose points are
+        written from the evaluation's own vectors (:meth:`evaluation_vectors`)."""
         unfused = len(self._rest_points)
         if index >= unfused:
             return self._perturbed_buffers()[index - unfused]
+        if self._rest_of(index).scatters():
+            return None
         if self._rest_points[index] is None:
-            rest = next(r for r in self._rests if index in r.groups)
+            rest = self._rest_of(index)
             for position, view in zip(rest.groups, rest.perturbed_points()):
                 self._rest_points[position] = view
         return self._rest_points[index]  # type: ignore[return-value]
+
+    def _rest_of(self, index: int) -> _Rest:
+        return next(r for r in self._rests if index in r.groups)
+
+    def evaluation_vectors(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor | None]:
+        """Per group, where an evaluation writes its perturbed point and then its
+        gradient, for the groups whose flat buffer :meth:`~_Rest.scatters`: their
+        tensors of ``spare`` (a vector no longer needed, which :meth:`fits`), else new
+        ones; ``None`` for the other groups (:meth:`perturbed_buffer`). The point is
+        read once, when :meth:`parameters` writes it into the flat buffer the model
+        reads, before the pass; the gradient is written during the backward pass."""
+        out: List[torch.Tensor | None] = [None] * len(self.groups)
+        for rest in self._rests:
+            if not rest.scatters():
+                continue
+            dtype, device = rest.flat.dtype, rest.flat.device
+            for position, shape in zip(rest.groups, rest.shapes):
+                if spare is not None:
+                    out[position] = spare[position]
+                else:
+                    out[position] = torch.empty(shape, dtype=dtype, device=device)
+        return out
 
     def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> LayoutObjective:
         """The objective of :func:`~geoopt_quotient.maximize_in_ball` for ``loss(params)``
@@ -981,6 +1096,7 @@ class BallLayout:
         grad: bool,
         spare: Sequence[torch.Tensor] | None = None,
         sweep: Callable[[int, torch.Tensor], Any] | None = None,
+        own: Sequence[torch.Tensor | None] | None = None,
     ) -> Tuple[List, Dict]:
         """(leaves, parameters by name) for perturbed ``points`` of :attr:`groups`: the
         points written into the flat buffers (unless already there), one leaf per buffer
@@ -988,10 +1104,11 @@ class BallLayout:
 
         The gradients of the next :meth:`flat_gradients` go into the fused groups'
         vectors of ``spare`` (a vector of :attr:`groups` no longer needed, which
-        :meth:`fits`), and into buffers of the layout's own for the other groups: not
-        into new allocations, which for a model-sized buffer cost a page fault per page.
-        ``sweep(group, gradient)``: the sweep of a fused group's gradient, run as the
-        backward pass writes it (:class:`_Arrival`), or ``None``
+        :meth:`fits`), and for the other groups into ``own``
+        (:meth:`evaluation_vectors`, made from ``spare`` if not given) or buffers of the
+        layout's own: not into new allocations, which for a model-sized buffer cost a
+        page fault per page. ``sweep(group, gradient)``: the sweep of a fused group's
+        gradient, run as the backward pass writes it (:class:`_Arrival`), or ``None``
         (:meth:`~geoopt_quotient.sharpness.apgd.TangentBall.gradient_sweep`)."""
         buffers = self._perturbed_buffers()
         unfused = len(self._rest_points)
@@ -1005,7 +1122,7 @@ class BallLayout:
         if not grad:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
             return [], dict(zip(self.names, views))
-        self._grads = self.gradient_buffers(spare)
+        self._grads = self.gradient_buffers(spare, own)
         if self._leaves is None:
             self._leaves = [
                 _GradientLeaves(flat, buffer, segments)
@@ -1020,23 +1137,37 @@ class BallLayout:
                 sweeping = sweep(unfused + position, out)
                 pays = sweeping is not None and sweeping.blocks >= ARRIVAL_MIN_BLOCKS
                 arrival = _Arrival(sweeping, out) if pays else None
+            elif position >= len(self._fused):
+                rest = self._rests[position - len(self._fused)]
+                arrival = _Scatter(rest, segments, out) if rest.scatters() else None
             made.inbox.receiver = _Receiver(segments, out, arrival)
             leaves += made.leaves
         return leaves, dict(zip(self.names, leaves))
 
-    def gradient_buffers(self, spare: Sequence[torch.Tensor] | None) -> List[torch.Tensor]:
-        """Where the flat gradients go: the fused groups' vectors of ``spare`` (which
-        :meth:`fits`), else new buffers; the other groups' gradients are read out of
-        their flat buffers at once (:meth:`point_gradients`), so those are the layout's,
-        the same at every call."""
+    def gradient_buffers(
+        self,
+        spare: Sequence[torch.Tensor] | None,
+        own: Sequence[torch.Tensor | None] | None = None,
+    ) -> List:
+        """Where the flat buffers' gradients go: the fused groups' vectors of ``spare``
+        (which :meth:`fits`), else new buffers; for the other groups, the groups'
+        tensors of ``own`` (:meth:`evaluation_vectors`) where their buffer
+        :meth:`~_Rest.scatters` (a list per buffer), else a flat buffer of the
+        layout's own, read out at once (:meth:`point_gradients`), the same at every
+        call."""
         unfused = len(self._rest_points)
         if spare is None:
-            out = [flat.empty() for flat in self._fused]
+            out: List = [flat.empty() for flat in self._fused]
         else:
             out = list(spare[unfused:])
-        if len(self._rest_grads) != len(self._rests):
-            self._rest_grads = [rest.gradient_buffer() for rest in self._rests]
-        return out + self._rest_grads
+        if own is None:
+            own = self.evaluation_vectors(spare)
+        for rest in self._rests:
+            if rest.scatters():
+                out.append([own[p] for p in rest.groups])
+            else:
+                out.append(rest.gradient_buffer())
+        return out
 
     def fits(self, vector: Sequence[torch.Tensor]) -> bool:
         """Whether ``vector`` (one tensor per group of :attr:`groups`) can receive the
@@ -1074,8 +1205,11 @@ class BallLayout:
         for position, grad in enumerate(flat_grads[: len(self._fused)]):
             out[unfused + position] = grad
         for rest, grad in zip(self._rests, flat_grads[len(self._fused) :]):
-            targets = None if spare is None else [spare[p] for p in rest.groups]
-            for position, g in zip(rest.groups, rest.read(grad, targets)):
+            if rest.scatters():  # written there by the backward pass (_Scatter)
+                read = grad
+            else:
+                read = rest.read(grad, None if spare is None else [spare[p] for p in rest.groups])
+            for position, g in zip(rest.groups, read):
                 out[position] = g
         return out  # type: ignore[return-value]
 
@@ -1367,9 +1501,10 @@ class LayoutObjective:
         self.layout = layout
         self.loss = loss
 
-    def perturbed_buffer(self, index: int) -> torch.Tensor:
+    def perturbed_buffer(self, index: int) -> torch.Tensor | None:
         """Where :meth:`evaluate_ball` reads group ``index``'s perturbed point from
-        (:meth:`BallLayout.perturbed_buffer`)."""
+        (:meth:`BallLayout.perturbed_buffer`); ``None`` where that is the evaluation's
+        own vector (:meth:`BallLayout.evaluation_vectors`)."""
         return self.layout.perturbed_buffer(index)
 
     def __call__(self, points: List[torch.Tensor]) -> Any:
@@ -1404,8 +1539,12 @@ class LayoutObjective:
             recycled.clear()
         points, pullbacks, traced = [], [], {}
         written, zero = ball.take_written(xi), ball.is_zero(xi)
+        own = layout.evaluation_vectors(spare)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
-            buffer = functools.partial(layout.perturbed_buffer, index)
+            if own[index] is None:
+                buffer = functools.partial(layout.perturbed_buffer, index)
+            else:
+                buffer = functools.partial(_given, own[index])
             point, pullback = explicit_path(path, x, v, buffer, written[index], zero)
             if point is None:
                 leaf = v.detach().requires_grad_(grad)
@@ -1414,7 +1553,9 @@ class LayoutObjective:
                 traced[index] = leaf
             points.append(point)
             pullbacks.append(pullback)
-        leaves, params = layout.parameters(points, grad, spare, ball.gradient_sweep)
+        leaves, params = layout.parameters(points, grad, spare, ball.gradient_sweep, own)
+        points = {index: points[index] for index in traced}  # the rest are read: free
+        del own
         with torch.enable_grad() if grad else torch.no_grad():
             with autocast.restored():
                 value = as_scalar(self.loss(params))
@@ -1430,3 +1571,7 @@ class LayoutObjective:
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
         return value.detach().reshape(()), grads
+
+
+def _given(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
