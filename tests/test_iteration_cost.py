@@ -344,6 +344,58 @@ def test_gradients_read_by_index_maps_are_tensors_of_their_own():
         assert torch.equal(a, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 4),
+    rows=st.integers(1, 5),
+    first_row=st.integers(0, 3),
+    spare_rows=st.integers(0, 3),
+    columns=st.integers(1, 6),
+    segments=st.integers(1, 4),
+    missing=st.integers(-1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_gradients_copied_per_parameter_are_the_flat_gradients_entries(
+    layers, rows, first_row, spare_rows, columns, segments, missing, seed
+):
+    """A group stacking rows ``first_row : first_row + rows`` of one parameter per layer
+    (its point ``(layers, rows, columns)``, one block over the layers): each parameter's
+    gradient copied by the parts of the blocks in it (:func:`parameter_blocks`,
+    :class:`_Scatter`, segments written in any order) is the flat gradient's entries at
+    the point's positions, bit for bit; a parameter with no gradient gives zeros."""
+    height = first_row + rows + spare_rows
+    shapes = [torch.Size((height, columns))] * layers
+    flat = layout_module.FlatBuffer([f"w{i}" for i in range(layers)], shapes, torch.float64, "cpu")
+    positions = torch.stack(
+        [
+            start + torch.arange(first_row * columns, (first_row + rows) * columns)
+            for start in flat.starts
+        ]
+    )
+    point_shape = torch.Size((layers, rows, columns))
+    found = layout_module.strided_blocks(
+        [positions.reshape(-1)], [point_shape], [[(layers,)]], flat, flat.size, [False]
+    )
+    assert found is not None
+    rest = layout_module._Rest(flat, [0], [point_shape], None, None, found)
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    if missing in range(layers):
+        grads[missing] = None
+    given_ = [
+        torch.zeros(s, dtype=torch.float64) if g is None else g for g, s in zip(grads, shapes)
+    ]
+    expected = flat.filled(given_).index_select(0, positions.reshape(-1)).view(point_shape)
+    out = [torch.full(point_shape, float("nan"), dtype=torch.float64)]
+    parts = flat.segments(segments)
+    scatter = layout_module._Scatter(rest, parts, out)
+    remaining = iter(grads)
+    taken = [[next(remaining) for _ in part.shapes] for part in parts]
+    for part, part_grads in reversed(list(zip(parts, taken))):
+        scatter.write(part, part_grads)
+    assert torch.equal(out[0], expected)
+
+
 def test_several_groups_perturbed_points_are_the_evaluations_own_vectors():
     """Where one flat buffer holds several groups (a Llama's rotary and GL(h) stacks),
     their perturbed points are written where their gradients go next: the tensors of the
