@@ -237,6 +237,16 @@ def entry_positions(layout, rest) -> torch.Tensor:
     return torch.cat([s.destination(layout.plan, start, trash, "cpu") for s in stacks])
 
 
+def scattered(rest, grad: torch.Tensor, out=None):
+    """The groups' parts of a flat gradient ``grad`` of ``rest``'s strided blocks, as the
+    backward pass's per-parameter copies write them (:class:`_Scatter`, one segment)."""
+    if out is None:
+        out = [grad.new_empty(shape) for shape in rest.shapes]
+    (whole,) = rest.flat.segments(1)
+    layout_module._Scatter(rest, [whole], out).write(whole, rest.flat.pieces(grad)[0])
+    return out
+
+
 def test_the_stacked_points_are_written_into_the_flat_buffer_by_strided_blocks():
     """The layout writes the stacked points into the parameters' flat buffer with a few
     strided copies (a block of rows of one parameter, over the layers and heads), with
@@ -315,7 +325,7 @@ def test_grouped_query_heads_are_strided_blocks_split_by_head():
     grad = torch.randn(rest.flat.size, dtype=torch.float64)
     for gap in rest.flat.pieces(grad)[1]:
         gap.zero_()
-    read = rest.read(grad, [torch.full_like(p, float("nan")) for p in points])
+    read = scattered(rest, grad, [torch.full_like(p, float("nan")) for p in points])
     expected = grad.index_select(0, positions)
     assert torch.equal(torch.cat([r.reshape(-1) for r in read]), expected)
     uneven = torch.tensor([0, 1, 2, 50, 51, 90])[:, None] + 200 * torch.arange(3)
@@ -340,7 +350,7 @@ def test_gradients_read_by_index_maps_are_tensors_of_their_own():
         gap.zero_()
     read = indexed.read(grad)
     assert len({r.untyped_storage().data_ptr() for r in read}) == len(read) > 1
-    for a, b in zip(read, rest.read(grad)):
+    for a, b in zip(read, scattered(rest, grad)):
         assert torch.equal(a, b)
 
 

@@ -513,19 +513,15 @@ class _Rest:
     def read(
         self, grad: torch.Tensor, out: Sequence[torch.Tensor] | None = None
     ) -> List[torch.Tensor]:
-        """The groups' parts of the flat ``grad``, written into ``out`` (contiguous
-        tensors of the groups' shapes and ``grad``'s dtype), else into new tensors: with
-        :attr:`blocks` as the backward pass writes them (:class:`_Scatter`), else one
-        gather per group by the index maps."""
+        """The groups' parts of the flat ``grad``, one gather per group by the index
+        maps, written into ``out`` (contiguous tensors of the groups' shapes and
+        ``grad``'s dtype), else into new tensors. (With :attr:`blocks` the gradient
+        never lies in a flat buffer: :class:`_Scatter`.)"""
         sizes = [s.numel() for s in self.shapes]
         if out is None:  # tensors of their own: views of one would share a version
             # counter, so that writing one in place would invalidate what the tangent
             # spaces keep of the others (their products with the point)
             out = [grad.new_empty(shape) for shape in self.shapes]
-        if self.scatters():
-            (whole,) = self.flat.segments(1)
-            _Scatter(self, [whole], out).write(whole, self.flat.pieces(grad)[0])
-            return list(out)
         for o, destination in zip(out, self.destination.split(sizes)):  # fits, if given
             torch.index_select(grad, 0, destination, out=o.view(-1))
         return list(out)
