@@ -118,14 +118,14 @@ def loss_fn(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Ten
     return model(**batch).loss
 
 
-def measure(name: str) -> Dict[str, Any]:
+def measure(name: str, **options: Any) -> Dict[str, Any]:
     torch.manual_seed(0)
     model, batches = MODELS[name]()
     model = model.to(torch.float64).eval()
     model.config._attn_implementation = "eager"
     row: Dict[str, Any] = {}
     ada = gq.adaptive_sharpness(
-        model, loss_fn, batches, rho=RADII["adaptive"], iters=ITERS, progress=False
+        model, loss_fn, batches, rho=RADII["adaptive"], iters=ITERS, progress=False, **options
     )
     row["adaptive"] = ada.value
     for metric in ("inv", "mix"):
@@ -139,6 +139,7 @@ def measure(name: str) -> Dict[str, Any]:
             symmetries=plan,
             metric=metric,
             progress=False,
+            **options,
         )
         row[metric] = geo.value
         row[f"{metric}_per_batch"] = list(geo.per_batch)
@@ -152,11 +153,22 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--json", help="write the values to this file")
     parser.add_argument("--compare", help="compare with this file; exit 1 if any value differs")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
+    parser.add_argument(
+        "--keep-best-gradient",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="keep Auto-PGD's best gradient (auto: the default, kept for these small models)",
+    )
+    parser.add_argument(
+        "--share-storage", action="store_true", help="the base point in the model's storage"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    keep = {"auto": None, "yes": True, "no": False}[args.keep_best_gradient]
+    options = dict(keep_best_gradient=keep, share_storage=args.share_storage)
     values = {}
     for name in args.models.split(","):
-        values[name] = measure(name)
+        values[name] = measure(name, **options)
         shown = ", ".join(f"{k} {values[name][k]!r}" for k in ("adaptive", "inv", "mix"))
         print(f"{name}: {shown}", flush=True)
     document = {"torch": torch.__version__, "transformers": transformers.__version__, **values}

@@ -5,6 +5,7 @@ them keeps aliasing it, which the stale-reference check relies on)."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -401,3 +402,160 @@ def test_a_plan_passed_unbound_is_bound_once_and_its_blocks_derived_once(monkeyp
     replaced = resolve_plan(model, plan, "inv")
     assert replaced is not bound and replaced is not frozen
     assert resolve_plan(model, plan, "inv") is replaced
+
+
+class Lending:
+    """The layout's objective, recording whether each gradient it returned is its own
+    vector (written over the perturbed points)."""
+
+    def __init__(self, inner):
+        self.inner, self.lent = inner, []
+
+    def perturbed_buffer(self, index):
+        return self.inner.perturbed_buffer(index)
+
+    def owns(self, vector):
+        return self.inner.owns(vector)
+
+    def evaluate_ball(self, ball, paths, xi, grad, autocast, recycled=None, own_vector=False):
+        value, grads = self.inner.evaluate_ball(
+            ball, paths, xi, grad, autocast, recycled, own_vector
+        )
+        if grads is not None:
+            self.lent.append(self.inner.owns(grads))
+        return value, grads
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])
+def test_without_the_kept_gradient_it_is_written_over_the_perturbed_points(measure, monkeypatch):
+    """Where Auto-PGD keeps no best gradient, each evaluation returns the gradient in the
+    layout's own vector: for the fused groups the flat buffers the model read the
+    perturbed points from (a segment's gradient written once the backward pass is done
+    with its parameters, here one a segment), for the symmetry groups the tensors their
+    points were written from. The run is the one with the kept gradient, value for
+    value (a restart recomputes the gradient), with one vector of the model's size
+    less."""
+    from geoopt_quotient.sharpness import layout as layout_module
+
+    monkeypatch.setattr(layout_module, "GRADIENT_SEGMENT_BYTES", 1)
+    model = tiny_bert().double()
+    plan = gq.SymmetryPlan().bind(model) if measure == "adaptive" else None
+    plan = plan or resolve_plan(model, None, measure)
+    runs = {}
+    for keep in (True, False):
+        ball = LocalBall(
+            model,
+            plan,
+            loss_fn,
+            kind="worst",
+            path="second_order",
+            norm=True,
+            keep_best_gradient=keep,
+        )
+        objective = Lending(ball.objective(BATCH))
+        result = gq.maximize_in_ball(
+            ball.groups, objective, rho=3.0, iters=12, keep_best_gradient=keep
+        )
+        runs[keep] = result, objective.lent, ball.layout
+    (kept, kept_lent, _), (lent, lent_flags, layout) = runs[True], runs[False]
+    assert kept.history == lent.history and kept.value == lent.value
+    assert lent.gradients > kept.gradients  # restarts recomputed the gradient
+    assert not any(kept_lent) and lent_flags and all(lent_flags)
+    own = layout.evaluation_vector()
+    fused = range(len(layout._rest_points), len(layout.groups))
+    assert all(own[i] is layout.perturbed_buffer(i) for i in fused)
+    counted = layout.bytes_per_parameter(keep_best_gradient=False)
+    assert counted["gradients"] == (
+        0
+        if measure == "adaptive"
+        else pytest.approx(layout._own_rest_bytes() / sum(p.numel() for p in model.parameters()))
+    )
+
+
+class ReadsAWeightLate(torch.nn.Module):
+    """A loss that reads ``first.weight`` through a ``detach()`` in a node that autograd
+    runs after the weight's own gradient is complete (made earlier in the forward pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 6)
+        self.second = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        late = (self.second.weight * self.first.weight.detach()).square().sum()
+        return late + self.second(torch.tanh(self.first(x))).square().mean()
+
+
+def test_a_loss_reading_a_weight_after_its_gradient_falls_back_to_a_vector_of_its_own(
+    monkeypatch,
+):
+    """The gradient written over a weight's perturbed point once autograd completed it
+    would be read as that weight by a later node holding a ``detach()`` of it: the
+    weight's version, bumped by the write, makes autograd raise instead, and the
+    evaluation runs again with the gradient in a vector of its own, as all later ones
+    do. The value is the one with the kept gradient, bit for bit."""
+    from geoopt_quotient.sharpness import layout as layout_module
+
+    monkeypatch.setattr(layout_module, "GRADIENT_SEGMENT_BYTES", 1)  # a segment a parameter
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    values, layouts = {}, []
+    original = layout_module.BallLayout.__init__
+
+    def recorded(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        layouts.append(self)
+
+    monkeypatch.setattr(layout_module.BallLayout, "__init__", recorded)
+    for keep in (True, False):
+        torch.manual_seed(0)
+        model = ReadsAWeightLate().double()
+        values[keep] = gq.adaptive_sharpness(
+            model,
+            lambda m, b: m(b),
+            [x],
+            rho=0.1,
+            iters=5,
+            progress=False,
+            keep_best_gradient=keep,
+        ).value
+    assert values[False] == values[True] and values[True] > 0
+    assert layouts[0].lends and not layouts[-1].lends
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "inv"])
+def test_a_float32_state_of_a_bfloat16_model_holds_as_many_vectors_without_the_kept_gradient(
+    measure, monkeypatch
+):
+    """A bfloat16 model's gradient, written over its perturbed parameters, is made
+    Riemannian in the float32 state's new tensors, which Auto-PGD then owns: the free
+    vectors, of no use to an evaluation, are released before each (as with the kept
+    gradient) instead of piling up from one iteration to the next, and the values are
+    those with the kept gradient."""
+    from geoopt_quotient.sharpness import buffers
+
+    most = []
+    output = buffers.AutoPGDVectors.output
+
+    def counted(self):
+        most.append(len(self.free))
+        return output(self)
+
+    monkeypatch.setattr(buffers.AutoPGDVectors, "output", counted)
+    values = {}
+    for keep in (True, False):
+        torch.manual_seed(0)
+        model = bert_and_batch(torch.bfloat16)[0]
+        most.clear()
+        with warnings.catch_warnings():  # the bfloat16 model's resolution, warned of
+            warnings.simplefilter("ignore", UserWarning)
+            values[keep] = call_for(measure)(
+                model,
+                loss_fn,
+                [BATCH],
+                rho=0.05,
+                iters=12,
+                progress=False,
+                keep_best_gradient=keep,
+            )
+    assert values[False].value == values[True].value
+    assert max(most) <= 2  # freed since the evaluation: the gradient, an old best

@@ -41,9 +41,12 @@ class Recording:
     def perturbed_buffer(self, index):
         return self.inner.perturbed_buffer(index)
 
-    def evaluate_ball(self, ball, paths, xi, grad, autocast, recycled=None):
+    def evaluate_ball(self, ball, paths, xi, grad, autocast, recycled=None, own_vector=False):
         self.seen.append([v.detach().clone() for v in xi])
-        return self.inner.evaluate_ball(ball, paths, xi, grad, autocast, recycled)
+        return self.inner.evaluate_ball(ball, paths, xi, grad, autocast, recycled, own_vector)
+
+    def owns(self, vector):
+        return self.inner.owns(vector)
 
 
 def norms(groups, xi):

@@ -141,13 +141,17 @@ def test_layout_counts_two_bytes_per_entry_of_a_bfloat16_state(measure):
             norm=True,
             keep_best_gradient=False,
         )
-    full = ball.layout.bytes_per_parameter(keep_best_gradient=False)
-    half = ball.layout.bytes_per_parameter(keep_best_gradient=False, state_dtype=BF16)
+    full = ball.layout.bytes_per_parameter(keep_best_gradient=True)
+    half = ball.layout.bytes_per_parameter(keep_best_gradient=True, state_dtype=BF16)
     assert full["iterates"] == pytest.approx(12.0, rel=1e-2)
     assert half["iterates"] == pytest.approx(6.0, rel=1e-2)
-    assert half["gradients"] == pytest.approx(2.0, rel=1e-2)
+    assert half["gradients"] == pytest.approx(4.0, rel=1e-2)
     halved = (full["iterates"] + full["gradients"]) / 2
     assert half["total"] == pytest.approx(full["total"] - halved, rel=1e-12)
+    # not kept: the gradient in the layout's own vector, in the parameters' dtype
+    lent = ball.layout.bytes_per_parameter(keep_best_gradient=False, state_dtype=BF16)
+    assert lent["gradients"] < (0.01 if measure == "adaptive" else 2.0)
+    assert lent["total"] == pytest.approx(half["total"] - half["gradients"] + lent["gradients"])
 
 
 def float_loss(model, batch):

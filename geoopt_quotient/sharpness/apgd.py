@@ -540,6 +540,7 @@ def evaluate_in_ball(
     grad: bool,
     autocast: AutocastState,
     recycled: List[List[torch.Tensor]] | None = None,
+    own_vector: bool = False,
 ) -> Tuple[torch.Tensor, List[torch.Tensor] | None]:
     r"""The objective at the perturbed points, and its gradient with respect to ``xi``.
 
@@ -558,10 +559,16 @@ def evaluate_in_ball(
     instead of into a new buffer (one of a large model's size is faulted in page by page:
     in system time, several copies' worth); other evaluations release them all before
     the objective runs (empty the list), since autograd allocates the gradient anyway.
+    ``own_vector``: such an objective, if it has an ``owns(vector)`` method that tells
+    it, may instead return the gradient in a vector of its own, which its next
+    evaluation writes over; the caller reads it before then and never writes into it.
     """
     custom = getattr(objective, "evaluate_ball", None)
     if custom is not None:
-        return custom(ball, paths, xi, grad, autocast, recycled)
+        args = (ball, paths, xi, grad, autocast, recycled)
+        if own_vector and callable(getattr(objective, "owns", None)):
+            return custom(*args, own_vector=True)
+        return custom(*args)
     if recycled:
         recycled.clear()  # freed before the objective runs
     leaves, moved, pullbacks = [], [], []
@@ -729,9 +736,10 @@ def maximize_in_ball(
         NaN/Inf (default); ``False`` lets the iterates go on.
     keep_best_gradient : bool or None
         Keep a copy of the best iterate's gradient, so that a restart from it costs no
-        pass, at the price of one more vector of the ball's size alive throughout.
-        ``None``: keep it when that vector takes at most
-        :data:`KEEP_GRADIENT_MAX_BYTES`.
+        pass, at the price of one more vector of the ball's size alive throughout (two
+        with an objective that otherwise returns the gradient in a vector of its own:
+        ``own_vector`` of :func:`evaluate_in_ball`). ``None``: keep it when that vector
+        takes at most :data:`KEEP_GRADIENT_MAX_BYTES`.
     keep_initial_gradient : bool
         Return a copy of the Riemannian gradient at the initial iterate
         (:attr:`BallMaxResult.initial_gradient`; one more vector of the ball's size, no
@@ -1069,12 +1077,18 @@ class BallPasses:
         vector; ``(value, gradient or None)``."""
         ball = self.ball
         ball.sweeps = {}  # an earlier evaluation's, not taken (its gradient was dropped)
+        vectors = self.vectors
+        # the objective's own vector as the gradient where no role keeps a gradient
+        # beyond the next update (the best one): one vector of the model's size less
+        own = not vectors.keep_best_gradient
         try:
-            free = self.vectors.free
-            args = (ball, self.paths, self.objective, xi, grad, self.autocast, free)
+            args = (ball, self.paths, self.objective, xi, grad, self.autocast, vectors.free, own)
             value, grads = evaluate_in_ball(*args)
         finally:
             ball.pending = None  # announced for this evaluation only
+        owns = getattr(self.objective, "owns", None)
+        if grads is not None and owns is not None and owns(grads):
+            vectors.lent = list(grads)  # its tensors, whatever becomes of the list
         self.evaluations, self.gradients = self.evaluations + 1, self.gradients + int(grad)
         return value, grads
 

@@ -107,6 +107,11 @@ class AutoPGDVectors:
     free : list of list of torch.Tensor
         Vectors no role holds any more, to be written over. An evaluation may take one
         for its gradient, or release them all before the objective runs.
+    lent : list of torch.Tensor or None
+        The objective's own vector, where an evaluation returned its gradient there
+        (``own_vector`` of :func:`~geoopt_quotient.sharpness.apgd.evaluate_in_ball`):
+        the objective writes over it at its next evaluation, so it is only ever the
+        gradient, read by the next update; never an update's output, never free.
     """
 
     def __init__(self, xi: Vector, apart: Sequence[bool], keep_best_gradient: bool):
@@ -115,6 +120,7 @@ class AutoPGDVectors:
         self.rgrads: Vector | None = None
         self.best_rgrads: Vector | None = None
         self.free: List[Vector] = []
+        self.lent: Vector | None = None
         self.apart = list(apart)
         self.keep_best_gradient = keep_best_gradient
 
@@ -125,20 +131,27 @@ class AutoPGDVectors:
         In this order: the previous iterate where no role but its own holds it (the update
         reads each of its entries before writing it), else a free vector (not the
         gradient, which the update would stage), else the gradient unless it is the kept
-        one, else a new buffer.
+        one or :attr:`lent`, else a new buffer.
         """
-        rgrads, kept = self.rgrads, self.best_rgrads
+        rgrads = self.rgrads
+        ours = rgrads is not self.best_rgrads and not self.is_lent(rgrads)
         if _is_free(self.xi_prev, (self.xi, self.best_xi)):
             out = self.xi_prev
         elif self.free:
             out = self.free.pop()
-        elif rgrads is not kept:
+        elif ours:
             out = rgrads
         else:
             out = joint_buffer(self.xi, apart=self.apart)
-        if out is not rgrads and rgrads is not kept:
+        if out is not rgrads and ours:
             self.free.append(rgrads)  # read by the update, then free
         return out
+
+    def is_lent(self, vector: Vector | None) -> bool:
+        """Whether ``vector`` holds a tensor of :attr:`lent` (a list made anew from it,
+        such as its Riemannian gradient, holds its tensors)."""
+        lent = self.lent
+        return lent is not None and vector is not None and any(a is b for a, b in zip(vector, lent))
 
     def advance(self, xi_next: Vector) -> None:
         """:math:`\\xi_{k+1}` (written into :meth:`output`) becomes the current iterate,
@@ -167,5 +180,6 @@ class AutoPGDVectors:
     def restart(self) -> None:
         """Back to the best iterate: the current one and its gradient are freed; the
         gradient there is the kept one (:attr:`rgrads`), or ``None`` to be recomputed."""
-        self.free += [self.xi, self.grads]  # the iterate left behind and its gradient
+        # the iterate left behind and its gradient
+        self.free += [v for v in (self.xi, self.grads) if v is not None and not self.is_lent(v)]
         self.xi, self.grads, self.rgrads = self.best_xi, None, self.best_rgrads

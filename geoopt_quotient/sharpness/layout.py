@@ -52,7 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..manifolds import AdaptiveEuclidean
 from ..manifolds.base import has_elementwise_metric, stack_key
 from ..symmetry.plan import BoundPlan, SymmetryGroup
-from .apgd import BallGroup, as_scalar, explicit_path, state_vector_bytes
+from .apgd import BallGroup, as_scalar, explicit_path, state_dtype_for, state_vector_bytes
 from .buffers import ALIGNMENT
 from .functional import check_depends_on_perturbation
 
@@ -232,10 +232,22 @@ class _Receiver:
     """One evaluation's gradients of one flat buffer's parameters, taken as the backward
     pass makes them (:class:`_GradientLeaves`) and written segment by segment
     (:func:`_write_segment`) as soon as a segment's are complete; :meth:`finish` writes the
-    rest (zero where a parameter got no gradient)."""
+    rest (zero where a parameter got no gradient). ``written_over``: per segment, the
+    leaves whose storage ``out`` is (the gradient written over the perturbed point they
+    view, once autograd has completed their gradient, i.e. once every node that reads
+    them has run): their versions are bumped with each write, so that autograd raises,
+    instead of reading a gradient as a weight, where a node still to run saved one of
+    them by another way (a ``detach()`` of it, say)."""
 
-    def __init__(self, segments: List[_Segment], out: torch.Tensor, arrival=None):
+    def __init__(
+        self,
+        segments: List[_Segment],
+        out: torch.Tensor,
+        arrival=None,
+        written_over: List[List[torch.Tensor]] | None = None,
+    ):
         self.segments, self.out, self.arrival = segments, out, arrival
+        self.written_over = written_over
         self.waiting: List[List | None] = [[None] * len(s.shapes) for s in segments]
         self.missing = [len(s.shapes) for s in segments]
 
@@ -254,6 +266,9 @@ class _Receiver:
     def _write(self, segment: int) -> None:
         grads, self.waiting[segment] = self.waiting[segment], None
         _write_segment(self.segments[segment], self.out, grads, self.arrival)  # type: ignore[arg-type]
+        if self.written_over is not None:
+            # the leaves' values are gone: a node still to run that saved one raises
+            torch.autograd.graph.increment_version(self.written_over[segment])
 
     def finish(self) -> None:
         for segment, grads in enumerate(self.waiting):
@@ -288,9 +303,15 @@ class _GradientLeaves:
     def __init__(self, flat: FlatBuffer, buffer: torch.Tensor, segments: List[_Segment]):
         self.inbox = _Inbox()
         views = flat.pieces(buffer)[0]
-        self.leaves = [v.detach().requires_grad_() for v in views]
+        # ``.data``: each leaf with a version counter of its own, not the buffer's, so
+        # that a gradient written over one segment does not stale the others' leaves
+        self.leaves = [v.data.requires_grad_() for v in views]
         zero = buffer.new_zeros(())
         where = [(s, i) for s, segment in enumerate(segments) for i in range(len(segment.shapes))]
+        counts = [len(segment.shapes) for segment in segments]
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        #: the leaves of each segment
+        self.by_segment = [self.leaves[a : a + n] for a, n in zip(starts, counts)]
         for leaf, (segment, index) in zip(self.leaves, where):
             hook = functools.partial(
                 _hand_over, self.inbox, segment, index, zero.expand(leaf.shape)
@@ -900,6 +921,11 @@ class BallLayout:
         self._segments = [flat.segments(_segment_count(flat)) for flat in self.flats]
         self._leaves: List[_GradientLeaves] | None = None
         self._grads: List[torch.Tensor] = []
+        self._own: List[torch.Tensor] | None = None
+        #: whether an evaluation may write the gradient over the perturbed points
+        #: (:meth:`evaluation_vector`); cleared where a loss reads a weight after the
+        #: backward pass is done with it
+        self.lends = True
         self._rest_points: List[torch.Tensor | None] = [None] * len(stacks)
 
     @staticmethod
@@ -991,7 +1017,11 @@ class BallLayout:
         (less the symmetry groups' where they are the model's own storage, written in
         place and restored);
         ``iterates``: the current, previous and best perturbation; ``gradients``: the
-        current gradient, and the best iterate's if kept; ``staging``: where the unfused
+        current gradient and the best iterate's, if kept; else the gradient is the
+        layout's :meth:`evaluation_vector`, over the fused groups' perturbed points, and
+        only its tensors for the other groups count here (in their parameters' dtype),
+        with the Riemannian gradient's vector where the state's dtype is another;
+        ``staging``: where the unfused
         groups' flat buffer has index maps, one buffer for their perturbed points,
         joined before they are written into it, and for its gradient, before it is read
         into the groups' shapes (:meth:`_Rest.scratch`; none with strided blocks:
@@ -1006,12 +1036,29 @@ class BallLayout:
             "base": self.base_bytes(),
             "perturbed": self.buffer_bytes() - self.in_place_bytes,
             "iterates": 3 * vector,
-            "gradients": (2 if keep_best_gradient else 1) * vector,
+            "gradients": 2 * vector if keep_best_gradient else self._lent_bytes(state_dtype),
             "staging": sum(rest.staging_bytes() for rest in self._rests),
             "index": sum(rest.index_bytes() for rest in self._rests),
         }
         parts["total"] = sum(parts.values())
         return {part: size / parameters for part, size in parts.items()}
+
+    def _own_rest_bytes(self) -> int:
+        """Memory of :meth:`evaluation_vector`'s tensors of the unfused groups."""
+        return sum(
+            math.prod(shape) * rest.flat.dtype.itemsize
+            for rest in self._rests
+            for shape in rest.shapes
+        )
+
+    def _lent_bytes(self, state_dtype: torch.dtype | None) -> int:
+        """Memory of the gradient where it is :meth:`evaluation_vector`: that vector's
+        tensors of the unfused groups, and a vector of the state where the state's dtype
+        is not the parameters' (a float32 state of a bfloat16 model: the Riemannian
+        gradient is made in new tensors of the state's dtype)."""
+        points = [g.point for g in self.groups]
+        converted = any(state_dtype_for(p.dtype, state_dtype) != p.dtype for p in points)
+        return self._own_rest_bytes() + (self.vector_bytes(state_dtype) if converted else 0)
 
     def base_bytes(self) -> int:
         """Memory of the groups' base points beside the model's own parameters (less
@@ -1081,6 +1128,44 @@ class BallLayout:
                     out[position] = torch.empty(shape, dtype=dtype, device=device)
         return out
 
+    def evaluation_vector(self) -> List[torch.Tensor]:
+        """The layout's own vector of :attr:`groups`, the same at every call, into which
+        an evaluation with ``own_vector`` (:meth:`LayoutObjective.evaluate_ball`) writes
+        the perturbed points and then their gradient: the fused groups' tensors are the
+        flat buffers the model reads (the gradient of each segment written over its
+        point once the backward pass is done with it), the other groups' tensors of
+        their own, whence the points are copied into the buffer the model reads."""
+        if self._own is None:
+            own: List[torch.Tensor | None] = [None] * len(self._rest_points)
+            for rest in self._rests:
+                dtype, device = rest.flat.dtype, rest.flat.device
+                for position, shape in zip(rest.groups, rest.shapes):
+                    own[position] = torch.empty(shape, dtype=dtype, device=device)
+            self._own = own + self._perturbed_buffers()[: len(self._fused)]  # type: ignore[operator]
+        return self._own
+
+    def has_evaluation_vector(self) -> bool:
+        """Whether :meth:`evaluation_vector` was made (by an evaluation that returned
+        its gradient there)."""
+        return self._own is not None
+
+    def owns(self, vector: Sequence[torch.Tensor]) -> bool:
+        """Whether ``vector`` holds the tensors of :meth:`evaluation_vector` (by
+        identity)."""
+        own = self._own
+        return own is not None and all(v is o for v, o in zip(vector, own))
+
+    def _as_own(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``grads`` where each of its tensors is :meth:`evaluation_vector`'s (a new
+        list: the caller may replace its entries); else with copies of those that are
+        (a gradient that autograd or a pullback made anew for some group): a caller may
+        keep that vector."""
+        own = self.evaluation_vector()
+        if all(g is o for g, o in zip(grads, own)):
+            return grads
+        mine = {id(o) for o in own}
+        return [g.clone() if id(g) in mine else g for g in grads]
+
     def objective(self, loss: Callable[[Dict[str, torch.Tensor]], Any]) -> LayoutObjective:
         """The objective of :func:`~geoopt_quotient.maximize_in_ball` for ``loss(params)``
         (a function of the perturbed parameters by name, e.g. one batch's loss)."""
@@ -1093,6 +1178,7 @@ class BallLayout:
         spare: Sequence[torch.Tensor] | None = None,
         sweep: Callable[[int, torch.Tensor], Any] | None = None,
         own: Sequence[torch.Tensor | None] | None = None,
+        own_vector: bool = False,
     ) -> Tuple[List, Dict]:
         """(leaves, parameters by name) for perturbed ``points`` of :attr:`groups`: the
         points written into the flat buffers (unless already there), one leaf per buffer
@@ -1105,7 +1191,9 @@ class BallLayout:
         layout's own: not into new allocations, which for a model-sized buffer cost a
         page fault per page. ``sweep(group, gradient)``: the sweep of a fused group's
         gradient, run as the backward pass writes it (:class:`_Arrival`), or ``None``
-        (:meth:`~geoopt_quotient.sharpness.apgd.TangentBall.gradient_sweep`)."""
+        (:meth:`~geoopt_quotient.sharpness.apgd.TangentBall.gradient_sweep`).
+        ``own_vector``: the fused groups' gradients are written over their points, in
+        the flat buffers the model reads (:meth:`evaluation_vector`; ``spare`` unused)."""
         buffers = self._perturbed_buffers()
         unfused = len(self._rest_points)
         with torch.no_grad():
@@ -1118,16 +1206,20 @@ class BallLayout:
         if not grad:
             views = [v for f, b in zip(self.flats, buffers) for v in f.pieces(b)[0]]
             return [], dict(zip(self.names, views))
-        self._grads = self.gradient_buffers(spare, own)
+        self._grads = self.gradient_buffers(spare, own, own_vector)
         if self._leaves is None:
             self._leaves = [
                 _GradientLeaves(flat, buffer, segments)
                 for flat, buffer, segments in zip(self.flats, buffers, self._segments)
             ]
         leaves = []
+        fused = len(self._fused)
         for position, (made, segments, out) in enumerate(
             zip(self._leaves, self._segments, self._grads)
         ):
+            # written above: a graph of an earlier pass that saved a leaf is stale
+            torch.autograd.graph.increment_version(made.leaves)
+            written_over = made.by_segment if own_vector and position < fused else None
             arrival = None
             if sweep is not None and position < len(self._fused):
                 sweeping = sweep(unfused + position, out)
@@ -1136,7 +1228,7 @@ class BallLayout:
             elif position >= len(self._fused):
                 rest = self._rests[position - len(self._fused)]
                 arrival = _Scatter(rest, segments, out) if rest.scatters() else None
-            made.inbox.receiver = _Receiver(segments, out, arrival)
+            made.inbox.receiver = _Receiver(segments, out, arrival, written_over)
             leaves += made.leaves
         return leaves, dict(zip(self.names, leaves))
 
@@ -1144,16 +1236,20 @@ class BallLayout:
         self,
         spare: Sequence[torch.Tensor] | None,
         own: Sequence[torch.Tensor | None] | None = None,
+        own_vector: bool = False,
     ) -> List:
         """Where the flat buffers' gradients go: the fused groups' vectors of ``spare``
-        (which :meth:`fits`), else new buffers; for the other groups, the groups'
+        (which :meth:`fits`), else new buffers, or with ``own_vector`` the flat buffers
+        the model reads (over their points); for the other groups, the groups'
         tensors of ``own`` (:meth:`evaluation_vectors`) where their buffer
         :meth:`~_Rest.scatters` (a list per buffer), else a flat buffer of the
         layout's own, read out at once (:meth:`point_gradients`), the same at every
         call."""
         unfused = len(self._rest_points)
-        if spare is None:
-            out: List = [flat.empty() for flat in self._fused]
+        if own_vector:
+            out: List = self._perturbed_buffers()[: len(self._fused)]
+        elif spare is None:
+            out = [flat.empty() for flat in self._fused]
         else:
             out = list(spare[unfused:])
         if own is None:
@@ -1510,11 +1606,26 @@ class LayoutObjective:
         finally:
             self.layout.restore()
 
-    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
+    def owns(self, vector: Sequence[torch.Tensor]) -> bool:
+        """Whether ``vector`` is the layout's :meth:`~BallLayout.evaluation_vector`."""
+        return self.layout.owns(vector)
+
+    def evaluate_ball(
+        self, ball, paths, xi, grad: bool, autocast, recycled=None, own_vector: bool = False
+    ):
         r"""The loss at the perturbed points and its gradient with respect to ``xi``,
         written into one of the free vectors that ``recycled`` holds, if any, where they
         fit (:meth:`BallLayout.parameters`: all of the ball's vectors fit, or none); they
         are released before the loss runs otherwise.
+
+        With ``own_vector`` the gradient is the layout's
+        :meth:`~BallLayout.evaluation_vector` instead (:meth:`owns` tells it), written
+        over the perturbed points there, and ``recycled`` is left as it is: one vector of
+        the model's size less at once. The caller reads that gradient before the next
+        evaluation, which writes over it, and never writes into it. Where the loss reads
+        a weight after the backward pass is done with it (a ``detach()`` of it, say, which
+        autograd finds by the weight's version), the evaluation runs again with the
+        gradient in a vector of its own, as all later ones do (:attr:`BallLayout.lends`).
 
         Paths with an explicit pullback (the straight line, the retractions of this
         package's quotients) write the perturbed point into the layout's buffer and map
@@ -1522,20 +1633,38 @@ class LayoutObjective:
         from the point's gradient. The model's own storage holds the base point again
         when this returns or raises (:meth:`BallLayout.restore`).
         """
-        try:
-            return self._evaluate_ball(ball, paths, xi, grad, autocast, recycled)
-        finally:
-            self.layout.restore()
-
-    def _evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled):
         layout = self.layout
-        spare = recycled.pop() if grad and recycled else None
+        own_vector = own_vector and layout.lends
+        try:
+            return self._evaluate_ball(ball, paths, xi, grad, autocast, recycled, own_vector)
+        except RuntimeError as error:
+            if not (own_vector and grad and _modified_in_place(error)):
+                raise
+            # the loss reads a weight after its gradient is complete, by an alias the
+            # version check caught: the gradient goes to a vector of its own from now
+            layout.lends = False
+            layout.restore()
+            return self._evaluate_ball(ball, paths, xi, grad, autocast, recycled, False)
+        finally:
+            layout.restore()
+
+    def _evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled, own_vector):
+        layout = self.layout
+        own_vector = own_vector and grad
+        if own_vector and recycled and not layout.fits(recycled[-1]):
+            # none taken here, and of no use to the next one (a float32 state of a
+            # bfloat16 model, whose Riemannian gradients are new tensors): released
+            recycled.clear()
+        spare = recycled.pop() if grad and recycled and not own_vector else None
         if spare is not None and not layout.fits(spare):
             spare = None
             recycled.clear()
         points, pullbacks, traced = [], [], {}
         written, zero = ball.take_written(xi), ball.is_zero(xi)
-        own = layout.evaluation_vectors(spare)
+        # a value alone: the points go where the last gradient was, read by now
+        reuse = own_vector or (not grad and layout.has_evaluation_vector())
+        target = layout.evaluation_vector() if reuse else spare
+        own = layout.evaluation_vectors(target)
         for index, (path, x, v) in enumerate(zip(paths, ball.points, xi)):
             if own[index] is None:
                 buffer = functools.partial(layout.perturbed_buffer, index)
@@ -1549,7 +1678,8 @@ class LayoutObjective:
                 traced[index] = leaf
             points.append(point)
             pullbacks.append(pullback)
-        leaves, params = layout.parameters(points, grad, spare, ball.gradient_sweep, own)
+        sweep = ball.gradient_sweep
+        leaves, params = layout.parameters(points, grad, spare, sweep, own, own_vector)
         points = {index: points[index] for index in traced}  # the rest are read: free
         del own
         with torch.enable_grad() if grad else torch.no_grad():
@@ -1562,11 +1692,18 @@ class LayoutObjective:
             # returns what the hooks left it: expanded zeros, or None for an unused leaf
             captured = torch.autograd.grad(value, leaves, allow_unused=True)
         check_depends_on_perturbation(value, any(g is not None for g in captured))
-        grads = layout.point_gradients(layout.flat_gradients(), spare)
+        grads = layout.point_gradients(layout.flat_gradients(), target)
         for index, leaf in traced.items():
             (grads[index],) = torch.autograd.grad(points[index], leaf, grads[index])
         grads = [g if p is None else p(g) for g, p in zip(grads, pullbacks)]
+        if own_vector:
+            grads = layout._as_own(grads)
         return value.detach().reshape(()), grads
+
+
+def _modified_in_place(error: RuntimeError) -> bool:
+    """Whether autograd raised ``error`` for a saved tensor written since."""
+    return "modified by an inplace operation" in str(error)
 
 
 def _given(tensor: torch.Tensor) -> torch.Tensor:

@@ -588,8 +588,12 @@ def geodesic_sharpness(
         together with ``process_group`` is a ``ValueError``.
     keep_best_gradient : bool or None
         Worst case: keep the best iterate's gradient, so that Auto-PGD's restarts from it
-        cost no pass, at the price of one more parameter-sized vector alive throughout.
-        ``None``: kept when that vector takes at most 1 GiB
+        cost no pass, at the price of two more parameter-sized vectors alive throughout:
+        that gradient, and the current one's own (not kept, each gradient is written over
+        the perturbed parameters once the backward pass is done with them; the symmetry
+        groups' over their own copy of their points; a sharded model's ball has a
+        gradient vector of its own either way). ``None``: kept when a vector takes at
+        most 1 GiB
         (:data:`~geoopt_quotient.sharpness.apgd.KEEP_GRADIENT_MAX_BYTES`; about 268M
         float32 parameters, per rank on a sharded model). The values are the same either
         way.

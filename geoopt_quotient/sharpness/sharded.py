@@ -638,11 +638,14 @@ class _ShardedObjective:
         self.ball.write(flat)
         return self.ball.loss(self.batch, False, AutocastState.capture())[0]
 
-    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
+    def evaluate_ball(
+        self, ball, paths, xi, grad: bool, autocast, recycled=None, own_vector: bool = False
+    ):
         """The loss at the perturbed points and its gradient with respect to ``xi``, as
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it
         (the vector in ``recycled`` is released unused: the gradient arrives in the
-        sharded ball's own buffer)."""
+        sharded ball's own buffer; ``own_vector`` is not taken: the gradient is a
+        vector the caller may keep)."""
         if recycled:
             recycled.clear()
         owner = self.ball
