@@ -1652,8 +1652,9 @@ class LayoutObjective:
         layout = self.layout
         own_vector = own_vector and grad
         if own_vector and recycled and not layout.fits(recycled[-1]):
-            # none taken here, and of no use to the next one (a float32 state of a
-            # bfloat16 model, whose Riemannian gradients are new tensors): released
+            # none taken here; where they do not fit (a float32 state of a bfloat16
+            # model, whose Riemannian gradients are new tensors, one freed per update)
+            # they are released, as the spare's path does, instead of piling up
             recycled.clear()
         spare = recycled.pop() if grad and recycled and not own_vector else None
         if spare is not None and not layout.fits(spare):
