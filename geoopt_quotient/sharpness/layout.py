@@ -1221,12 +1221,12 @@ class BallLayout:
             torch.autograd.graph.increment_version(made.leaves)
             written_over = made.by_segment if own_vector and position < fused else None
             arrival = None
-            if sweep is not None and position < len(self._fused):
+            if sweep is not None and position < fused:
                 sweeping = sweep(unfused + position, out)
                 pays = sweeping is not None and sweeping.blocks >= ARRIVAL_MIN_BLOCKS
                 arrival = _Arrival(sweeping, out) if pays else None
-            elif position >= len(self._fused):
-                rest = self._rests[position - len(self._fused)]
+            elif position >= fused:
+                rest = self._rests[position - fused]
                 arrival = _Scatter(rest, segments, out) if rest.scatters() else None
             made.inbox.receiver = _Receiver(segments, out, arrival, written_over)
             leaves += made.leaves
@@ -1643,7 +1643,6 @@ class LayoutObjective:
             # the loss reads a weight after its gradient is complete, by an alias the
             # version check caught: the gradient goes to a vector of its own from now
             layout.lends = False
-            layout.restore()
             return self._evaluate_ball(ball, paths, xi, grad, autocast, recycled, False)
         finally:
             layout.restore()
@@ -1651,15 +1650,11 @@ class LayoutObjective:
     def _evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled, own_vector):
         layout = self.layout
         own_vector = own_vector and grad
-        if own_vector and recycled and not layout.fits(recycled[-1]):
-            # none taken here; where they do not fit (a float32 state of a bfloat16
-            # model, whose Riemannian gradients are new tensors, one freed per update)
-            # they are released, as the spare's path does, instead of piling up
+        if grad and recycled and not layout.fits(recycled[-1]):
+            # all of the ball's vectors fit, or none (a float32 state of a bfloat16
+            # model): released, whether or not one would be taken, instead of piling up
             recycled.clear()
         spare = recycled.pop() if grad and recycled and not own_vector else None
-        if spare is not None and not layout.fits(spare):
-            spare = None
-            recycled.clear()
         points, pullbacks, traced = [], [], {}
         written, zero = ball.take_written(xi), ball.is_zero(xi)
         # a value alone: the points go where the last gradient was, read by now

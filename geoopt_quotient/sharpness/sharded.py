@@ -638,14 +638,11 @@ class _ShardedObjective:
         self.ball.write(flat)
         return self.ball.loss(self.batch, False, AutocastState.capture())[0]
 
-    def evaluate_ball(
-        self, ball, paths, xi, grad: bool, autocast, recycled=None, own_vector: bool = False
-    ):
+    def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
         """The loss at the perturbed points and its gradient with respect to ``xi``, as
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it
         (the vector in ``recycled`` is released unused: the gradient arrives in the
-        sharded ball's own buffer; ``own_vector`` is not taken: the gradient is a
-        vector the caller may keep)."""
+        sharded ball's own buffer)."""
         if recycled:
             recycled.clear()
         owner = self.ball
