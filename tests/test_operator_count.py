@@ -177,12 +177,13 @@ def fixed_operators(model, batch, loss_fn, measure: str, plan) -> tuple:
 
 #: The fixed operators of a call may grow with depth by at most the operators of the
 #: model's forward and backward pass (per layer of this BERT, counted from 2 to 8 layers:
-#: 126.5 for adaptive, 141.5 for inv and 142 for mix against the pass's 134; 175 for inv
-#: and mix while each group's base point and flat positions took a copy, an ``arange`` and
-#: slices per layer).
+#: 126.5 for adaptive, 113.5 for inv and 114 for mix against the pass's 134; 141.5 and 142
+#: for inv and mix while the groups' points and positions took three and two views per
+#: box, and 175 while they took a copy, an ``arange`` and slices per layer).
 FIXED_PER_PASS = 1.0
-#: ... and beyond that by at most this many operators from 2 to 8 layers.
-FIXED_SLACK = 64
+#: ... and beyond that by at most this many operators from 2 to 8 layers (a count that
+#: does not depend on depth may still differ by a few: restarts, the step rule's checks).
+FIXED_SLACK = 8
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "inv", "mix"])

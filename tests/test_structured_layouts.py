@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_find_symmetries import CASES, lora_model
 from test_find_symmetries import model_for as case_model
@@ -365,3 +365,93 @@ def test_runs_listed_as_integers_or_tensors_agree(shapes, seed, steps):
     for runs in found.values():
         for (starts, lengths), (expected_starts, expected_lengths) in zip(runs, found[0]):
             assert torch.equal(starts, expected_starts) and torch.equal(lengths, expected_lengths)
+
+
+# ------------------------------------------------ tiles: one view for a block of every layer
+
+
+def layered_layout(seed, steps, per_layer: int, order, rows: int, merge: bool, filler):
+    """A point stacked over layers of ``per_layer`` parameters each (the layers in
+    ``order``): each layer's part is :func:`random_layout` of its parameters cut into
+    ``rows`` rows; ``filler``: the last parameter (of a layer part's shape) put in at
+    that position among the layers; ``merge``: layers and rows merged in one dimension."""
+    inner = random_layout(seed, steps)
+
+    def layout(*tensors):
+        parts = [inner(*tensors[k * per_layer : (k + 1) * per_layer]) for k in order]
+        parts = [p.reshape(rows, -1) for p in parts]
+        if filler is not None:
+            parts.insert(filler, tensors[-1])
+        point = torch.stack(parts)
+        return point.reshape(-1, point.shape[-1]) if merge else point
+
+    return layout
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shapes=SHAPES,
+    seed=st.integers(0, 10**6),
+    steps=st.integers(1, 5),
+    layers=st.integers(1, 4),
+    shuffled=st.booleans(),
+    rows=st.sampled_from([1, 2]),
+    merge=st.booleans(),
+    filler=st.none() | st.integers(1, 3),
+    alike=st.booleans(),
+    mixed=st.booleans(),
+    transposed=st.booleans(),
+)
+def test_tiles_gather_and_place_as_the_layout_does(
+    shapes, seed, steps, layers, shuffled, rows, merge, filler, alike, mixed, transposed
+):
+    """A point stacked over layers is gathered one view per tile of blocks (a block of
+    every layer), in any order of the layers and of the blocks, with a part between
+    layers, with parameters of several dtypes or not contiguous; its entries' positions
+    in a flat buffer, one view per tile where the layers are laid out alike there (else
+    per block), are what the layout gives."""
+    rng = random.Random(seed)
+    total = random_layout(seed, steps)(*[torch.zeros(s) for s in shapes]).numel()
+    if total % rows:
+        rows = 1
+    if filler is not None and filler >= layers:
+        filler = None
+    order = list(range(layers))
+    if shuffled:
+        rng.shuffle(order)
+    all_shapes = [torch.Size(s) for _ in range(layers) for s in shapes]
+    if filler is not None:
+        all_shapes.append(torch.Size((rows, total // rows)))
+    layout = layered_layout(seed, steps, len(shapes), order, rows, merge, filler)
+    structure = structured.trace(layout, all_shapes)
+    # rows that cut a box where the probes cannot follow it leave it to the index map
+    if rows > 1:
+        assume(structure is not None)
+    assert structure is not None
+    if not shuffled and not merge and filler is None:  # a block of every layer per tile
+        assert len(structure.tiles) * layers == len(structure.blocks)
+    tiled = [b for tile, _ in structure.tiles for b in tile]
+    assert sorted(map(repr, tiled)) == sorted(map(repr, structure.blocks))
+    structure = structured.PointStructure(
+        structure.shape, tuple(rng.sample(structure.blocks, len(structure.blocks)))
+    )
+    g = torch.Generator().manual_seed(seed)
+    values = []
+    for k, shape in enumerate(all_shapes):
+        dtype = torch.float32 if mixed and k == 0 else F64
+        if transposed and len(shape) > 1:  # not contiguous
+            value = torch.randn(shape[::-1], generator=g, dtype=dtype)
+            values.append(value.permute(*reversed(range(len(shape)))))
+        else:
+            values.append(torch.randn(shape, generator=g, dtype=dtype))
+    assert torch.equal(structure.gather(values), layout(*values))
+    gaps = [rng.randrange(3) for _ in shapes]  # before each parameter of a layer
+    starts, at = [], 0
+    for k in range(len(all_shapes)):
+        at += gaps[k % len(shapes)] if alike else rng.randrange(3)
+        starts.append(at)
+        at += all_shapes[k].numel()
+    numbered = [
+        s + torch.arange(shape.numel()).reshape(shape) for s, shape in zip(starts, all_shapes)
+    ]
+    assert torch.equal(structure.positions(starts, at, "cpu"), layout(*numbered))

@@ -125,17 +125,51 @@ class PointStructure:
     shape: torch.Size
     blocks: Tuple[Block, ...]
 
+    @functools.cached_property
+    def tiles(self) -> Tuple[Tuple[Tuple[Block, ...], int], ...]:
+        """The blocks in ``(blocks, step)`` tiles: blocks alike but for their parameter,
+        whose boxes follow each other along the point's first dimension ``step`` apart,
+        e.g. one block of every layer of a group stacked over layers. A tile is one
+        strided view of the point (:meth:`tile_view`), whatever its number of blocks."""
+        if not self.shape:  # a scalar: one box
+            return tuple(((block,), 1) for block in self.blocks)
+        alike: Dict[Tuple, List[Block]] = {}
+        for block in self.blocks:
+            key = (block.shape, block.strides, block.offset, block.start[1:])
+            alike.setdefault(key, []).append(block)
+        out = []
+        for blocks in alike.values():
+            blocks.sort(key=lambda b: b.start[0])
+            run = [blocks[0]]
+            for block in blocks[1:]:
+                step = block.start[0] - run[-1].start[0]
+                if len(run) > 1 and step != run[1].start[0] - run[0].start[0]:
+                    out.append((tuple(run), _step(run)))
+                    run = []
+                run.append(block)
+            out.append((tuple(run), _step(run)))
+        return tuple(out)
+
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The point, read from the group's parameters in order (differentiable; without
-        gradients, one foreach copy of all its boxes)."""
-        flats = [t.reshape(-1) for t in tensors]
+        gradients, one copy per tile of several blocks, :attr:`tiles`, and one foreach
+        copy of all the other boxes)."""
+        flats = [t if t.is_contiguous() else t.reshape(-1) for t in tensors]
         out = torch.empty(self.shape, dtype=_common_dtype(flats), device=flats[0].device)
-        sources = [block.view(flats[block.param]) for block in self.blocks]
         if torch.is_grad_enabled() and any(t.requires_grad for t in flats):
-            for block, source in zip(self.blocks, sources):
-                out[block.box].copy_(source)
-        else:
-            torch._foreach_copy_([self.box_view(out, block) for block in self.blocks], sources)
+            for block in self.blocks:
+                out[block.box].copy_(block.view(flats[block.param].reshape(-1)))
+            return out
+        targets, sources = [], []
+        for blocks, step in self.tiles:
+            views = [block.view(flats[block.param]) for block in blocks]
+            if len(views) > 1:  # stack casts each view up to the point's dtype
+                torch.stack(views, out=self.tile_view(out, blocks, step))
+            else:
+                targets += [self.box_view(out, block) for block in blocks]
+                sources += views
+        if targets:
+            torch._foreach_copy_(targets, sources)
         return out
 
     @staticmethod
@@ -144,17 +178,39 @@ class PointStructure:
         offset = sum(s * t for s, t in zip(block.start, point.stride()))
         return point.as_strided(block.shape, point.stride(), point.storage_offset() + offset)
 
+    @staticmethod
+    def tile_view(point: torch.Tensor, blocks: Sequence[Block], step: int) -> torch.Tensor:
+        """The boxes of a tile (:attr:`tiles`) in ``point``: one strided view, its first
+        dimension the tile's blocks."""
+        first = blocks[0]
+        offset = sum(s * t for s, t in zip(first.start, point.stride()))
+        return point.as_strided(
+            (len(blocks), *first.shape),
+            (step * point.stride(0), *point.stride()),
+            point.storage_offset() + offset,
+        )
+
     def positions(self, starts: Sequence[int], size: int, device) -> torch.Tensor:
         """Each entry's position in a flat buffer of ``size`` entries where parameter
         ``k``'s flattened entries start at ``starts[k]``: one ``arange`` and one foreach
-        copy, whatever the number of boxes."""
+        copy, and a view per tile (:attr:`tiles`) whose parameters start equally far
+        apart, as the layers of a stack laid out alike do (a view per block in others)."""
         everything = torch.arange(size, device=device)
         out = torch.empty(self.shape, dtype=torch.long, device=device)
-        sources = [
-            everything.as_strided(b.shape, b.strides, starts[b.param] + b.offset)
-            for b in self.blocks
-        ]
-        torch._foreach_copy_([self.box_view(out, block) for block in self.blocks], sources)
+        targets, sources = [], []
+        for blocks, step in self.tiles:
+            first = blocks[0]
+            begins = [starts[b.param] + b.offset for b in blocks]
+            apart = begins[1] - begins[0] if len(begins) > 1 else -1
+            if apart >= 0 and all(b - a == apart for a, b in pairwise(begins)):
+                targets.append(self.tile_view(out, blocks, step))
+                shape, strides = (len(blocks), *first.shape), (apart, *first.strides)
+                sources.append(everything.as_strided(shape, strides, begins[0]))
+                continue
+            for block, begin in zip(blocks, begins):
+                targets.append(self.box_view(out, block))
+                sources.append(everything.as_strided(block.shape, block.strides, begin))
+        torch._foreach_copy_(targets, sources)
         return out
 
     def scatter(self, point: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -187,6 +243,11 @@ class PointStructure:
             else:
                 parts[block.param].append((found[0], torch.full_like(found[0], found[1])))
         return [_sorted_runs(few, many) for few, many in zip(small, parts)]
+
+
+def _step(blocks: Sequence[Block]) -> int:
+    """How far apart along the point's first dimension the boxes of a tile start."""
+    return blocks[1].start[0] - blocks[0].start[0] if len(blocks) > 1 else 1
 
 
 def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
