@@ -277,6 +277,43 @@ def test_malloc_retain_is_set_through_mallopt_and_recorded():
         configure_malloc("jemalloc")
 
 
+def _huge_pages_mode() -> str | None:
+    """The kernel's transparent huge page mode (the bracketed word), or ``None``."""
+    path = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not path.exists():
+        return None
+    text = path.read_text()
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["first", "after-an-allocation"])
+def test_malloc_huge_is_recorded_by_what_a_fresh_tensor_faults(late):
+    """``--malloc huge`` in a process of its own: PyTorch's allocator takes
+    ``THP_MEM_ALLOC_ENABLE`` where it is set before its first allocation and the kernel
+    gives huge pages on request; set after an allocation it does not take, and the record
+    says so (unless the kernel gives every large mapping huge pages anyway)."""
+    import subprocess
+
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]);"
+        + ("torch.ones(8);" if late else "")
+        + "from _malloc import configure_malloc; print(json.dumps(configure_malloc('huge')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True, text=True, check=True
+    )
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["malloc"] == "huge" and record["THP_MEM_ALLOC_ENABLE"] == "1"
+    pages = record["probe_page_faults"]
+    mode = _huge_pages_mode() if sys.platform == "linux" else None
+    if mode == "always" or (mode == "madvise" and not late):
+        assert record["applied"] and pages < (64 << 20) // 4096 // 4, record
+    else:
+        assert not record["applied"] and "huge pages" in record["note"], record
+        if mode == "madvise":  # the variable came too late: every 4 KiB page faulted
+            assert pages >= (64 << 20) // 4096, record
+
+
 def test_derived_result_files_are_what_their_measured_files_give(tmp_path):
     """``derive_results.py --check`` passes on the committed files and fails once a
     measured figure changes, until the derived file is written again from it."""
