@@ -14,9 +14,9 @@ it is allocated, which shows as system time.
   is reused without faults. The same as starting the process with
   ``MALLOC_MMAP_THRESHOLD_=2147483647 MALLOC_TRIM_THRESHOLD_=2147483647``; a block above
   the threshold (a tensor over 2 GiB) is still mapped on its own.
-- ``huge``: PyTorch's own switch ``THP_MEM_ALLOC_ENABLE=1``, with which its CPU allocator
-  aligns each allocation of 2 MiB or more to 2 MiB and asks the kernel for transparent
-  huge pages there (``madvise``). Freed blocks still go back to the kernel, but are
+- ``huge`` (Linux): PyTorch's own switch ``THP_MEM_ALLOC_ENABLE=1``, with which its CPU
+  allocator aligns each allocation to a page and asks the kernel for transparent huge
+  pages on those of 2 MiB or more (``madvise``). Freed blocks still go back to the kernel, but are
   faulted in again 2 MiB at a time: about 512 times fewer faults. It needs the kernel's
   transparent huge pages set to ``always`` or ``madvise``
   (``/sys/kernel/mm/transparent_hugepage/enabled``); PyTorch reads the variable at its
@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -88,12 +89,17 @@ def _huge_pages(record: Dict[str, Any]) -> Dict[str, Any]:
     """``--malloc huge``: :data:`THP_VARIABLE` set, and whether it took: a fresh tensor of
     :data:`PROBE_BYTES` faults in far fewer pages than its 4 KiB pages (PyTorch may have
     read the variable already, or the kernel may give no huge pages)."""
+    os.environ[THP_VARIABLE] = "1"
+    record[THP_VARIABLE] = "1"
+    if sys.platform != "linux":
+        record["applied"] = False
+        record["note"] = f"--malloc huge needs Linux's transparent huge pages, not {sys.platform}"
+        print(record["note"])
+        return record
     import resource
 
     import torch
 
-    os.environ[THP_VARIABLE] = "1"
-    record[THP_VARIABLE] = "1"
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if mode.exists():
         record["transparent_hugepage"] = mode.read_text().strip()
