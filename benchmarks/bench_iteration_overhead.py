@@ -448,14 +448,19 @@ def main(argv=None) -> Dict[str, Any]:
 
 
 def write_document(
-    benchmark: str, args, rows: Dict[str, Any], malloc: Dict[str, Any] | None = None
+    benchmark: str,
+    args,
+    rows: Dict[str, Any],
+    malloc: Dict[str, Any] | None = None,
+    **extra: Any,
 ) -> Dict[str, Any]:
-    """The benchmark's JSON document (settings, rows, threads, versions, and the malloc
-    setting of :func:`~_malloc.configure_malloc` where given), written to ``args.json``
-    when given."""
+    """The benchmark's JSON document (settings, ``extra``, rows, threads, versions, and the
+    malloc setting of :func:`~_malloc.configure_malloc` where given), written to
+    ``args.json`` when given."""
     document = {
         "benchmark": benchmark,
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge")},
+        **extra,
         "models": rows,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -45,6 +45,7 @@ QUICK = [
     "bench_iteration_flops",
     "sweep_zoo",
     "bench_verification",
+    "bench_block_sizes",
 ]
 
 
@@ -119,6 +120,15 @@ def test_benchmark_runs_in_quick_mode(name, tmp_path):
         phases = row["mix"]["phases_s"]
         assert phases["loop"] == pytest.approx(sum(v for k, v in phases.items() if k != "loop"))
         assert phases["forward"] > 0 and phases["retraction"] > 0
+    if name == "bench_block_sizes":  # each size measured; the package's sizes restored
+        from geoopt_quotient.manifolds import adaptive
+        from geoopt_quotient.sharpness import apgd
+
+        assert set(report["models"]) == {"2^18", "2^17", "2^16"}
+        assert all(len(r["inv"]["marginal_ratios"]) == 2 for r in report["models"].values())
+        defaults = report["package_blocks"]
+        assert apgd.GRAM_BLOCK == adaptive.GRAM_BLOCK == defaults["GRAM_BLOCK"]
+        assert apgd.COMBINE_BLOCK == defaults["COMBINE_BLOCK"]
     if name == "bench_cuda":  # on CPU: no memory statistics, no compiling in quick mode
         assert report["status"] == "complete" and keys_named(report, "error") == []
         for model in ("bert-base", "vit-b32"):

@@ -560,7 +560,8 @@ BLOCK = 1 << 20
 #: in float32) stays in a core's cache across the block's operations, and the blocks are
 #: few enough that their dispatch costs little (on the 11M-entry vectors of an 11M BERT,
 #: one thread: the gradient's column sweep 22 ms with blocks of 64k entries, 16 ms with
-#: 256k, 19 ms with 1M).
+#: 256k, 19 ms with 1M). In a whole iteration the fastest size depends on the CPU's
+#: caches: ``benchmarks/bench_block_sizes.py`` compares sizes in one process.
 GRAM_BLOCK = 1 << 18
 #: The same on an accelerator, where each block costs kernel launches, not cache misses.
 DEVICE_GRAM_BLOCK = 1 << 22
