@@ -154,15 +154,15 @@ class PointStructure:
         """The point, read from the group's parameters in order (differentiable; without
         gradients, one copy per tile of several blocks, :attr:`tiles`, and one foreach
         copy of all the other boxes)."""
-        flats = [t if t.is_contiguous() else t.reshape(-1) for t in tensors]
-        out = torch.empty(self.shape, dtype=_common_dtype(flats), device=flats[0].device)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in flats):
+        dense = [t if t.is_contiguous() else t.reshape(-1) for t in tensors]
+        out = torch.empty(self.shape, dtype=_common_dtype(dense), device=dense[0].device)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in dense):
             for block in self.blocks:
-                out[block.box].copy_(block.view(flats[block.param].reshape(-1)))
+                out[block.box].copy_(block.view(dense[block.param]))
             return out
         targets, sources = [], []
         for blocks, step in self.tiles:
-            views = [block.view(flats[block.param]) for block in blocks]
+            views = [block.view(dense[block.param]) for block in blocks]
             if len(views) > 1:  # stack casts each view up to the point's dtype
                 torch.stack(views, out=self.tile_view(out, blocks, step))
             else:
@@ -175,19 +175,17 @@ class PointStructure:
     @staticmethod
     def box_view(point: torch.Tensor, block: Block) -> torch.Tensor:
         """The box of ``block`` in ``point``, one strided view (no slice per dimension)."""
-        offset = sum(s * t for s, t in zip(block.start, point.stride()))
-        return point.as_strided(block.shape, point.stride(), point.storage_offset() + offset)
+        return point.as_strided(block.shape, point.stride(), _box_start(point, block))
 
     @staticmethod
     def tile_view(point: torch.Tensor, blocks: Sequence[Block], step: int) -> torch.Tensor:
         """The boxes of a tile (:attr:`tiles`) in ``point``: one strided view, its first
         dimension the tile's blocks."""
         first = blocks[0]
-        offset = sum(s * t for s, t in zip(first.start, point.stride()))
         return point.as_strided(
             (len(blocks), *first.shape),
             (step * point.stride(0), *point.stride()),
-            point.storage_offset() + offset,
+            _box_start(point, first),
         )
 
     def positions(self, starts: Sequence[int], size: int, device) -> torch.Tensor:
@@ -243,6 +241,11 @@ class PointStructure:
             else:
                 parts[block.param].append((found[0], torch.full_like(found[0], found[1])))
         return [_sorted_runs(few, many) for few, many in zip(small, parts)]
+
+
+def _box_start(point: torch.Tensor, block: Block) -> int:
+    """The storage offset of ``block``'s first entry in ``point``."""
+    return point.storage_offset() + sum(s * t for s, t in zip(block.start, point.stride()))
 
 
 def _step(blocks: Sequence[Block]) -> int:
