@@ -30,6 +30,7 @@ built, and its record goes into the result JSON.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import os
@@ -50,6 +51,21 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 #: The largest value ``mallopt`` takes (an ``int``).
 RETAIN_BYTES = 2**31 - 1
+
+
+def add_malloc_option(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' ``--malloc`` option (:data:`MALLOC_CHOICES`), for
+    :func:`configure_malloc`."""
+    parser.add_argument(
+        "--malloc",
+        choices=MALLOC_CHOICES,
+        default="default",
+        help="memory of the process: glibc's malloc as it comes (default); retain freed "
+        "memory in the process (no fresh mmap, so no page faults, per large allocation); "
+        "or huge, PyTorch's THP_MEM_ALLOC_ENABLE=1 (large blocks in 2 MiB transparent huge "
+        "pages: about 512 times fewer faults); benchmarks/_malloc.py. For the plain passes "
+        "and the runs alike",
+    )
 
 
 def configure_malloc(choice: str) -> Dict[str, Any]:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
-from _malloc import MALLOC_CHOICES, configure_malloc
-from bench_iteration_overhead import bert_setup, plain_pass, write_document
+from _malloc import add_malloc_option, configure_malloc
+from bench_iteration_overhead import bert_setup, plain_pass, sharpness_run, write_document
 
 import geoopt_quotient as gq
 from geoopt_quotient.manifolds import adaptive
@@ -74,15 +74,11 @@ def main(argv=None) -> Dict[str, Any]:
         help="block sizes to compare, as powers of two (default 18,17,16: 256k, 128k, 64k)",
     )
     parser.add_argument("--iters", type=int, default=6, help="Auto-PGD iterations (default 6)")
+    parser.add_argument("--rho", type=float, default=0.1, help="ball radius (default 0.1)")
+    parser.set_defaults(keep_best_gradient="auto")  # sharpness_run's, the package's default
     parser.add_argument("--rounds", type=int, default=8, help="rounds (default 8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument(
-        "--malloc",
-        choices=MALLOC_CHOICES,
-        default="default",
-        help="memory of the process (benchmarks/_malloc.py); retain keeps page faults out "
-        "of the figures",
-    )
+    add_malloc_option(parser)
     parser.add_argument("--quick", action="store_true", help="a tiny BERT, 2 rounds (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
@@ -96,12 +92,7 @@ def main(argv=None) -> Dict[str, Any]:
     plans = {"inv": gq.find_symmetries(model, metric="inv").bind(model)}
 
     def run(measure: str, iters: int) -> float:
-        common = dict(rho=0.1, iters=iters, progress=False)
-        if measure == "adaptive":
-            return gq.adaptive_sharpness(model, loss_fn, batches, **common).value
-        return gq.geodesic_sharpness(
-            model, loss_fn, batches, metric=measure, symmetries=plans[measure], **common
-        ).value
+        return sharpness_run(model, batches, loss_fn, measure, plans, args, iters).value
 
     def seconds(fn, *a) -> tuple[float, Any]:
         start = time.process_time()

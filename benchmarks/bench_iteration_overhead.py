@@ -60,7 +60,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 import torch
-from _malloc import MALLOC_CHOICES, configure_malloc
+from _malloc import add_malloc_option, configure_malloc
 from bench_sharpness_iteration import build_model
 
 import geoopt_quotient as gq
@@ -406,16 +406,7 @@ def main(argv=None) -> Dict[str, Any]:
         "(each model's row records its own iterations, repeats and batch shape), e.g. "
         "BERT-base at a smaller batch beside the other models",
     )
-    parser.add_argument(
-        "--malloc",
-        choices=MALLOC_CHOICES,
-        default="default",
-        help="memory of the process: glibc's malloc as it comes (default); retain freed "
-        "memory in the process (no fresh mmap, so no page faults, per large allocation); "
-        "or huge, PyTorch's THP_MEM_ALLOC_ENABLE=1 (large blocks in 2 MiB transparent huge "
-        "pages: about 512 times fewer faults); benchmarks/_malloc.py. For the plain passes "
-        "and the runs alike",
-    )
+    add_malloc_option(parser)
     args = parser.parse_args(argv)
     malloc = configure_malloc(args.malloc)  # before the models are built
     global _clock

@@ -78,7 +78,7 @@ import geoopt_quotient as gq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _malloc import MALLOC_CHOICES, configure_malloc  # noqa: E402
+from _malloc import add_malloc_option, configure_malloc  # noqa: E402
 from bench_iteration_overhead import marginal_cost, plain_pass, write_document  # noqa: E402
 
 MEASURES = ("adaptive", "inv", "mix")
@@ -499,16 +499,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         action="store_true",
         help="with --no-sharded: keep the sharded values of an existing --json file",
     )
-    parser.add_argument(
-        "--malloc",
-        choices=MALLOC_CHOICES,
-        default="default",
-        help="memory of the process: glibc's malloc as it comes (default); retain freed "
-        "memory in the process (no fresh mmap, so no page faults, per large allocation); "
-        "or huge, PyTorch's THP_MEM_ALLOC_ENABLE=1 (large blocks in 2 MiB transparent huge "
-        "pages: about 512 times fewer faults); benchmarks/_malloc.py. For the plain passes "
-        "and the runs alike",
-    )
+    add_malloc_option(parser)
     parser.add_argument("--json", help="write the measurements to this file")
     args = parser.parse_args(argv)
     reason = missing()

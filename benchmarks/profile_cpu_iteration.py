@@ -67,7 +67,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-from _malloc import MALLOC_CHOICES, configure_malloc
+from _malloc import add_malloc_option, configure_malloc
 from bench_iteration_overhead import (
     KEEP,
     MEASURES,
@@ -611,13 +611,7 @@ def main(argv=None) -> Dict[str, Any]:
         default=8,
         help="the cache that --bytes models, in MiB (default 8)",
     )
-    parser.add_argument(
-        "--malloc",
-        choices=MALLOC_CHOICES,
-        default="default",
-        help="glibc malloc: its defaults, or retain freed memory (no mmap per large "
-        "block, no trimming; benchmarks/_malloc.py); default: default",
-    )
+    add_malloc_option(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations (CI)")
     parser.add_argument("--json", help="write the measurements to this file")
