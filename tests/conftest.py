@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,21 @@ def pytest_addoption(parser):
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable core, at most 8 (each holds torch and models)."""
+    return max(1, min(usable_cores(), 8))
+
+
 def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # a share of the cores per worker, not every core for each
+        torch.set_num_threads(max(1, usable_cores() // int(workers)))
     config.addinivalue_line(
         "markers",
         "on_device: runs on the device of --torch-device (geometry, sharpness, Hessian, layers, "

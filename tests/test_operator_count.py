@@ -133,7 +133,7 @@ def test_a_geodesic_iteration_costs_at_most_one_and_a_half_passes(build, metric)
 @pytest.mark.parametrize(
     "build, measure",
     [(bert, "adaptive"), (bert, "inv"), (bert, "mix"), (llama, "inv")],
-    ids=str,
+    ids=["bert-adaptive", "bert-inv", "bert-mix", "llama-inv"],
 )
 def test_the_operators_beyond_the_pass_do_not_grow_with_depth(build, measure):
     """One more iteration's operators beyond a forward and backward pass grow by at most
