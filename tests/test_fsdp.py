@@ -93,14 +93,18 @@ def shard(model, mesh, **options):
     return model
 
 
-def ball_memory(model) -> float:
-    """Bytes per parameter of this rank's worst-case mix ball (best gradient kept)."""
+def ball_memory(model) -> tuple:
+    """Bytes per parameter of this rank's worst-case mix ball (best gradient kept), and
+    the number of boxes of each of its exchange's maps (None: an index per entry)."""
+    from geoopt_quotient.sharpness.boxmap import BoxMap
     from geoopt_quotient.sharpness.sharded import sharded_ball
 
     plan = find_symmetries(model, metric="mix").bind(model)
 
     ball = sharded_ball(model, plan, loss_fn)
-    return ball.bytes_per_parameter(keep_best_gradient=True)
+    maps = (ball.exchange.local, ball.exchange.sent, ball.exchange.received)
+    boxes = [m.boxes if isinstance(m, BoxMap) else None for m in maps]
+    return ball.bytes_per_parameter(keep_best_gradient=True), boxes
 
 
 def worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -145,7 +149,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         results["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after)
         results["no_grads"] = all(p.grad is None for p in after[1:])
         results["grad_kept"] = after[0].grad is kept and not kept.to_local().any()
-        results["memory"] = ball_memory(model)
+        results["memory"], results["boxes"] = ball_memory(model)
         split = shard(build_llama(**SPLIT_HEADS), mesh)
         results["split_heads"] = measure(split, local, "inv")
         if rank == 1:  # a NaN on one rank only: every rank must refuse, none wait
@@ -248,3 +252,12 @@ def test_ball_memory_per_rank_falls_with_the_ranks(fsdp_run):
     per_rank = [run["memory"]["total"] for run in fsdp_run]
     assert max(per_rank) <= 0.6 * single, (per_rank, single)
     assert min(per_rank) >= 0.4 * single  # the pieces are balanced: about half each
+
+
+def test_exchange_maps_are_boxes_not_an_index_per_entry(fsdp_run):
+    """The heads' entries move between shards and ball pieces by strided boxes: a few
+    per parameter kind (2 layers alike), a small fraction of a byte per parameter."""
+    for run in fsdp_run:
+        assert None not in run["boxes"], run["boxes"]
+        assert max(run["boxes"]) <= 16, run["boxes"]
+        assert run["memory"]["index"] < 0.25, run["memory"]

@@ -48,11 +48,10 @@ Where the ball lives
 Memory
     Per rank, the ball holds its pieces (base point, perturbed point, Auto-PGD's three
     iterates and one or two gradients), the entries it sent away and the exchange's
-    index maps:
+    maps (strided boxes: a few integers per parameter and layer, not per entry):
     :meth:`ShardedBall.bytes_per_parameter` reports them per parameter of the whole
     model. With :math:`R` ranks and balanced heads that is about :math:`1/R` of one
-    process's ball (:meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`),
-    plus the index maps of the symmetric groups' entries (two int32 per entry).
+    process's ball (:meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`).
 """
 
 from __future__ import annotations
@@ -76,6 +75,7 @@ from .apgd import (
     state_vector_bytes,
 )
 from .ball import ball_groups, check_points
+from .boxmap import box_map
 from .functional import check_depends_on_perturbation
 
 __all__ = ["ShardedBall", "ShardingError", "is_sharded"]
@@ -200,9 +200,13 @@ class _Exchange:
 
     The model side is the concatenation of the local shards (in the plan's parameter
     order), the ball side that of the rank's pieces. Whole parameters are copied as
-    ranges; other entries held and owned by the same rank with one index (int32 where
-    it fits); the rest go through one ``all_to_all_single``, in an order both sides
-    derive from the plan (group, then entry of its point).
+    ranges; other entries held and owned by the same rank as strided boxes
+    (:class:`~geoopt_quotient.sharpness.boxmap.BoxMap`, one strided copy per box, e.g.
+    per parameter of alike heads and layers); the rest go through one
+    ``all_to_all_single``, in an order both sides derive from the plan (group, then
+    entry of its point), gathered and scattered by boxes too. A map whose boxes would
+    hold fewer than :data:`MIN_ENTRIES_PER_BOX` entries on average (an irregular
+    layout) keeps an index per entry instead.
     """
 
     def __init__(self, group, world: int, rank: int):
@@ -214,24 +218,24 @@ class _Exchange:
         self.recv: List[List[torch.Tensor]] = [[] for _ in range(world)]
 
     def finish(self, device: torch.device) -> None:
-        """Join the per-group maps, on the parameters' ``device``."""
+        """Join the per-group maps and describe them by boxes (or indices, on the
+        parameters' ``device``)."""
 
         def join(parts: List[torch.Tensor]) -> torch.Tensor:
-            out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-            small = out.numel() == 0 or int(out.max()) < 2**31
-            return out.to(device=device, dtype=torch.int32 if small else torch.long)
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-        self.local_model_index = join(self.local_model)
-        self.local_ball_index = join(self.local_ball)
         self.send_sizes = [int(sum(t.numel() for t in s)) for s in self.send]
         self.recv_sizes = [int(sum(t.numel() for t in r)) for r in self.recv]
-        self.send_index = join([t for s in self.send for t in s])  # by peer, in order
-        self.recv_index = join([t for r in self.recv for t in r])
+        sent = join([t for s in self.send for t in s])  # by peer, in order
+        received = join([t for r in self.recv for t in r])
+        self.local = _transfer(join(self.local_model), join(self.local_ball), device)
+        self.sent = _transfer(sent, torch.arange(sent.numel()), device)  # model -> buffer
+        self.received = _transfer(torch.arange(received.numel()), received, device)
         del self.local_model, self.local_ball, self.send, self.recv
 
     def index_bytes(self) -> int:
-        maps = (self.local_model_index, self.local_ball_index, self.send_index, self.recv_index)
-        return sum(t.numel() * t.element_size() for t in maps)
+        """Bytes of the maps (boxes or indices)."""
+        return sum(t.nbytes() for t in (self.local, self.sent, self.received))
 
     def _copy_ranges(self, source: torch.Tensor, out: torch.Tensor, to_ball: bool) -> None:
         if not self.ranges:
@@ -252,16 +256,16 @@ class _Exchange:
 
     def outgoing(self, model_flat: torch.Tensor) -> torch.Tensor:
         """The entries of ``model_flat`` this rank holds for other ranks' pieces."""
-        return model_flat[self.send_index.long()]
+        out = model_flat.new_empty(sum(self.send_sizes))
+        self.sent.copy(model_flat, out)
+        return out
 
     def to_ball(self, model_flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The model's entries (``model_flat``) written into the ball's layout ``out``."""
         self._copy_ranges(model_flat, out, to_ball=True)
-        local = model_flat[self.local_model_index.long()]
-        out.index_copy_(0, self.local_ball_index.long(), local)
-        outgoing = self.outgoing(model_flat)
-        incoming = self._all_to_all(outgoing, self.send_sizes, self.recv_sizes)
-        out.index_copy_(0, self.recv_index.long(), incoming)
+        self.local.copy(model_flat, out)
+        incoming = self._all_to_all(self.outgoing(model_flat), self.send_sizes, self.recv_sizes)
+        self.received.copy(incoming, out)
         return out
 
     def to_model(
@@ -271,13 +275,43 @@ class _Exchange:
         ``held``: the entries other ranks own, given (no communication) instead of
         received from them."""
         self._copy_ranges(ball_flat, out, to_ball=False)
-        local = ball_flat[self.local_ball_index.long()]
-        out.index_copy_(0, self.local_model_index.long(), local)
+        self.local.copy(ball_flat, out, reverse=True)
         if held is None:
-            outgoing = ball_flat[self.recv_index.long()]
+            outgoing = ball_flat.new_empty(sum(self.recv_sizes))
+            self.received.copy(ball_flat, outgoing, reverse=True)
             held = self._all_to_all(outgoing, self.recv_sizes, self.send_sizes)
-        out.index_copy_(0, self.send_index.long(), held)
+        self.sent.copy(held, out, reverse=True)
         return out
+
+
+#: A map of more boxes than this whose boxes hold fewer entries on average is copied
+#: by index: one strided copy per box would cost more than the index's reads.
+MANY_BOXES = 64
+MIN_ENTRIES_PER_BOX = 64
+
+
+class _IndexMap:
+    """``out[index[1]] = source[index[0]]``: the fallback of an irregular map."""
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, device: torch.device):
+        small = source.numel() == 0 or max(int(source.max()), int(target.max())) < 2**31
+        dtype = torch.int32 if small else torch.long
+        self.index = (source.to(device, dtype), target.to(device, dtype))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.index)
+
+    def copy(self, source: torch.Tensor, out: torch.Tensor, reverse: bool = False) -> None:
+        read, write = self.index[::-1] if reverse else self.index
+        out.index_copy_(0, write.long(), source[read.long()])
+
+
+def _transfer(source: torch.Tensor, target: torch.Tensor, device: torch.device):
+    """The boxes of the map ``source[k] -> target[k]``, or its indices if irregular."""
+    boxes = box_map(source, target)
+    if boxes.boxes <= MANY_BOXES or boxes.numel >= MIN_ENTRIES_PER_BOX * boxes.boxes:
+        return boxes
+    return _IndexMap(source, target, device)
 
 
 @dataclass
@@ -472,7 +506,8 @@ class ShardedBall:
         restore the model's shards, with no communication); ``perturbed``: the
         perturbed point; ``iterates``: Auto-PGD's current, previous and best
         perturbation; ``gradients``: the current gradient, and the best iterate's if
-        kept; ``index``: the maps of the exchange; ``total``: their sum. Comparable with
+        kept; ``index``: the maps of the exchange (boxes, or indices where irregular);
+        ``total``: their sum. Comparable with
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter` of one
         process, which holds no ``saved`` entries (its ``index`` part: the index maps of
         unfused groups not laid out in strided blocks).
