@@ -139,7 +139,9 @@ def _candidates(model: torch.nn.Module) -> List[Tuple[Any, str, Callable, bool]]
         seen.add(cls)
         source = sys.modules.get(cls.__module__)
         for name, value in vars(source).items() if source is not None else ():
-            if inspect.isfunction(value) and ROTARY_CANDIDATE.search(name):
+            # a function, or one that transformers made a module (kernels from the Hub)
+            callable_ = inspect.isfunction(value) or isinstance(value, torch.nn.Module)
+            if callable_ and ROTARY_CANDIDATE.search(name):
                 out.append((source, name, value, False))
         for name, value in vars(cls).items():
             if isinstance(value, staticmethod) and ROTARY_CANDIDATE.search(name):

@@ -188,6 +188,8 @@ FAMILY_OVERRIDES: Dict[str, Dict[str, Any]] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _HYBRID),
     # their full-attention layers are multi-head latent attention
     "kimi_linear": {**_HYBRID, **_MLA},
+    # NVFP4 rounding of keys and values (multiples of 16), an index over 1 query head
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 1, "index_topk": 8, "index_pool_size": 16},
     "bailing_hybrid": {**_HYBRID, **_MLA, **_ONE_DENSE},
     "bamba": {"attn_layer_indices": [1]},
     "lfm3": {"layer_types": ["conv", "full_attention"]},
