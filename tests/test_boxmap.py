@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geoopt_quotient.sharpness.boxmap import arithmetic_runs, box_map
+from geoopt_quotient.sharpness.boxmap import BoxMap, arithmetic_runs, box_map
 from geoopt_quotient.sharpness.sharded import _IndexMap, _transfer
 
 
@@ -103,3 +103,11 @@ def test_an_irregular_map_is_copied_by_index():
     assert torch.equal(out, source[model])
     regular = _transfer(torch.arange(100, 4196), ball, torch.device("cpu"))
     assert not isinstance(regular, _IndexMap) and regular.nbytes() < 64
+
+
+def test_ranges_are_one_box_each():
+    ranges = [(10, 0, 3), (0, 5, 4), (20, 3, 0)]
+    boxes = BoxMap.of_ranges(ranges)
+    expected = torch.tensor([[10, 0], [11, 1], [12, 2], [0, 5], [1, 6], [2, 7], [3, 8]])
+    assert boxes.boxes == 3 and torch.equal(boxes.positions(), expected)
+    assert BoxMap.of_ranges([]).boxes == 0

@@ -89,7 +89,7 @@ def arithmetic_runs(
     starts_, lengths_ = np.concatenate(starts), np.concatenate(lengths)
     order = np.argsort(starts_, kind="stable")
     starts_, lengths_ = starts_[order], lengths_[order]
-    steps = np.zeros((len(starts_), values.shape[1]), np.int64)
+    steps = np.zeros((len(starts_), sides), np.int64)
     multi = lengths_ > 1
     steps[multi] = diffs[starts_[multi]]
     return starts_, lengths_, steps
@@ -110,6 +110,18 @@ class BoxMap:
     shapes: Tuple[Tuple[int, ...], ...]
     strides: Tuple[Tuple[Tuple[int, ...], ...], ...]
     offsets: Tuple[Tuple[int, ...], ...]
+
+    @classmethod
+    def of_ranges(cls, ranges: List[Tuple[int, int, int]]) -> BoxMap:
+        """The map of the ranges ``(start 0, start 1, size)``: one 1-D box each."""
+        sizes = [size for _, _, size in ranges]
+        return cls(
+            sum(sizes),
+            tuple(int(s) for s in np.cumsum([0, *sizes[:-1]])) if ranges else (),
+            tuple((size,) for size in sizes),
+            tuple(((1,), (1,)) for _ in ranges),
+            tuple((first, second) for first, second, _ in ranges),
+        )
 
     @property
     def boxes(self) -> int:

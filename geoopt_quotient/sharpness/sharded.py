@@ -75,7 +75,7 @@ from .apgd import (
     state_vector_bytes,
 )
 from .ball import ball_groups, check_points
-from .boxmap import box_map
+from .boxmap import BoxMap, box_map
 from .functional import check_depends_on_perturbation
 
 __all__ = ["ShardedBall", "ShardingError", "is_sharded"]
@@ -228,23 +228,15 @@ class _Exchange:
         self.recv_sizes = [int(sum(t.numel() for t in r)) for r in self.recv]
         sent = join([t for s in self.send for t in s])  # by peer, in order
         received = join([t for r in self.recv for t in r])
+        self.whole = BoxMap.of_ranges(self.ranges)  # whole parameters
         self.local = _transfer(join(self.local_model), join(self.local_ball), device)
         self.sent = _transfer(sent, torch.arange(sent.numel()), device)  # model -> buffer
         self.received = _transfer(torch.arange(received.numel()), received, device)
-        del self.local_model, self.local_ball, self.send, self.recv
+        del self.ranges, self.local_model, self.local_ball, self.send, self.recv
 
     def index_bytes(self) -> int:
-        """Bytes of the maps (boxes or indices)."""
+        """Bytes of the maps (boxes or indices), but for the whole parameters' ranges."""
         return sum(t.nbytes() for t in (self.local, self.sent, self.received))
-
-    def _copy_ranges(self, source: torch.Tensor, out: torch.Tensor, to_ball: bool) -> None:
-        if not self.ranges:
-            return
-        pairs = [
-            (out[b : b + n], source[m : m + n]) if to_ball else (out[m : m + n], source[b : b + n])
-            for m, b, n in self.ranges
-        ]
-        torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
 
     def _all_to_all(self, outgoing: torch.Tensor, sizes_out, sizes_in) -> torch.Tensor:
         import torch.distributed as dist
@@ -262,7 +254,7 @@ class _Exchange:
 
     def to_ball(self, model_flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The model's entries (``model_flat``) written into the ball's layout ``out``."""
-        self._copy_ranges(model_flat, out, to_ball=True)
+        self.whole.copy(model_flat, out)
         self.local.copy(model_flat, out)
         incoming = self._all_to_all(self.outgoing(model_flat), self.send_sizes, self.recv_sizes)
         self.received.copy(incoming, out)
@@ -274,7 +266,7 @@ class _Exchange:
         """The ball's entries (``ball_flat``) written into the model's layout ``out``;
         ``held``: the entries other ranks own, given (no communication) instead of
         received from them."""
-        self._copy_ranges(ball_flat, out, to_ball=False)
+        self.whole.copy(ball_flat, out, reverse=True)
         self.local.copy(ball_flat, out, reverse=True)
         if held is None:
             outgoing = ball_flat.new_empty(sum(self.recv_sizes))
