@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geoopt_quotient.sharpness.boxmap import BoxMap, arithmetic_runs, box_map
-from geoopt_quotient.sharpness.sharded import _IndexMap, _transfer
+from geoopt_quotient.sharpness.boxmap import BoxMap, arithmetic_runs, box_map, joined
+from geoopt_quotient.sharpness.sharded import _chunks, _MapParts, _transfer
 
 
 def greedy_runs(values: np.ndarray, keys=None):
@@ -97,12 +99,12 @@ def test_an_irregular_map_is_copied_by_index():
     ball = torch.arange(4096)
     assert box_map(model, ball).boxes > 1000
     transfer = _transfer(model, ball, torch.device("cpu"))
-    assert isinstance(transfer, _IndexMap)
+    assert transfer.index is not None and transfer.boxes.boxes == 0
     source, out = torch.randn(4096), torch.zeros(4096)
     transfer.copy(source, out)
     assert torch.equal(out, source[model])
     regular = _transfer(torch.arange(100, 4196), ball, torch.device("cpu"))
-    assert not isinstance(regular, _IndexMap) and regular.nbytes() < 64
+    assert regular.index is None and regular.nbytes() < 64
 
 
 def test_ranges_are_one_box_each():
@@ -111,3 +113,63 @@ def test_ranges_are_one_box_each():
     expected = torch.tensor([[10, 0], [11, 1], [12, 2], [0, 5], [1, 6], [2, 7], [3, 8]])
     assert boxes.boxes == 3 and torch.equal(boxes.positions(), expected)
     assert BoxMap.of_ranges([]).boxes == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(strided_maps(), st.lists(st.integers(1, 30), min_size=1, max_size=5), st.data())
+def test_maps_joined_from_chunks_are_the_whole_map_shifted(model, cuts, data):
+    """Cut into chunks, each chunk's boxes and the chunks joined with shifts per side:
+    the whole map, moved; a regular map cut into chunks of one length joins into one box
+    (and the last chunk's, if shorter)."""
+    ball = torch.arange(model.numel()) * 3 + 1
+    edges = sorted({0, model.numel(), *(c % model.numel() for c in cuts)})
+    pieces = [(model[a:b], ball[a:b]) for a, b in pairwise(edges)]
+    shifts = [tuple(data.draw(st.integers(0, 50)) for _ in range(2)) for _ in pieces]
+    maps = [box_map(m, b) for m, b in pieces]
+    expected = torch.cat(
+        [torch.stack([m + s0, b + s1], 1) for (m, b), (s0, s1) in zip(pieces, shifts)]
+    )
+    assert torch.equal(joined(maps, shifts).positions(), expected)
+    regular = torch.arange(5, 5 + 4 * model.numel(), 4)
+    length = data.draw(st.integers(1, 10))  # chunks of whole blocks: alike but the last
+    edges = [*range(0, model.numel(), length), model.numel()]
+    cut = [box_map(regular[a:b], ball[a:b]) for a, b in pairwise(edges)]
+    assert joined(cut, [(0, 0)] * len(cut)).boxes <= 2
+
+
+def test_map_parts_of_peers_are_moved_to_their_sections():
+    """Three peers' parts in one: each peer's positions moved by its shift, the boxes'
+    and the irregular index's alike."""
+    parts = []
+    for peer in range(3):
+        part = _MapParts()
+        part.add(torch.arange(10 * peer, 10 * peer + 4), torch.arange(4))
+        parts.append(part)
+    irregular = torch.randperm(200, generator=torch.Generator().manual_seed(0))
+    parts[1].add(irregular, torch.arange(4, 204))  # an index part
+    shifts = [(0, 0), (7, 4), (3, 208)]  # the second peer's source also moved
+    transfer = _MapParts.of(parts, shifts).finish(torch.device("cpu"))
+    assert transfer.index is not None
+    source = torch.randn(300)
+    out = torch.zeros(212)
+    transfer.copy(source, out)
+    expected = torch.cat([source[0:4], source[17:21], source[irregular + 7], source[23:27]])
+    assert torch.equal(out, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    st.integers(0, 2),
+    st.integers(1, 70),
+)
+def test_chunks_cover_the_point_in_order_with_whole_blocks(shape, block_dims, limit):
+    block_dims = min(block_dims, len(shape))
+    numbered = torch.arange(int(np.prod(shape))).view(shape)
+    seen = []
+    block = int(np.prod(shape[len(shape) - block_dims :]))
+    for lo, size in _chunks(shape, block_dims, limit):
+        assert list(size[len(shape) - block_dims :]) == shape[len(shape) - block_dims :]
+        assert int(np.prod(size)) <= max(limit, block) or 0 in shape
+        seen.append(numbered[tuple(slice(a, a + n) for a, n in zip(lo, size))].reshape(-1))
+    assert torch.equal(torch.cat(seen) if seen else numbered.reshape(-1)[:0], numbered.reshape(-1))

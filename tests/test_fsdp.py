@@ -96,15 +96,84 @@ def shard(model, mesh, **options):
 def ball_memory(model) -> tuple:
     """Bytes per parameter of this rank's worst-case mix ball (best gradient kept), and
     the number of boxes of each of its exchange's maps (None: an index per entry)."""
-    from geoopt_quotient.sharpness.boxmap import BoxMap
     from geoopt_quotient.sharpness.sharded import sharded_ball
 
     plan = find_symmetries(model, metric="mix").bind(model)
 
     ball = sharded_ball(model, plan, loss_fn)
     maps = (ball.exchange.local, ball.exchange.sent, ball.exchange.received)
-    boxes = [m.boxes if isinstance(m, BoxMap) else None for m in maps]
+    boxes = [m.boxes.boxes if m.index is None else None for m in maps]
     return ball.bytes_per_parameter(keep_best_gradient=True), boxes
+
+
+def _pairs(transfer) -> torch.Tensor:
+    """A map's (source, target) position pairs, sorted: the map whatever its boxes."""
+    rows = [transfer.boxes.positions()]
+    if transfer.index is not None:
+        rows.append(torch.stack([t.long() for t in transfer.index.index], 1))
+    pairs = torch.cat(rows)
+    key = pairs[:, 0] * (int(pairs[:, 1].max()) + 1 if len(pairs) else 1) + pairs[:, 1]
+    return pairs[key.argsort()]
+
+
+def largest_integer_tensor(fn):
+    """``(fn(), the most entries of an integer or boolean tensor an operation made)``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Watch(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+                    Watch.largest = max(Watch.largest, t.numel())
+            return out
+
+    with Watch():
+        result = fn()
+    return result, Watch.largest
+
+
+def chunked_layout(model, chunk_entries: int) -> dict:
+    """This rank's sharded mix ball built chunk by chunk of ``chunk_entries`` entries:
+    its pieces, base point and maps, and the largest integer tensor made meanwhile."""
+    from geoopt_quotient.sharpness import sharded
+
+    plan = find_symmetries(model, metric="mix").bind(model)
+    default, sharded.CHUNK_ENTRIES = sharded.CHUNK_ENTRIES, chunk_entries
+    try:
+        ball, largest = largest_integer_tensor(lambda: sharded.sharded_ball(model, plan, loss_fn))
+    finally:
+        sharded.CHUNK_ENTRIES = default
+    ex = ball.exchange
+    ball.restore()
+    return {
+        "pieces": [(p.start, tuple(p.shape)) for p in ball.pieces],
+        "base": ball.base,
+        "sizes": (ex.send_sizes, ex.recv_sizes),
+        "maps": [_pairs(m) for m in (sharded._Transfer(ex.whole), ex.local, ex.sent, ex.received)],
+        "boxes": [m.boxes.boxes for m in (ex.local, ex.sent, ex.received)],
+        "largest": largest,
+        "group_entries": max(g.shape.numel() for g in plan.groups if not g.is_whole_parameter),
+        "index_built": any("_index" in vars(g) for g in plan.groups),
+    }
+
+
+def layouts_derived(model, local) -> int:
+    """How many times two sharpness calls with one plan derive this rank's layout."""
+    from geoopt_quotient.sharpness import sharded
+
+    plan = find_symmetries(model, metric="mix")
+    calls, original = [], sharded.ShardedBall._layout
+    sharded.ShardedBall._layout = lambda self, plan: calls.append(1) or original(self, plan)
+    try:
+        for _ in range(2):
+            geodesic_sharpness(model, loss_fn, local, rho=0.05, iters=1, symmetries=plan)
+    finally:
+        sharded.ShardedBall._layout = original
+    return len(calls)
 
 
 def worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -150,7 +219,12 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         results["no_grads"] = all(p.grad is None for p in after[1:])
         results["grad_kept"] = after[0].grad is kept and not kept.to_local().any()
         results["memory"], results["boxes"] = ball_memory(model)
+        results["layouts_derived"] = layouts_derived(model, local)
         split = shard(build_llama(**SPLIT_HEADS), mesh)
+        results["chunks"] = {
+            name: [chunked_layout(m, size) for size in (1 << 30, 64)]
+            for name, m in (("even", model), ("split", split))
+        }
         results["split_heads"] = measure(split, local, "inv")
         if rank == 1:  # a NaN on one rank only: every rank must refuse, none wait
             with torch.no_grad():
@@ -261,3 +335,24 @@ def test_exchange_maps_are_boxes_not_an_index_per_entry(fsdp_run):
         assert None not in run["boxes"], run["boxes"]
         assert max(run["boxes"]) <= 16, run["boxes"]
         assert run["memory"]["index"] < 0.25, run["memory"]
+
+
+def test_the_exchange_is_built_chunk_by_chunk_without_an_index_of_a_whole_group(fsdp_run):
+    """Built from chunks of 64 entries (a block or two), the ball and its maps are those
+    built from whole groups, the largest integer tensor made meanwhile is a chunk's, not
+    a group's, and no group's index map is built (``group.index``)."""
+    for run in fsdp_run:
+        for name, (whole, chunked) in run["chunks"].items():
+            assert whole["pieces"] == chunked["pieces"] and whole["sizes"] == chunked["sizes"]
+            assert torch.equal(whole["base"], chunked["base"])
+            for a, b in zip(whole["maps"], chunked["maps"]):
+                assert torch.equal(a, b), name
+            assert max(chunked["boxes"]) <= 16, chunked["boxes"]  # alike chunks joined
+            assert not whole["index_built"] and not chunked["index_built"]
+            assert whole["largest"] >= whole["group_entries"]  # the negative: one chunk
+            assert chunked["largest"] <= 256 < chunked["group_entries"], (name, chunked)
+
+
+def test_a_later_call_on_the_same_plan_reuses_the_exchange(fsdp_run):
+    for run in fsdp_run:
+        assert run["layouts_derived"] == 1

@@ -20,9 +20,14 @@ from test_modern_llms import FAMILIES
 from test_modern_llms import model_for as family_model
 
 from geoopt_quotient import GLQuotient, PlanError, SymmetryGroup, SymmetryPlan, find_symmetries
+from geoopt_quotient.manifolds import AdaptiveEuclidean
 from geoopt_quotient.symmetry import plan as plan_module
 from geoopt_quotient.symmetry import strided, structured
-from geoopt_quotient.symmetry.plan import StructuredGroup, WholeParameterGroup
+from geoopt_quotient.symmetry.plan import (
+    StructuredGroup,
+    WholeParameterGroup,
+    whole_parameter_group,
+)
 
 F64 = torch.float64
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -455,3 +460,47 @@ def test_tiles_gather_and_place_as_the_layout_does(
         s + torch.arange(shape.numel()).reshape(shape) for s, shape in zip(starts, all_shapes)
     ]
     assert torch.equal(structure.positions(starts, at, "cpu"), layout(*numbered))
+
+
+@st.composite
+def sub_boxes(draw, shape):
+    lo = [draw(st.integers(0, n - 1)) for n in shape]
+    return lo, [draw(st.integers(1, n - a)) for a, n in zip(lo, shape)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=SHAPES, seed=st.integers(0, 10**6), steps=st.integers(1, 6), data=st.data())
+def test_a_sub_box_entries_are_the_index_maps(shapes, seed, steps, data):
+    """``box_entries`` of any box of the point is the index map's entries there (their
+    parameter and place in it), from the blocks alone (the index map is not built), for
+    a layout traced into boxes, for one kept as an index map and for a whole parameter."""
+    params = {f"p{k}": shape for k, shape in enumerate(shapes)}
+    layout = random_layout(seed, steps)
+    group = SymmetryGroup.from_layout("random", GLQuotient(1, 1), params, layout)
+    assert isinstance(group, StructuredGroup)
+    lo, shape = data.draw(sub_boxes(tuple(group.shape)))
+    which, within = group.box_entries(lo, shape)
+    assert "_index" not in group.__dict__
+    starts = torch.tensor([0] + [torch.Size(s).numel() for s in shapes[:-1]]).cumsum(0)
+    index = group.index[tuple(slice(a, a + n) for a, n in zip(lo, shape))].long()
+    assert which.dtype == within.dtype == torch.long
+    assert torch.equal(starts[which] + within, index)
+    assert bool((within < torch.tensor([torch.Size(s).numel() for s in shapes])[which]).all())
+    plain = SymmetryGroup(
+        "plain", GLQuotient(1, 1), group.param_names, group.param_shapes, group.index, "custom", 1
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain.box_entries(lo, shape), (which, within)))
+    whole = whole_parameter_group("w", shapes[0], AdaptiveEuclidean())
+    lo, shape = data.draw(sub_boxes(tuple(shapes[0])))
+    full = torch.arange(torch.Size(shapes[0]).numel()).view(shapes[0])
+    which, within = whole.box_entries(lo, shape)
+    assert not which.any()
+    assert torch.equal(within, full[tuple(slice(a, a + n) for a, n in zip(lo, shape))])
+
+
+def test_blocks_that_miss_part_of_a_box_are_refused():
+    structure = structured.PointStructure(
+        torch.Size([2, 3]), (structured.Block(0, (0, 0), (1, 3), (3, 1), 0),)
+    )
+    with pytest.raises(ValueError, match="cover 3 of the box's 6"):
+        structure.box_entries([0, 0], [2, 3])

@@ -23,12 +23,12 @@ box per head, and heads and layers alike in one box each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["BoxMap", "arithmetic_runs", "box_map"]
+__all__ = ["BoxMap", "arithmetic_runs", "box_map", "joined"]
 
 #: Dimensions of a box at most (``as_strided`` handles more; more means an irregular map).
 MAX_DIMS = 8
@@ -169,16 +169,58 @@ def box_map(*positions: torch.Tensor) -> BoxMap:
     values = np.stack([p.detach().cpu().numpy().astype(np.int64) for p in positions], 1)
     n, sides = values.shape
     starts, lengths, steps = arithmetic_runs(values)
-    offsets = values[starts]
     dims = np.zeros(len(starts), np.int64) + (lengths > 1)
     shapes = np.ones((len(starts), MAX_DIMS), np.int64)  # innermost last, padded in front
     strides = np.zeros((len(starts), MAX_DIMS, sides), np.int64)
     shapes[:, -1] = lengths
     strides[:, -1] = steps
+    return _stacked(int(n), starts, values[starts], shapes, strides, dims)
+
+
+def joined(maps: Sequence[BoxMap], shifts: Sequence[Sequence[int]]) -> BoxMap:
+    """One map of the sequences of ``maps`` in turn, each map's positions moved by its
+    ``shifts`` (one per side), alike boxes of consecutive maps stacked as
+    :func:`box_map` stacks runs (the boxes of a map built in chunks become those of the
+    whole map, or nearly)."""
+    maps = [(m, shift) for m, shift in zip(maps, shifts) if m.boxes]
+    if not maps:
+        return BoxMap(0, (), (), (), ())
+    sides = len(maps[0][0].offsets[0])
+    rows = sum(m.boxes for m, _ in maps)
+    starts, offsets = np.zeros(rows, np.int64), np.zeros((rows, sides), np.int64)
+    dims = np.zeros(rows, np.int64)
+    shapes = np.ones((rows, MAX_DIMS), np.int64)
+    strides = np.zeros((rows, MAX_DIMS, sides), np.int64)
+    row, numel = 0, 0
+    for m, shift in maps:
+        for start, shape, stride, offset in zip(m.starts, m.shapes, m.strides, m.offsets):
+            starts[row], dims[row] = numel + start, len(shape)
+            offsets[row] = np.asarray(offset) + np.asarray(shift)
+            if shape:
+                shapes[row, MAX_DIMS - len(shape) :] = shape
+                strides[row, MAX_DIMS - len(shape) :] = np.asarray(stride).T
+            row += 1
+        numel += m.numel
+    return _stacked(numel, starts, offsets, shapes, strides, dims)
+
+
+def _stacked(
+    n: int,
+    starts: np.ndarray,
+    offsets: np.ndarray,
+    shapes: np.ndarray,
+    strides: np.ndarray,
+    dims: np.ndarray,
+) -> BoxMap:
+    """The boxes (sequence ``starts``, ``offsets`` per side, ``shapes`` and ``strides``
+    padded in front to :data:`MAX_DIMS`, ``dims`` in use) stacked: runs of consecutive
+    boxes alike in shape and strides whose offsets are arithmetic become one box of one
+    more dimension, as long as any do."""
+    sides = offsets.shape[1] if offsets.ndim == 2 else 0
     while len(starts) > 1:
         alike = np.concatenate([dims[:, None], shapes, strides.reshape(len(starts), -1)], 1)
-        _, keys = np.unique(alike, axis=0, return_inverse=True)
-        keys = keys.reshape(-1)
+        # only neighbours are compared: a key per segment of alike boxes (no sort)
+        keys = np.cumsum(np.r_[True, (alike[1:] != alike[:-1]).any(1)])
         full = dims >= MAX_DIMS  # never stacked again: keys of their own
         keys[full] = keys.max() + 1 + np.arange(int(full.sum()))
         first, count, step = arithmetic_runs(offsets, keys)
@@ -193,7 +235,7 @@ def box_map(*positions: torch.Tensor) -> BoxMap:
         strides[rows, at[rows]] = step[rows]
         dims = dims + grown
     return BoxMap(
-        int(n),
+        n,
         tuple(int(s) for s in starts),
         tuple(tuple(int(x) for x in row[MAX_DIMS - d :]) for row, d in zip(shapes, dims)),
         tuple(

@@ -52,16 +52,22 @@ Memory
     :meth:`ShardedBall.bytes_per_parameter` reports them per parameter of the whole
     model. With :math:`R` ranks and balanced heads that is about :math:`1/R` of one
     process's ball (:meth:`~geoopt_quotient.sharpness.layout.BallLayout.bytes_per_parameter`).
+    The maps are derived from the plan's boxes a chunk of whole heads at a time
+    (:data:`CHUNK_ENTRIES`), so that building them holds a few vectors of a chunk's
+    length, not of a group's; they are kept per plan for the next call (:data:`_LAYOUTS`).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import GeooptQuotientError
 from ..manifolds import AdaptiveEuclidean
@@ -75,7 +81,7 @@ from .apgd import (
     state_vector_bytes,
 )
 from .ball import ball_groups, check_points
-from .boxmap import BoxMap, box_map
+from .boxmap import BoxMap, box_map, joined
 from .functional import check_depends_on_perturbation
 
 __all__ = ["ShardedBall", "ShardingError", "is_sharded"]
@@ -204,35 +210,46 @@ class _Exchange:
     (:class:`~geoopt_quotient.sharpness.boxmap.BoxMap`, one strided copy per box, e.g.
     per parameter of alike heads and layers); the rest go through one
     ``all_to_all_single``, in an order both sides derive from the plan (group, then
-    entry of its point), gathered and scattered by boxes too. A map whose boxes would
-    hold fewer than :data:`MIN_ENTRIES_PER_BOX` entries on average (an irregular
-    layout) keeps an index per entry instead.
+    entry of its point), gathered and scattered by boxes too. The maps are added chunk
+    by chunk of a group's point (:data:`CHUNK_ENTRIES`), each chunk's described by
+    boxes as it comes, so that no integer per entry of a whole group exists at once;
+    a chunk whose boxes would hold fewer than :data:`MIN_ENTRIES_PER_BOX` entries on
+    average (an irregular layout) keeps an index per entry instead.
     """
 
     def __init__(self, group, world: int, rank: int):
         self.group, self.world, self.rank = group, world, rank
         self.ranges: List[Tuple[int, int, int]] = []  # (model start, ball start, size)
-        self.local_model: List[torch.Tensor] = []
-        self.local_ball: List[torch.Tensor] = []
-        self.send: List[List[torch.Tensor]] = [[] for _ in range(world)]
-        self.recv: List[List[torch.Tensor]] = [[] for _ in range(world)]
+        self.local_parts = _MapParts()  # (model position, ball position)
+        self.send_parts = [_MapParts() for _ in range(world)]  # (model, among those sent)
+        self.recv_parts = [_MapParts() for _ in range(world)]  # (among received, ball)
+
+    def add_local(self, model_pos: torch.Tensor, ball_pos: torch.Tensor) -> None:
+        """Entries this rank holds and owns: model positions to ball positions."""
+        self.local_parts.add(model_pos, ball_pos)
+
+    def add_sent(self, peer: int, model_pos: torch.Tensor) -> None:
+        """Entries this rank holds for ``peer``'s pieces, next in the peer's order."""
+        parts = self.send_parts[peer]
+        parts.add(model_pos, parts.numel + torch.arange(model_pos.numel()))
+
+    def add_received(self, peer: int, ball_pos: torch.Tensor) -> None:
+        """Entries ``peer`` holds for this rank's pieces, next in the peer's order."""
+        parts = self.recv_parts[peer]
+        parts.add(parts.numel + torch.arange(ball_pos.numel()), ball_pos)
 
     def finish(self, device: torch.device) -> None:
-        """Join the per-group maps and describe them by boxes (or indices, on the
-        parameters' ``device``)."""
-
-        def join(parts: List[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-        self.send_sizes = [int(sum(t.numel() for t in s)) for s in self.send]
-        self.recv_sizes = [int(sum(t.numel() for t in r)) for r in self.recv]
-        sent = join([t for s in self.send for t in s])  # by peer, in order
-        received = join([t for r in self.recv for t in r])
+        """Join the maps of the chunks (the peers' in turn) into one map each."""
+        self.send_sizes = [parts.numel for parts in self.send_parts]
+        self.recv_sizes = [parts.numel for parts in self.recv_parts]
+        sent_at = [sum(self.send_sizes[:peer]) for peer in range(self.world)]
+        received_at = [sum(self.recv_sizes[:peer]) for peer in range(self.world)]
         self.whole = BoxMap.of_ranges(self.ranges)  # whole parameters
-        self.local = _transfer(join(self.local_model), join(self.local_ball), device)
-        self.sent = _transfer(sent, torch.arange(sent.numel()), device)  # model -> buffer
-        self.received = _transfer(torch.arange(received.numel()), received, device)
-        del self.ranges, self.local_model, self.local_ball, self.send, self.recv
+        self.local = self.local_parts.finish(device)
+        sent = _MapParts.of(self.send_parts, [(0, at) for at in sent_at])
+        received = _MapParts.of(self.recv_parts, [(at, 0) for at in received_at])
+        self.sent, self.received = sent.finish(device), received.finish(device)
+        del self.ranges, self.local_parts, self.send_parts, self.recv_parts
 
     def index_bytes(self) -> int:
         """Bytes of the maps (boxes or indices), but for the whole parameters' ranges."""
@@ -280,6 +297,18 @@ class _Exchange:
 #: by index: one strided copy per box would cost more than the index's reads.
 MANY_BOXES = 64
 MIN_ENTRIES_PER_BOX = 64
+#: Entries of a group's point whose maps are derived at once while the ball is built
+#: (a few int64 tensors of this length, then their boxes): whole blocks (heads), at
+#: least one.
+CHUNK_ENTRIES = 1 << 18
+
+
+#: Per bound plan, each rank's pieces and exchange (:meth:`ShardedBall._layout`): they
+#: depend on the plan's groups and the shards' split of rows alone, so a later call on
+#: the same plan and mesh (a training monitor's, every few steps) reuses them instead of
+#: deriving them again from a position per entry; their maps are boxes, a few integers
+#: each (or the indices of an irregular layout).
+_LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _IndexMap:
@@ -298,12 +327,96 @@ class _IndexMap:
         out.index_copy_(0, write.long(), source[read.long()])
 
 
-def _transfer(source: torch.Tensor, target: torch.Tensor, device: torch.device):
+@dataclass
+class _Transfer:
+    """A map between two flat buffers: its regular part as boxes, the rest (irregular
+    chunks) as indices."""
+
+    boxes: BoxMap
+    index: _IndexMap | None = None
+
+    def nbytes(self) -> int:
+        return self.boxes.nbytes() + (self.index.nbytes() if self.index is not None else 0)
+
+    def copy(self, source: torch.Tensor, out: torch.Tensor, reverse: bool = False) -> None:
+        """``out[map[1]] = source[map[0]]`` (``reverse``: ``out[map[0]] = source[map[1]]``)."""
+        self.boxes.copy(source, out, reverse)
+        if self.index is not None:
+            self.index.copy(source, out, reverse)
+
+
+def _regular(boxes: BoxMap) -> bool:
+    """Whether a map's boxes are worth copying one by one (few, or large on average)."""
+    return boxes.boxes <= MANY_BOXES or boxes.numel >= MIN_ENTRIES_PER_BOX * boxes.boxes
+
+
+class _MapParts:
+    """A map of position pairs added chunk by chunk: each chunk's boxes, or where
+    irregular its indices (int32 where they fit)."""
+
+    def __init__(self):
+        self.boxes: List[BoxMap] = []
+        self.shifts: List[Tuple[int, int]] = []
+        self.index: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.numel = 0
+
+    def add(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        if not source.numel():
+            return
+        boxes = box_map(source, target)
+        if _regular(boxes):
+            self.boxes.append(boxes)
+            self.shifts.append((0, 0))
+        else:
+            small = max(int(source.max()), int(target.max())) < 2**31
+            dtype = torch.int32 if small else torch.long
+            self.index.append((source.to(dtype), target.to(dtype)))
+        self.numel += source.numel()
+
+    @classmethod
+    def of(cls, parts: Sequence[_MapParts], shifts: Sequence[Tuple[int, int]]) -> _MapParts:
+        """The maps ``parts`` in one, each one's positions moved by its ``shifts``."""
+        out = cls()
+        for part, (first, second) in zip(parts, shifts):
+            out.boxes += part.boxes
+            out.shifts += [(a + first, b + second) for a, b in part.shifts]
+            out.index += [(s + first, t + second) for s, t in part.index]
+            out.numel += part.numel
+        return out
+
+    def finish(self, device: torch.device) -> _Transfer:
+        index = None
+        if self.index:
+            source, target = (torch.cat(side).long() for side in zip(*self.index))
+            index = _IndexMap(source, target, device)
+        return _Transfer(joined(self.boxes, self.shifts), index)
+
+
+def _transfer(source: torch.Tensor, target: torch.Tensor, device: torch.device) -> _Transfer:
     """The boxes of the map ``source[k] -> target[k]``, or its indices if irregular."""
-    boxes = box_map(source, target)
-    if boxes.boxes <= MANY_BOXES or boxes.numel >= MIN_ENTRIES_PER_BOX * boxes.boxes:
-        return boxes
-    return _IndexMap(source, target, device)
+    parts = _MapParts()
+    parts.add(source, target)
+    return parts.finish(device)
+
+
+def _chunks(shape: Sequence[int], block_dims: int, limit: int):
+    """Sub-boxes ``(lo, shape)`` of a point of ``shape`` that cover it in row-major
+    order, each of whole blocks (its last ``block_dims`` dimensions whole) and of at most
+    ``limit`` entries where one block fits."""
+    shape = list(shape)
+    k = len(shape) - block_dims  # dimensions k.. of a chunk are whole
+    size = math.prod(shape[k:])
+    while k > 0 and size * shape[k - 1] <= limit:
+        k -= 1
+        size *= shape[k]
+    if k == 0:
+        yield [0] * len(shape), shape
+        return
+    step = max(1, limit // max(size, 1))
+    for prefix in itertools.product(*(range(n) for n in shape[: k - 1])):
+        for first in range(0, shape[k - 1], step):
+            count = min(step, shape[k - 1] - first)
+            yield [*prefix, first, *[0] * (len(shape) - k)], [*[1] * (k - 1), count, *shape[k:]]
 
 
 @dataclass
@@ -371,7 +484,7 @@ class ShardedBall:
         self.caller_grads = [s.param.grad for s in self.shards]
         for s in self.shards:
             s.param.grad = None
-        self.pieces, self.exchange = self._layout(plan)
+        self.pieces, self.exchange = self._cached_layout(plan)
         self.base = self._ball_flat()
         model_flat = self._model_flat()
         self.exchange.to_ball(model_flat, self.base)
@@ -390,6 +503,19 @@ class ShardedBall:
 
     def _ball_flat(self) -> torch.Tensor:
         return torch.empty(self.ball_size, dtype=self.dtype, device=self.device)
+
+    def _cached_layout(self, plan: BoundPlan) -> Tuple[List[_Piece], _Exchange]:
+        """:meth:`_layout`, derived once per plan, mesh and row split (:data:`_LAYOUTS`)."""
+        split = tuple((s.name, s.rows, s.row_size, s.chunk) for s in self.shards)
+        key = (self.world, self.rank, str(self.device), split)
+        layouts = _LAYOUTS.setdefault(plan, {})
+        if key not in layouts:
+            pieces, exchange = self._layout(plan)
+            layouts[key] = (pieces, exchange, self.ball_size)
+        pieces, exchange, self.ball_size = layouts[key]
+        exchange = copy.copy(exchange)
+        exchange.group = self.process_group  # this call's (the cached one's may be gone)
+        return pieces, exchange
 
     def _layout(self, plan: BoundPlan) -> Tuple[List[_Piece], _Exchange]:
         """This rank's piece of each group, and the exchange of their entries."""
@@ -411,63 +537,72 @@ class ShardedBall:
                 pieces.append(_Piece(group, start, torch.Size([numel])))
                 start += numel
                 continue
-            source, model_pos = self._sources(group, position, offsets)
             if group.kind == "adaptive":  # element-wise: each entry stays where it is
-                mine = (source == rank).nonzero().reshape(-1)
-                exchange.local_model.append(model_pos[mine])
-                exchange.local_ball.append(torch.arange(start, start + mine.numel()))
-                pieces.append(_Piece(group, start, torch.Size([mine.numel()])))
-                start += mine.numel()
+                count = 0
+                for source, model_pos in self._sources(group, 0, position, offsets):
+                    mine = (source == rank).nonzero().reshape(-1)
+                    exchange.add_local(model_pos[mine], start + count + torch.arange(mine.numel()))
+                    count += mine.numel()
+                pieces.append(_Piece(group, start, torch.Size([count])))
+                start += count
                 continue
-            piece = self._blocks(group, source, model_pos, start, exchange)
+            piece = self._blocks(group, position, offsets, start, exchange)
             pieces.append(piece)
             start += piece.numel
         self.ball_size = start
         exchange.finish(self.device)
         return pieces, exchange
 
-    def _sources(self, group: SymmetryGroup, position, offsets) -> Tuple[torch.Tensor, ...]:
-        """For every entry of ``group``'s point (flattened): the rank holding it and its
-        position in that rank's concatenated local shards."""
-        index = group.index.reshape(-1).long()
+    def _sources(self, group: SymmetryGroup, block_dims: int, position, offsets):
+        """Chunk by chunk of whole blocks of ``group``'s point (:func:`_chunks`), for
+        every entry (flattened): the rank holding it and its position in that rank's
+        concatenated local shards."""
         shards = [self.shards[position[n]] for n in group.param_names]
-        numels = torch.tensor([s.rows * s.row_size for s in shards])
-        ends = torch.cumsum(numels, 0)
-        which = torch.searchsorted(ends, index, right=True)
-        within = index - (ends - numels)[which]
-        row_size = torch.tensor([s.row_size for s in shards])[which]
-        chunk = torch.tensor([s.chunk for s in shards])[which]
-        source = torch.div(within // row_size, chunk, rounding_mode="floor")
-        params = torch.tensor([position[s.name] for s in shards])[which]
-        model_pos = offsets[source, params] + within - source * chunk * row_size
-        return source, model_pos
+        chunk_entries = torch.tensor([s.chunk * s.row_size for s in shards])
+        columns = torch.tensor([position[s.name] for s in shards])
+        flat_offsets = offsets.reshape(-1)  # (rank, parameter) at rank * parameters + k
+        for lo, shape in _chunks(group.shape, block_dims, CHUNK_ENTRIES):
+            which, within = (t.reshape(-1) for t in group.box_entries(lo, shape))
+            per_rank = chunk_entries[which]
+            source = torch.div(within, per_rank, rounding_mode="floor")
+            model_pos = flat_offsets[source * offsets.shape[1] + columns[which]]
+            model_pos += within - source * per_rank
+            yield source, model_pos
 
-    def _blocks(self, group, source, model_pos, start: int, exchange: _Exchange) -> _Piece:
+    def _blocks(self, group, position, offsets, start: int, exchange: _Exchange) -> _Piece:
         """This rank's whole blocks (heads) of a symmetry group; each block is owned by
         the rank holding most of its entries (the lowest such rank on a tie)."""
         world, rank = self.world, self.rank
-        block_shape = group.shape[-group.manifold.ndim :] if group.manifold.ndim else ()
+        ndim = group.manifold.ndim
+        block_shape = group.shape[len(group.shape) - ndim :] if ndim else ()
         block = math.prod(block_shape)
-        source = source.view(-1, block)
-        model_pos = model_pos.view(-1, block)
-        counts = torch.stack([(source == r).sum(1) for r in range(world)], 1)
-        owner = counts.argmax(1)  # the first maximum
-        slot = torch.zeros_like(owner)  # the block's place among its owner's blocks
-        for r in range(world):
-            mask = owner == r
-            slot[mask] = torch.arange(int(mask.sum()))
-        ball_pos = slot[:, None] * block + torch.arange(block)  # in the owner's piece
-        for peer in range(world):
-            if peer == rank:
-                continue
-            outgoing = (source == rank) & (owner == peer)[:, None]
-            exchange.send[peer].append(model_pos[outgoing])
-            incoming = (source == peer) & (owner == rank)[:, None]
-            exchange.recv[peer].append(start + ball_pos[incoming])
-        local = (source == rank) & (owner == rank)[:, None]
-        exchange.local_model.append(model_pos[local])
-        exchange.local_ball.append(start + ball_pos[local])
-        return _Piece(group, start, torch.Size([int((owner == rank).sum()), *block_shape]))
+        owned = [0] * world  # blocks each rank owns so far
+        for source, model_pos in self._sources(group, ndim, position, offsets):
+            source, model_pos = source.view(-1, block), model_pos.view(-1, block)
+            counts = torch.zeros(len(source), world, dtype=torch.long)
+            counts.scatter_add_(1, source, torch.ones_like(source))
+            owner = counts.argmax(1)  # the first maximum
+            slot = torch.zeros_like(owner)  # the block's place among its owner's blocks
+            for r in range(world):
+                mask = owner == r
+                taken = int(mask.sum())
+                slot[mask] = torch.arange(owned[r], owned[r] + taken)
+                owned[r] += taken
+            mine = owner == rank
+            ball_pos = start + slot[mine, None] * block + torch.arange(block)  # in the piece
+            from_rank = source[mine]  # who holds each entry of this rank's blocks
+            held = from_rank == rank
+            exchange.add_local(model_pos[mine][held], ball_pos[held])
+            others = ~mine
+            sent = source[others] == rank  # this rank's entries of others' blocks
+            to_rank = owner[others, None].expand(-1, block)[sent]
+            sent_pos = model_pos[others][sent]
+            from_rank, received_pos = from_rank[~held], ball_pos[~held]
+            for peer in range(world):
+                if peer != rank:
+                    exchange.add_sent(peer, sent_pos[to_rank == peer])
+                    exchange.add_received(peer, received_pos[from_rank == peer])
+        return _Piece(group, start, torch.Size([owned[rank], *block_shape]))
 
     # ------------------------------------------------------------------ reductions
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:

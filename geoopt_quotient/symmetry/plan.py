@@ -174,6 +174,19 @@ class SymmetryGroup:
         )
         return flat[self.index.to(device)]
 
+    def box_entries(
+        self, lo: Sequence[int], shape: Sequence[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """For the point's entries ``lo : lo + shape``: the position among
+        :attr:`param_names` of the parameter each comes from, and its position in that
+        flattened parameter (``torch.long``, shape ``shape`` each); from the group's
+        boxes where it has them, without :attr:`index`."""
+        index = self.index[tuple(slice(a, a + n) for a, n in zip(lo, shape))].long()
+        numels = torch.tensor([s.numel() for s in self.param_shapes])
+        ends = torch.cumsum(numels, 0)
+        which = torch.searchsorted(ends, index, right=True)
+        return which, index - (ends - numels)[which]
+
     def covered(self) -> Dict[str, torch.Tensor]:
         """Per parameter, the flat entry indices this group covers."""
         flat = self.index.reshape(-1)
@@ -264,6 +277,9 @@ class StructuredGroup(SymmetryGroup):
     def positions(self, starts, size, device):
         return self.structure.positions([starts[n] for n in self.param_names], size, device)
 
+    def box_entries(self, lo, shape):
+        return self.structure.box_entries(lo, shape)
+
     def runs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         cached = self.__dict__.get("_runs")  # a few runs per tensor once coalesced
         if cached is None:
@@ -349,6 +365,12 @@ class WholeParameterGroup(SymmetryGroup):
     def positions(self, starts, size, device):
         start = starts[self.param_names[0]]
         return torch.arange(start, start + self.index.numel(), device=device).view(self.shape)
+
+    def box_entries(self, lo, shape):
+        grid = torch.zeros((), dtype=torch.long)
+        for a, n, stride in zip(lo, shape, structured.contiguous_strides(self.shape)):
+            grid = grid[..., None] + stride * torch.arange(a, a + n)
+        return torch.zeros_like(grid), grid
 
     def covered(self) -> Dict[str, torch.Tensor]:
         return {self.param_names[0]: torch.arange(self.index.numel())}

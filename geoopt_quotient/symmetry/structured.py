@@ -211,6 +211,41 @@ class PointStructure:
         torch._foreach_copy_(targets, sources)
         return out
 
+    def box_entries(
+        self, lo: Sequence[int], shape: Sequence[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """For the point's entries ``lo : lo + shape``: the parameter each comes from and
+        its position in that flattened parameter (``torch.long``, shape ``shape`` each),
+        each block's part of the box filled from its strides, with no tensor of the whole
+        point's or the parameters' size.
+
+        Raises
+        ------
+        ValueError
+            If the blocks do not cover the box exactly once.
+        """
+        params = torch.empty(tuple(shape), dtype=torch.long)
+        positions = torch.empty(tuple(shape), dtype=torch.long)
+        filled = 0
+        for block in self.blocks:
+            first = [max(a, b) for a, b in zip(lo, block.start)]
+            stop = [min(a + n, b + m) for a, n, b, m in zip(lo, shape, block.start, block.shape)]
+            if any(a >= b for a, b in zip(first, stop)):
+                continue
+            begin = block.offset
+            begin += sum(s * (a - b) for s, a, b in zip(block.strides, first, block.start))
+            sizes = [b - a for a, b in zip(first, stop)]
+            grid = torch.full((), begin, dtype=torch.long)
+            for n, stride in zip(sizes, block.strides):
+                grid = grid[..., None] + stride * torch.arange(n)
+            box = tuple(slice(a - o, b - o) for a, b, o in zip(first, stop, lo))
+            positions[box] = grid
+            params[box] = block.param
+            filled += math.prod(sizes)
+        if filled != positions.numel():
+            raise ValueError(f"the blocks cover {filled} of the box's {positions.numel()} entries")
+        return params, positions
+
     def scatter(self, point: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """New parameter tensors: ``tensors`` with the point written in (differentiable)."""
         dtype = _common_dtype(tensors)
