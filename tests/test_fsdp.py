@@ -176,6 +176,33 @@ def layouts_derived(model, local) -> int:
     return len(calls)
 
 
+def fresh_buffers(model, local, iters: int) -> tuple:
+    """A call of ``iters`` iterations: how many vectors of the ball it makes (flat buffers
+    and Auto-PGD's iterates), and how many distinct buffers its writes and gradients pass
+    through in the shards' layout."""
+    from geoopt_quotient.sharpness import buffers, sharded
+
+    plan = find_symmetries(model, metric="mix")
+    made, seen = [], set()
+    ball_flat, model_buffer = sharded.ShardedBall._ball_flat, sharded.ShardedBall._model_buffer
+    joint = buffers.joint_buffer
+
+    def counted_model_buffer(self):
+        buffer = model_buffer(self)
+        seen.add(buffer.data_ptr())
+        return buffer
+
+    sharded.ShardedBall._ball_flat = lambda self: made.append(1) or ball_flat(self)
+    sharded.ShardedBall._model_buffer = counted_model_buffer
+    buffers.joint_buffer = lambda *a, **k: made.append(1) or joint(*a, **k)
+    try:
+        geodesic_sharpness(model, loss_fn, local[:1], rho=0.05, iters=iters, symmetries=plan)
+    finally:
+        sharded.ShardedBall._ball_flat, sharded.ShardedBall._model_buffer = ball_flat, model_buffer
+        buffers.joint_buffer = joint
+    return len(made), len(seen)
+
+
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -220,6 +247,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         results["grad_kept"] = after[0].grad is kept and not kept.to_local().any()
         results["memory"], results["boxes"] = ball_memory(model)
         results["layouts_derived"] = layouts_derived(model, local)
+        results["fresh"] = fresh_buffers(model, local, 30)
         split = shard(build_llama(**SPLIT_HEADS), mesh)
         results["chunks"] = {
             name: [chunked_layout(m, size) for size in (1 << 30, 64)]
@@ -356,3 +384,44 @@ def test_the_exchange_is_built_chunk_by_chunk_without_an_index_of_a_whole_group(
 def test_a_later_call_on_the_same_plan_reuses_the_exchange(fsdp_run):
     for run in fsdp_run:
         assert run["layouts_derived"] == 1
+
+
+@pytest.mark.parametrize("regular", [True, False], ids=["boxes", "irregular"])
+def test_only_an_exchange_of_boxes_is_kept_for_the_next_call(regular, monkeypatch):
+    """An exchange with an index per entry (an irregular layout) is derived again at every
+    call rather than kept, as large as its groups, between calls."""
+    from types import SimpleNamespace
+
+    from geoopt_quotient.sharpness import sharded
+
+    derived = []
+
+    def layout(self, plan):
+        derived.append(1)
+        self.ball_size = 7
+        return ["pieces"], SimpleNamespace(regular=regular, group=self.process_group)
+
+    monkeypatch.setattr(sharded.ShardedBall, "_layout", layout)
+
+    class Plan:  # a bound plan: any object the cache can hold weakly
+        pass
+
+    plan = Plan()
+    for group in ("first", "second"):
+        ball = sharded.ShardedBall.__new__(sharded.ShardedBall)
+        ball.world, ball.rank, ball.device, ball.shards = 2, 0, "cpu", []
+        ball.process_group = group
+        pieces, exchange = ball._cached_layout(plan)
+        assert pieces == ["pieces"] and ball.ball_size == 7 and exchange.group == group
+    assert len(derived) == (1 if regular else 2)
+
+
+def test_evaluations_reuse_the_sharded_balls_buffers(fsdp_run):
+    """Over 30 iterations the ball's vectors are made only while Auto-PGD holds more of them
+    than ever before (its base point, perturbed point, three iterates and two gradients, as
+    in one process): each gradient goes into a vector the loop has freed, not a new one per
+    evaluation; and every write and gradient passes through one buffer of the local shards'
+    size."""
+    for run in fsdp_run:
+        made, seen = run["fresh"]
+        assert made <= 2 + 5 and seen == 1, run["fresh"]

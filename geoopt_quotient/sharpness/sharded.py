@@ -249,6 +249,7 @@ class _Exchange:
         sent = _MapParts.of(self.send_parts, [(0, at) for at in sent_at])
         received = _MapParts.of(self.recv_parts, [(at, 0) for at in received_at])
         self.sent, self.received = sent.finish(device), received.finish(device)
+        self.regular = all(m.index is None for m in (self.local, self.sent, self.received))
         del self.ranges, self.local_parts, self.send_parts, self.recv_parts
 
     def index_bytes(self) -> int:
@@ -306,8 +307,8 @@ CHUNK_ENTRIES = 1 << 18
 #: Per bound plan, each rank's pieces and exchange (:meth:`ShardedBall._layout`): they
 #: depend on the plan's groups and the shards' split of rows alone, so a later call on
 #: the same plan and mesh (a training monitor's, every few steps) reuses them instead of
-#: deriving them again from a position per entry; their maps are boxes, a few integers
-#: each (or the indices of an irregular layout).
+#: deriving them again from a position per entry. Only exchanges of boxes (a few integers
+#: each) are kept: the indices of an irregular layout, as large as its groups, are not.
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -352,12 +353,13 @@ def _regular(boxes: BoxMap) -> bool:
 
 class _MapParts:
     """A map of position pairs added chunk by chunk: each chunk's boxes, or where
-    irregular its indices (int32 where they fit)."""
+    irregular its indices (int32 where they fit), each with the shift of its positions."""
 
     def __init__(self):
         self.boxes: List[BoxMap] = []
-        self.shifts: List[Tuple[int, int]] = []
+        self.box_shifts: List[Tuple[int, int]] = []
         self.index: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.index_shifts: List[Tuple[int, int]] = []
         self.numel = 0
 
     def add(self, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -366,11 +368,12 @@ class _MapParts:
         boxes = box_map(source, target)
         if _regular(boxes):
             self.boxes.append(boxes)
-            self.shifts.append((0, 0))
+            self.box_shifts.append((0, 0))
         else:
             small = max(int(source.max()), int(target.max())) < 2**31
             dtype = torch.int32 if small else torch.long
             self.index.append((source.to(dtype), target.to(dtype)))
+            self.index_shifts.append((0, 0))
         self.numel += source.numel()
 
     @classmethod
@@ -379,17 +382,21 @@ class _MapParts:
         out = cls()
         for part, (first, second) in zip(parts, shifts):
             out.boxes += part.boxes
-            out.shifts += [(a + first, b + second) for a, b in part.shifts]
-            out.index += [(s + first, t + second) for s, t in part.index]
+            out.box_shifts += [(a + first, b + second) for a, b in part.box_shifts]
+            out.index += part.index
+            out.index_shifts += [(a + first, b + second) for a, b in part.index_shifts]
             out.numel += part.numel
         return out
 
     def finish(self, device: torch.device) -> _Transfer:
         index = None
         if self.index:
-            source, target = (torch.cat(side).long() for side in zip(*self.index))
+            source, target = (
+                torch.cat([t.long() + shift[side] for t, shift in zip(tensors, self.index_shifts)])
+                for side, tensors in enumerate(zip(*self.index))
+            )
             index = _IndexMap(source, target, device)
-        return _Transfer(joined(self.boxes, self.shifts), index)
+        return _Transfer(joined(self.boxes, self.box_shifts), index)
 
 
 def _transfer(source: torch.Tensor, target: torch.Tensor, device: torch.device) -> _Transfer:
@@ -491,7 +498,7 @@ class ShardedBall:
         # with the base point, what restores the model bitwise: the entries it sent away
         self.saved = self.exchange.outgoing(model_flat)
         self.model_size = model_flat.numel()
-        del model_flat
+        self._model_scratch: torch.Tensor | None = model_flat  # written over from now on
         pieces = [p for p in self.pieces if p.numel]
         ball_groups = make_groups([p.group for p in pieces], [p.of(self.base) for p in pieces])
         self.groups, self._parts = _fuse(ball_groups, pieces, self.base)
@@ -499,7 +506,7 @@ class ShardedBall:
 
     # ------------------------------------------------------------------ layout
     def _model_flat(self) -> torch.Tensor:
-        return torch.cat([s.local.reshape(-1) for s in self.shards])
+        return torch.cat([s.local.detach().reshape(-1) for s in self.shards])
 
     def _ball_flat(self) -> torch.Tensor:
         return torch.empty(self.ball_size, dtype=self.dtype, device=self.device)
@@ -511,6 +518,8 @@ class ShardedBall:
         layouts = _LAYOUTS.setdefault(plan, {})
         if key not in layouts:
             pieces, exchange = self._layout(plan)
+            if not exchange.regular:  # an index per entry is not kept between calls
+                return pieces, exchange
             layouts[key] = (pieces, exchange, self.ball_size)
         pieces, exchange, self.ball_size = layouts[key]
         exchange = copy.copy(exchange)
@@ -716,16 +725,37 @@ class ShardedBall:
         self._write_model(self.exchange.to_model(ball_flat, self._model_buffer()))
 
     def _model_buffer(self) -> torch.Tensor:
-        return torch.empty(self.model_size, dtype=self.dtype, device=self.device)
+        """The one buffer of the local shards' size that each write and each gradient
+        passes through (made once: a new one per pass would be faulted in page by page)."""
+        if self._model_scratch is None:
+            self._model_scratch = torch.empty(self.model_size, dtype=self.dtype, device=self.device)
+        return self._model_scratch
+
+    def flat_of(self, vector: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The flat buffer in the ball's layout whose views ``vector``'s tensors are (one
+        per ball group, as Auto-PGD's vectors are made), or ``None`` if they are not."""
+        first = vector[0] if len(vector) == len(self._parts) else None
+        if first is None or first.dtype != self.dtype or first.device != self.device:
+            return None
+        storage = first.untyped_storage()
+        if storage.nbytes() < self.ball_size * first.element_size():
+            return None
+        for t, (start, shape) in zip(vector, self._parts):
+            alike = t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous()
+            if not (alike and t.storage_offset() == start and t.shape == shape):
+                return None
+        return first.as_strided((self.ball_size,), (1,), 0)
 
     def _write_model(self, model_flat: torch.Tensor) -> None:
         with torch.no_grad():
             views = model_flat.split([s.local.numel() for s in self.shards])
             torch._foreach_copy_([s.local.view(-1) for s in self.shards], list(views))
 
-    def loss(self, batch: Any, grad: bool, autocast) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    def loss(
+        self, batch: Any, grad: bool, autocast, out: torch.Tensor | None = None
+    ) -> Tuple[torch.Tensor, torch.Tensor | None]:
         """The global batch's loss (mean over the ranks) at the written point, and with
-        ``grad`` its gradient in the ball's layout."""
+        ``grad`` its gradient in the ball's layout (written into ``out`` if given)."""
         try:
             with torch.enable_grad() if grad else torch.no_grad():
                 with autocast.restored():
@@ -737,14 +767,16 @@ class ShardedBall:
             if grad:
                 grads = [s.param.grad for s in self.shards]
                 check_depends_on_perturbation(value, any(g is not None for g in grads))
-                flat = torch.cat(
-                    [
-                        torch.zeros_like(s.local).reshape(-1)
-                        if g is None
-                        else g.to_local().reshape(-1).to(self.dtype)
-                        for s, g in zip(self.shards, grads)
-                    ]
-                )
+                with torch.no_grad():
+                    flat = torch.cat(
+                        [
+                            torch.zeros_like(s.local).reshape(-1)
+                            if g is None
+                            else g.to_local().reshape(-1).to(self.dtype)
+                            for s, g in zip(self.shards, grads)
+                        ],
+                        out=self._model_buffer(),
+                    )
         finally:
             _reshard(self.model)
             for s in self.shards:
@@ -752,7 +784,7 @@ class ShardedBall:
         mean = self.reduce_sum(value.detach().reshape(()).to(torch.float64)) / self.world
         if flat is None:
             return mean, None
-        return mean, self.exchange.to_ball(flat, self._ball_flat())
+        return mean, self.exchange.to_ball(flat, self._ball_flat() if out is None else out)
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -803,11 +835,14 @@ class _ShardedObjective:
     def evaluate_ball(self, ball, paths, xi, grad: bool, autocast, recycled=None):
         """The loss at the perturbed points and its gradient with respect to ``xi``, as
         :meth:`~geoopt_quotient.sharpness.layout.BallLayout.objective` evaluates it
-        (the vector in ``recycled`` is released unused: the gradient arrives in the
-        sharded ball's own buffer)."""
-        if recycled:
-            recycled.clear()
+        (into the last vector of ``recycled`` where it is laid out as the ball is; else
+        they are released before the loss runs)."""
         owner = self.ball
+        spare = owner.flat_of(recycled[-1]) if grad and recycled else None
+        if spare is not None:
+            recycled.pop()  # the others stay free for the loop
+        elif recycled:
+            recycled.clear()  # none fits (all of the ball's vectors fit, or none): released
         flat = owner.perturbed_buffer()
         pullbacks, traced = [], {}
         for index, (path, x, v, (start, shape)) in enumerate(
@@ -824,7 +859,7 @@ class _ShardedObjective:
                     view.copy_(point)
             pullbacks.append(pullback)
         owner.write(flat)
-        value, flat_grad = owner.loss(self.batch, grad, autocast)
+        value, flat_grad = owner.loss(self.batch, grad, autocast, spare)
         if not grad:
             return value, None
         grads = [
