@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geoopt_quotient.sharpness.boxmap import BoxMap, arithmetic_runs, box_map, joined
-from geoopt_quotient.sharpness.sharded import _chunks, _MapParts, _transfer
+from geoopt_quotient.sharpness.sharded import _chunks, _MapParts
 
 
 def greedy_runs(values: np.ndarray, keys=None):
@@ -92,18 +92,25 @@ def test_heads_transposed_over_layers_are_one_box():
     assert boxes.strides == (((80, 24, 1, 6), (72, 24, 4, 1)),)
 
 
+def _transfer(source, target):
+    """The map ``source[k] -> target[k]`` as the sharded exchange builds it (one chunk)."""
+    parts = _MapParts()
+    parts.add(source, target)
+    return parts.finish(torch.device("cpu"))
+
+
 def test_an_irregular_map_is_copied_by_index():
     """The negative: a random permutation has no boxes worth copying one by one."""
     generator = torch.Generator().manual_seed(0)
     model = torch.randperm(4096, generator=generator)
     ball = torch.arange(4096)
     assert box_map(model, ball).boxes > 1000
-    transfer = _transfer(model, ball, torch.device("cpu"))
+    transfer = _transfer(model, ball)
     assert transfer.index is not None and transfer.boxes.boxes == 0
     source, out = torch.randn(4096), torch.zeros(4096)
     transfer.copy(source, out)
     assert torch.equal(out, source[model])
-    regular = _transfer(torch.arange(100, 4196), ball, torch.device("cpu"))
+    regular = _transfer(torch.arange(100, 4196), ball)
     assert regular.index is None and regular.nbytes() < 64
 
 

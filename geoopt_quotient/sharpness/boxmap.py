@@ -28,6 +28,8 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..symmetry.structured import affine_grid
+
 __all__ = ["BoxMap", "arithmetic_runs", "box_map", "joined"]
 
 #: Dimensions of a box at most (``as_strided`` handles more; more means an irregular map).
@@ -156,9 +158,7 @@ class BoxMap:
         for start, shape, strides, offset in boxes:
             size = int(np.prod(shape, dtype=np.int64))
             for side in range(sides):
-                grid = torch.zeros((), dtype=torch.long) + offset[side]
-                for n, s in zip(shape, strides[side]):
-                    grid = grid[..., None] + s * torch.arange(n)
+                grid = affine_grid(offset[side], shape, strides[side])
                 out[start : start + size, side] = grid.reshape(-1)
         return out
 

@@ -316,9 +316,7 @@ class _IndexMap:
     """``out[index[1]] = source[index[0]]``: the fallback of an irregular map."""
 
     def __init__(self, source: torch.Tensor, target: torch.Tensor, device: torch.device):
-        small = source.numel() == 0 or max(int(source.max()), int(target.max())) < 2**31
-        dtype = torch.int32 if small else torch.long
-        self.index = (source.to(device, dtype), target.to(device, dtype))
+        self.index = tuple(t.to(device) for t in _narrowed(source, target))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.index)
@@ -346,6 +344,12 @@ class _Transfer:
             self.index.copy(source, out, reverse)
 
 
+def _narrowed(*index: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Integer maps as int32 where every entry fits (half the memory of int64)."""
+    small = all(t.numel() == 0 or int(t.max()) < 2**31 for t in index)
+    return tuple(t.to(torch.int32 if small else torch.long) for t in index)
+
+
 def _regular(boxes: BoxMap) -> bool:
     """Whether a map's boxes are worth copying one by one (few, or large on average)."""
     return boxes.boxes <= MANY_BOXES or boxes.numel >= MIN_ENTRIES_PER_BOX * boxes.boxes
@@ -370,9 +374,7 @@ class _MapParts:
             self.boxes.append(boxes)
             self.box_shifts.append((0, 0))
         else:
-            small = max(int(source.max()), int(target.max())) < 2**31
-            dtype = torch.int32 if small else torch.long
-            self.index.append((source.to(dtype), target.to(dtype)))
+            self.index.append(_narrowed(source, target))
             self.index_shifts.append((0, 0))
         self.numel += source.numel()
 
@@ -397,13 +399,6 @@ class _MapParts:
             )
             index = _IndexMap(source, target, device)
         return _Transfer(joined(self.boxes, self.box_shifts), index)
-
-
-def _transfer(source: torch.Tensor, target: torch.Tensor, device: torch.device) -> _Transfer:
-    """The boxes of the map ``source[k] -> target[k]``, or its indices if irregular."""
-    parts = _MapParts()
-    parts.add(source, target)
-    return parts.finish(device)
 
 
 def _chunks(shape: Sequence[int], block_dims: int, limit: int):

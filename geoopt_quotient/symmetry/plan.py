@@ -367,9 +367,8 @@ class WholeParameterGroup(SymmetryGroup):
         return torch.arange(start, start + self.index.numel(), device=device).view(self.shape)
 
     def box_entries(self, lo, shape):
-        grid = torch.zeros((), dtype=torch.long)
-        for a, n, stride in zip(lo, shape, structured.contiguous_strides(self.shape)):
-            grid = grid[..., None] + stride * torch.arange(a, a + n)
+        strides = structured.contiguous_strides(self.shape)
+        grid = structured.affine_grid(sum(a * s for a, s in zip(lo, strides)), shape, strides)
         return torch.zeros_like(grid), grid
 
     def covered(self) -> Dict[str, torch.Tensor]:

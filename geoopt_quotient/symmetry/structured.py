@@ -36,7 +36,7 @@ import torch
 
 from .strided import MAX_PIECES_PER_PARAMETER, Piece, affine_split
 
-__all__ = ["Block", "PointStructure", "StridedView", "trace"]
+__all__ = ["Block", "PointStructure", "StridedView", "affine_grid", "trace"]
 
 #: A layout cut into more boxes than this is left to the index map.
 MAX_BLOCKS = 1 << 16
@@ -235,11 +235,8 @@ class PointStructure:
             begin = block.offset
             begin += sum(s * (a - b) for s, a, b in zip(block.strides, first, block.start))
             sizes = [b - a for a, b in zip(first, stop)]
-            grid = torch.full((), begin, dtype=torch.long)
-            for n, stride in zip(sizes, block.strides):
-                grid = grid[..., None] + stride * torch.arange(n)
             box = tuple(slice(a - o, b - o) for a, b, o in zip(first, stop, lo))
-            positions[box] = grid
+            positions[box] = affine_grid(begin, sizes, block.strides)
             params[box] = block.param
             filled += math.prod(sizes)
         if filled != positions.numel():
@@ -317,6 +314,15 @@ def _sorted_runs(
     lengths = torch.cat([n for _, n in many])
     order = torch.argsort(starts)
     return coalesced(starts[order], lengths[order])
+
+
+def affine_grid(offset: int, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """The positions ``offset + sum_d i_d strides[d]`` for ``0 <= i < shape``
+    (``torch.long``, shape ``shape``): a strided view's entries, as integers."""
+    grid = torch.full((), offset, dtype=torch.long)
+    for n, stride in zip(shape, strides):
+        grid = grid[..., None] + stride * torch.arange(n)
+    return grid
 
 
 def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
